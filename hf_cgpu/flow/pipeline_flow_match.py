@@ -1,0 +1,138 @@
+"""Inference pipeline for our flow-matching UNet: noise at t = 0, integrate the predicted velocity to t = 1.
+
+Self-contained on purpose (imports only the standard library, numpy, torch and diffusers): ``save_for_remote_code``
+copies this file as ``pipeline.py`` into the saved folder, so without hf_cgpu installed it loads with
+
+    DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)
+
+The UNet and scheduler are typed as their diffusers base classes so the classes loaded from the copied files
+(another module than hf_cgpu's) pass diffusers' type check.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+
+import torch
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline, ImagePipelineOutput
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
+from diffusers.utils.torch_utils import randn_tensor
+
+
+class FlowMatchPipeline(DiffusionPipeline):
+    """Sample images from a velocity UNet (t = 0 noise -> t = 1 data) with a flow-match Euler/Heun scheduler.
+
+    Args:
+        unet: called as ``unet(x, t, class_labels).sample`` with t in [0, 1] of shape (B,); a class-conditional
+            UNet has ``config.num_classes`` and uses that index as the null class.
+        scheduler: FlowMatchEulerScheduler or FlowMatchHeunScheduler; its ``timesteps`` are our t values.
+    """
+
+    model_cpu_offload_seq = "unet"
+
+    def __init__(self, unet: ModelMixin, scheduler: SchedulerMixin) -> None:
+        super().__init__()
+        self.register_modules(unet=unet, scheduler=scheduler)
+
+    def _labels(self, class_labels, batch_size: int, device: torch.device) -> torch.Tensor | None:
+        """int / list / tensor -> (B,) int64 on device; None stays None (unconditional)."""
+        if class_labels is None:
+            return None
+        if getattr(self.unet.config, "num_classes", None) is None:
+            raise ValueError("class_labels given but the unet is unconditional; train it with num_classes set")
+        labels = torch.as_tensor(class_labels, dtype=torch.long, device=device).reshape(-1)
+        if labels.numel() == 1:
+            labels = labels.expand(batch_size)
+        if labels.numel() != batch_size:
+            raise ValueError(f"{labels.numel()} class_labels for batch_size={batch_size}; pass one or batch_size")
+        return labels
+
+    def _velocity(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Model velocity at (x, t); with guidance the conditional and null-class halves share one batch."""
+        batch = x.shape[0]
+        if labels is None or scale == 1.0:
+            return self.unet(x, t.expand(batch), labels).sample
+        null = torch.full_like(labels, self.unet.config.num_classes)
+        v = self.unet(torch.cat([x, x]), t.expand(2 * batch), torch.cat([labels, null])).sample  # (2B, C, H, W)
+        v_cond, v_uncond = v.chunk(2)
+        return v_uncond + scale * (v_cond - v_uncond)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        batch_size: int = 1,
+        num_inference_steps: int = 50,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        class_labels: int | list[int] | torch.Tensor | None = None,
+        guidance_scale: float = 1.0,
+        output_type: str = "pil",
+        return_dict: bool = True,
+    ) -> ImagePipelineOutput | tuple:
+        """Generate ``batch_size`` images.
+
+        Args:
+            num_inference_steps: scheduler steps N (Euler: N model calls; Heun: 2N - 1, doubled again with guidance).
+            class_labels: one label for all images, one per image, or None (null class / unconditional model).
+            guidance_scale: classifier-free guidance w in v_u + w (v_c - v_u); 1.0 is the plain conditional model
+                and costs a single forward per step.
+            output_type: "pil" (list of PIL images), "np" (B, H, W, C) float in [0, 1], "pt" (B, C, H, W) in [0, 1].
+        """
+        if output_type not in ("pil", "np", "pt"):
+            raise ValueError(f"output_type={output_type!r}; use 'pil', 'np' or 'pt'")
+        device = self._execution_device
+        labels = self._labels(class_labels, batch_size, device)
+        if labels is None and guidance_scale != 1.0:
+            raise ValueError("guidance_scale != 1 needs class_labels (guidance contrasts a class with the null class)")
+        cfg = self.unet.config
+        shape = (batch_size, cfg.in_channels, cfg.sample_size, cfg.sample_size)
+        x = randn_tensor(shape, generator=generator, device=device, dtype=self.unet.dtype)  # x0 at t = 0
+
+        self.scheduler.set_timesteps(num_inference_steps, device=device)
+        for t in self.progress_bar(self.scheduler.timesteps):
+            v = self._velocity(x, t, labels, guidance_scale)
+            x = self.scheduler.step(v, t, x).prev_sample
+
+        image = (x.float() / 2 + 0.5).clamp(0, 1)  # [-1, 1] -> [0, 1], (B, C, H, W)
+        if output_type == "pt":
+            images = image
+        else:
+            images = image.cpu().permute(0, 2, 3, 1).numpy()  # (B, H, W, C)
+            if output_type == "pil":
+                images = self.numpy_to_pil(images)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return (images,)
+        return ImagePipelineOutput(images=images)
+
+
+def save_for_remote_code(pipeline: DiffusionPipeline, save_directory: str | os.PathLike) -> None:
+    """``save_pretrained`` plus the code, so the folder loads where hf_cgpu is not installed.
+
+    Writes pipeline.py (this file's pipeline class source) at the top, copies each non-diffusers component's
+    module file into its own folder (unet/unet.py, scheduler/scheduling_flow_match.py) and points
+    model_index.json at those module names: diffusers loads a component from ``<folder>/<module>.py`` when that
+    file exists and trust_remote_code=True. Load with
+    ``DiffusionPipeline.from_pretrained(d, custom_pipeline=d, trust_remote_code=True)``.
+    """
+    save_directory = os.fspath(save_directory)
+    pipeline.save_pretrained(save_directory)
+    index_path = os.path.join(save_directory, "model_index.json")
+    with open(index_path, encoding="utf-8") as f:
+        index = json.load(f)
+    for name in pipeline.components:
+        component = getattr(pipeline, name)
+        module = type(component).__module__
+        if component is None or module.split(".")[0] in ("diffusers", "transformers"):
+            continue
+        source = inspect.getsourcefile(type(component))
+        module_name = os.path.splitext(os.path.basename(source))[0]
+        shutil.copyfile(source, os.path.join(save_directory, name, f"{module_name}.py"))
+        index[name] = [module_name, type(component).__name__]
+    shutil.copyfile(inspect.getsourcefile(type(pipeline)), os.path.join(save_directory, "pipeline.py"))
+    with open(index_path, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+        f.write("\n")

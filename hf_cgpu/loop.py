@@ -1,0 +1,465 @@
+"""The one training loop. A task turns a batch into a loss; the loop owns everything else.
+
+Owned here: the ``Accelerator`` (bf16 autocast on GPU, fp32 on CPU), memory tiers applied in one fixed order before
+the loop (``hf_cgpu.tiers``), optional ``torch.compile``, gradient accumulation, AdamW (fused on CUDA), warmup +
+cosine to ``min_lr_ratio``, clipping, validation, logging (console, progress bar, accelerate trackers), atomic
+checkpoints and exact resume, EMA, and the guards (non-finite skip/stop, grad-norm spikes, label leaks, OOM retry).
+
+Exact resume by construction: the data order, the learning rate and every random draw of step ``k`` are functions
+of ``(seed, k)`` only, so a run resumed from a checkpoint at step ``k`` replays what the uninterrupted run did.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import resource
+import signal
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from safetensors.torch import load_file, save_file
+
+from . import checkpoint as ckpt_io
+from .settings import TrainSettings
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (diverged, out of memory at micro-batch 1); a checkpoint was saved first."""
+
+
+class Task:
+    """What a model family supplies to the loop. Subclasses fill in every method that raises."""
+
+    unit = "sample"  # what throughput counts: "tok", "img"
+    model: torch.nn.Module
+    expected_initial_loss: float | None = None  # ln(vocab) for a causal LM: a much lower first loss = label leak
+
+    def setup(self, settings: TrainSettings, accelerator: Accelerator) -> None:
+        """Build ``self.model`` and the data. Runs before any tier, compile or prepare."""
+        raise NotImplementedError
+
+    def num_train_samples(self) -> int:
+        raise NotImplementedError
+
+    def train_batch(self, indices: torch.Tensor, device: torch.device, generator: torch.Generator) -> dict:
+        """The micro-batch made of training samples ``indices`` (1-D LongTensor), on ``device``."""
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        """Scalar fp32 loss of ``batch`` (random draws only from ``generator``)."""
+        raise NotImplementedError
+
+    def units(self, batch: dict) -> int:
+        """Throughput units in ``batch`` (tokens, images)."""
+        raise NotImplementedError
+
+    def flops_per_unit(self) -> float:
+        """Training FLOPs (forward + backward) per unit, for MFU; 0 = unknown."""
+        return 0.0
+
+    def evaluate(self, model: torch.nn.Module, settings: TrainSettings, device: torch.device) -> dict[str, float]:
+        return {}
+
+    def on_evaluate(self, model: torch.nn.Module, step: int, output_dir: Path) -> None:
+        """Side products of an evaluation (e.g. a sample grid). Model holds EMA weights when EMA is on."""
+
+    def save_pretrained(self, model: torch.nn.Module, output_dir: Path) -> None:
+        raise NotImplementedError
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must match for a checkpoint to be resumable (model shape, vocab, ...)."""
+        return {}
+
+
+# ---------------------------------------------------------------- pieces the loop uses
+
+
+def lr_at(step: int, s: TrainSettings) -> float:
+    """Linear warmup to ``learning_rate``, then cosine to ``min_lr_ratio * learning_rate`` at ``max_steps``."""
+    if step < s.warmup_steps:
+        return s.learning_rate * (step + 1) / s.warmup_steps
+    progress = min(1.0, (step - s.warmup_steps) / max(1, s.max_steps - s.warmup_steps))
+    floor = s.min_lr_ratio * s.learning_rate
+    return floor + 0.5 * (s.learning_rate - floor) * (1 + math.cos(math.pi * progress))
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7919 + 17) % (2**62)
+
+
+class SampleOrder:
+    """Sample indices of optimizer step ``k``: a fresh permutation each epoch, a function of (seed, k) alone."""
+
+    def __init__(self, num_samples: int, seed: int):
+        if num_samples < 1:
+            raise ValueError("the training set is empty; point --dataset at data with at least one full sample")
+        self.n, self.seed = num_samples, seed
+        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    def _perm_of(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 7_777 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g)
+        return self._perm
+
+    def indices(self, step: int, batch: int) -> torch.Tensor:
+        out, pos = [], step * batch
+        while len(out) < batch:
+            epoch, offset = divmod(pos, self.n)
+            take = min(batch - len(out), self.n - offset)
+            out.extend(self._perm_of(epoch)[offset : offset + take].tolist())
+            pos += take
+        return torch.tensor(out, dtype=torch.long)
+
+    def epoch_of(self, step: int, batch: int) -> float:
+        return step * batch / self.n
+
+
+class EMA:
+    """Exponential moving average of trainable weights, saved as safetensors (no pickle in checkpoints)."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.shadow = {n: p.detach().clone().float() for n, p in self.params.items()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        names = list(self.params)
+        shadow = [self.shadow[n] for n in names]
+        torch._foreach_lerp_(shadow, [self.params[n].detach().float() for n in names], 1.0 - self.decay)
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        """Exchange live and EMA weights (call twice to restore)."""
+        for n, p in self.params.items():
+            live = p.detach().float().clone()
+            p.copy_(self.shadow[n].to(p.dtype))
+            self.shadow[n] = live
+
+    def save(self, path: Path) -> None:
+        save_file({n: t.contiguous() for n, t in self.shadow.items()}, str(path))
+
+    def load(self, path: Path) -> None:
+        loaded = load_file(str(path))
+        for n in self.shadow:
+            self.shadow[n].copy_(loaded[n])
+
+
+def _peak_memory(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {
+            "peak_alloc_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+        }
+    return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def _peak_tflops(s: TrainSettings, device: torch.device) -> tuple[float, str]:
+    if s.peak_tflops > 0:
+        return s.peak_tflops, "--peak_tflops"
+    if device.type == "cuda":
+        from .bench import load_measured_peak
+
+        peak = load_measured_peak()
+        if peak:
+            return peak, "hf-cgpu bench"
+    return 0.0, "unknown (run `hf-cgpu bench` or pass --peak_tflops)"
+
+
+def _mixed_precision(s: TrainSettings) -> str:
+    if s.mixed_precision != "auto":
+        return s.mixed_precision
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def _diagnosis(step: int, lr: float) -> str:
+    return (
+        f"training stopped at step {step}: loss or gradient norm kept coming out non-finite. Check, in this order: "
+        f"(1) numerics - rerun a few steps with --mixed_precision no; (2) learning rate - cut it tenfold "
+        f"(now {lr:.2e}) or lengthen warmup; (3) data - look for extremely long or single-token samples in the "
+        f"batches of this step; (4) clipping - keep --max_grad_norm 1.0. The last good state is checkpointed."
+    )
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
+    """Train ``task`` with settings ``s``; returns the final figures (also written to all_results.json)."""
+    from .tiers import apply_tiers, build_optimizer, validate_tier
+
+    out_dir = Path(s.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    accelerator = Accelerator(
+        mixed_precision=_mixed_precision(s),
+        log_with=None if s.report_to == "none" else s.report_to,
+        project_dir=str(out_dir),
+    )
+    log = accelerator.print
+    set_seed(s.seed)
+    task.setup(s, accelerator)
+    validate_tier(s.tier, s.recompute, train_mode="finetune" if s.tier in ("lora", "qlora") else "full")
+    model = apply_tiers(
+        task.model, s.tier, recompute=s.recompute, compile=False, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
+        lora_dropout=s.lora_dropout, target_modules=[m for m in s.lora_target_modules.split(",") if m] or None,
+    )
+    task.model = model
+    optimizer = build_optimizer(
+        model, s.tier, lr=s.learning_rate, weight_decay=s.weight_decay, betas=(s.adam_beta1, s.adam_beta2),
+        eps=s.adam_eps, paged=s.paged_optimizer,
+    )
+    device = accelerator.device
+    model, optimizer = accelerator.prepare(model, optimizer)
+    forward_model = torch.compile(model, dynamic=False) if s.compile else model
+    ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
+    if accelerator.is_main_process and s.report_to != "none":
+        accelerator.init_trackers("hf_cgpu", config={k: v for k, v in asdict(s).items() if v is not None})
+
+    # ---- resume
+    state = {"step": 0, "micro_batch_size": s.micro_batch_size, "accumulation": s.gradient_accumulation_steps,
+             "skipped_steps": 0, "fingerprint": task.fingerprint(), "units_seen": 0}
+    if s.resume_from_checkpoint:
+        found = ckpt_io.find_resumable(out_dir, s.resume_from_checkpoint, warn=log)
+        if found is None:
+            log(f"no checkpoint in {ckpt_io.checkpoint_root(out_dir)}; starting from step 0")
+        else:
+            saved = ckpt_io.read_trainer_state(found)
+            if saved.get("fingerprint") != state["fingerprint"]:
+                diff = {k: (saved.get("fingerprint", {}).get(k), v) for k, v in state["fingerprint"].items()
+                        if saved.get("fingerprint", {}).get(k) != v}
+                raise ckpt_io.CheckpointError(
+                    f"{found} was written for a different model/data ({diff} as checkpoint vs now); "
+                    "resume with the settings it was made with, or use a fresh --output_dir"
+                )
+            accelerator.load_state(str(found))
+            if ema is not None:
+                ema.load(found / "ema.safetensors")
+            state.update(saved)
+            log(f"resumed from {found} at step {state['step']}")
+
+    order = SampleOrder(task.num_train_samples(), s.seed)
+    effective = state["micro_batch_size"] * state["accumulation"]
+    peak, peak_source = _peak_tflops(s, device)
+    flops_per_unit = task.flops_per_unit()
+    grad_norms: deque[float] = deque(maxlen=200)
+    bad_in_row, last_saved = 0, state["step"]
+    window = {"loss": 0.0, "n": 0, "units": 0, "t0": time.perf_counter()}
+    history: list[dict[str, Any]] = []
+    metrics: dict[str, float] = {}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def save_checkpoint(step: int) -> Path:
+        nonlocal last_saved
+        root = ckpt_io.checkpoint_root(out_dir)
+        final, tmp = root / f"step_{step:07d}", root / f".tmp-step_{step:07d}"
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            tmp.mkdir(parents=True, exist_ok=True)
+        accelerator.save_state(str(tmp))
+        if accelerator.is_main_process:
+            if ema is not None:
+                ema.save(tmp / "ema.safetensors")
+            (tmp / ckpt_io.TRAINER_STATE).write_text(json.dumps({**state, "step": step}, indent=1))
+            ckpt_io.seal(tmp, final)
+            ckpt_io.prune(out_dir, s.checkpoints_total_limit)
+        last_saved = step
+        return final
+
+    def run_step(step: int) -> tuple[float, float, int]:
+        """Forward/backward over the accumulation window; returns (loss, grad_norm, units)."""
+        micro, accum = state["micro_batch_size"], state["accumulation"]
+        idx = order.indices(step, effective * accelerator.num_processes)
+        idx = idx[accelerator.process_index * effective : (accelerator.process_index + 1) * effective]
+        torch.manual_seed(step_seed(s.seed, step))  # dropout and any other global draw
+        gen = torch.Generator(device=device).manual_seed(step_seed(s.seed, step))
+        loss_sum = torch.zeros((), device=device)
+        units = 0
+        for k in range(accum):
+            batch = task.train_batch(idx[k * micro : (k + 1) * micro], device, gen)
+            ctx = accelerator.no_sync(model) if k < accum - 1 else _nullcontext()
+            with ctx:
+                loss = task.loss(forward_model, batch, gen)
+                accelerator.backward(loss / accum)
+            loss_sum += loss.detach().float()
+            units += task.units(batch)
+        if s.max_grad_norm > 0:
+            norm = accelerator.clip_grad_norm_(trainable, s.max_grad_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().float().norm() for p in trainable if p.grad is not None]))
+        return (loss_sum / accum).item(), float(norm), units
+
+    # ---- train
+    stop_signal = {"hit": False}
+
+    def _on_term(signum, frame):  # SIGTERM (e.g. a scheduler or `kill`): checkpoint, then stop
+        stop_signal["hit"] = True
+
+    old_term = signal.signal(signal.SIGTERM, _on_term) if accelerator.is_main_process else None
+    bar = None
+    if s.progress and accelerator.is_local_main_process:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=s.max_steps, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
+    first_step = state["step"]
+    step = state["step"]
+    try:
+        while step < s.max_steps:
+            lr = lr_at(step, s)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            try:
+                loss, gnorm, units = run_step(step)
+            except torch.cuda.OutOfMemoryError:
+                optimizer.zero_grad(set_to_none=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+                if not s.oom_retry or step - first_step > 2:
+                    raise
+                if state["micro_batch_size"] == 1:
+                    raise TrainingStopped(_oom_advice(task, s)) from None
+                state["micro_batch_size"] //= 2
+                state["accumulation"] *= 2
+                log(f"CUDA out of memory at step {step}: retrying with micro_batch_size {state['micro_batch_size']} "
+                    f"x accumulation {state['accumulation']} (same effective batch)")
+                continue
+            if step == first_step == 0 and task.expected_initial_loss and loss < 0.5 * task.expected_initial_loss:
+                log(f"warning: first loss {loss:.3f} is far below ln(vocab)={task.expected_initial_loss:.3f}: "
+                    "targets may not be shifted (label leak)")
+            if not (math.isfinite(loss) and math.isfinite(gnorm)):
+                optimizer.zero_grad(set_to_none=True)  # skip: weights and optimizer state stay as they were
+                state["skipped_steps"] += 1
+                bad_in_row += 1
+                log(f"step {step}: non-finite loss/grad_norm ({loss}, {gnorm}); optimizer step skipped "
+                    f"({bad_in_row}/{s.nan_patience} in a row)")
+                accelerator.log({"train/skipped_steps": state["skipped_steps"]}, step=step)
+                if bad_in_row >= s.nan_patience:
+                    save_checkpoint(step)
+                    raise TrainingStopped(_diagnosis(step, lr))
+                step += 1  # the step's data is consumed; the next step draws fresh samples
+                continue
+            bad_in_row = 0
+            if len(grad_norms) >= 20 and gnorm > s.spike_factor * statistics.median(grad_norms):
+                log(f"warning: step {step} grad_norm {gnorm:.2f} is {gnorm / statistics.median(grad_norms):.0f}x "
+                    "its running median; loss blow-ups often follow within tens of steps (consider lower LR)")
+            grad_norms.append(gnorm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update()
+            step += 1
+            state["step"] = step
+            state["units_seen"] += units * accelerator.num_processes
+            window["loss"] += loss
+            window["n"] += 1
+            window["units"] += units * accelerator.num_processes
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}")
+            if step % s.log_steps == 0 or step == s.max_steps:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - window["t0"]
+                rate = window["units"] / dt
+                metrics = {"train/loss": window["loss"] / window["n"], "train/lr": lr, "train/grad_norm": gnorm,
+                           f"train/{task.unit}_per_s": rate, "train/epoch": order.epoch_of(step, effective)}
+                if peak and flops_per_unit:
+                    metrics["train/mfu"] = flops_per_unit * rate / (peak * 1e12)
+                metrics.update({f"train/{k}": v for k, v in _peak_memory(device).items()})
+                accelerator.log(metrics, step=step)
+                history.append({"step": step, **metrics})
+                msg = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items())
+                (bar.write if bar is not None else log)(f"step {step}: {msg}")
+                window = {"loss": 0.0, "n": 0, "units": 0, "t0": time.perf_counter()}
+            if s.eval_steps and step % s.eval_steps == 0 and step < s.max_steps:
+                _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, bar)
+            if s.checkpointing_steps and step % s.checkpointing_steps == 0:
+                save_checkpoint(step)
+            if stop_signal["hit"]:
+                save_checkpoint(step)
+                raise TrainingStopped(f"stopped by SIGTERM at step {step}; checkpoint saved, resume with "
+                                      "--resume_from_checkpoint latest")
+    except KeyboardInterrupt:
+        if step > last_saved:
+            log(f"interrupted at step {step}: saving a checkpoint first")
+            save_checkpoint(step)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+    if step > last_saved:
+        save_checkpoint(step)
+    final = _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, None)
+    results = {
+        "steps": step,
+        f"{task.unit}s_seen": state["units_seen"],
+        "train_loss": history[-1]["train/loss"] if history else None,
+        **{k.split("/")[-1]: v for k, v in final.items()},
+        f"{task.unit}_per_s": history[-1].get(f"train/{task.unit}_per_s") if history else None,
+        "mfu": history[-1].get("train/mfu") if history else None,
+        "mfu_peak_tflops": peak or None,
+        "mfu_peak_source": peak_source,
+        "skipped_steps": state["skipped_steps"],
+        "micro_batch_size": state["micro_batch_size"],
+        "gradient_accumulation_steps": state["accumulation"],
+        "mixed_precision": accelerator.mixed_precision,
+        **_peak_memory(device),
+    }
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        if ema is not None:
+            ema.swap()
+        task.save_pretrained(unwrapped, out_dir)
+        if ema is not None:
+            ema.swap()
+        (out_dir / "all_results.json").write_text(json.dumps(results, indent=2))
+        (out_dir / "history.json").write_text(json.dumps(history))
+    accelerator.end_training()
+    return results
+
+
+def _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, bar) -> dict[str, float]:
+    was_training = model.training
+    model.eval()
+    if ema is not None:
+        ema.swap()
+    with torch.no_grad(), accelerator.autocast():
+        metrics = {f"eval/{k}": v for k, v in task.evaluate(model, s, device).items()}
+    if accelerator.is_main_process:
+        task.on_evaluate(accelerator.unwrap_model(model), step, out_dir)
+    if ema is not None:
+        ema.swap()
+    model.train(was_training)
+    if metrics:
+        accelerator.log(metrics, step=step)
+        history.append({"step": step, **metrics})
+        msg = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+        (bar.write if bar is not None else accelerator.print)(f"step {step}: {msg}")
+    return metrics
+
+
+def _oom_advice(task: Task, s: TrainSettings) -> str:
+    ladder = ["--recompute" if not s.recompute else None, "--tier adamw8bit" if s.tier == "full" else None,
+              "a shorter --seq_len", "--tier lora (fine-tune an existing model instead)"]
+    steps = "; then ".join(x for x in ladder if x)
+    return f"CUDA out of memory even at micro_batch_size 1; next rung of the memory ladder: {steps} (see `hf-cgpu budget`)"
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

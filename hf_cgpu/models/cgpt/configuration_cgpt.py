@@ -1,0 +1,83 @@
+"""Configuration of the hf_cgpu GPT (model_type ``cgpt``).
+
+Kept free of any hf_cgpu import: ``save_pretrained`` copies this file next to the weights so that
+``AutoConfig.from_pretrained(dir, trust_remote_code=True)`` works where hf_cgpu is not installed.
+"""
+
+from transformers import PretrainedConfig
+
+
+class CgptConfig(PretrainedConfig):
+    r"""GPT-2 style decoder: pre-norm blocks, learned positions, tied embeddings, optional biases.
+
+    Args:
+        vocab_size: tokens in the vocabulary (the tokenizer's ``len()``).
+        n_positions: longest sequence the learned position table covers.
+        n_embd: width of the residual stream (must be divisible by ``n_head``).
+        n_layer: number of transformer blocks.
+        n_head: attention heads per block.
+        mlp_ratio: MLP hidden width = ``mlp_ratio * n_embd``.
+        dropout: dropout on embeddings, attention and residual branches (0 for pretraining runs this short).
+        bias: biases in linear layers and LayerNorms (GPT-2 has them; nanoGPT shows they are not needed).
+        layer_norm_epsilon: LayerNorm epsilon.
+        initializer_range: std of the normal init; residual projections use ``std / sqrt(2 * n_layer)``.
+        loss_chunk_size: tokens per chunk when the loss is computed from hidden states without building all fp32
+            logits at once (0 = build full logits). Saves ~``B*T*V*4`` bytes (1 GB at 124M, micro-batch 8).
+    """
+
+    model_type = "cgpt"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    attribute_map = {
+        "hidden_size": "n_embd",
+        "num_hidden_layers": "n_layer",
+        "num_attention_heads": "n_head",
+        "max_position_embeddings": "n_positions",
+    }
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        n_positions: int = 1024,
+        n_embd: int = 768,
+        n_layer: int = 12,
+        n_head: int = 12,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        bias: bool = False,
+        layer_norm_epsilon: float = 1e-5,
+        initializer_range: float = 0.02,
+        loss_chunk_size: int = 1024,
+        use_cache: bool = True,
+        bos_token_id: int = 0,
+        eos_token_id: int = 0,
+        pad_token_id: int | None = None,
+        tie_word_embeddings: bool = True,
+        **kwargs,
+    ):
+        if n_embd % n_head != 0:
+            raise ValueError(
+                f"n_embd={n_embd} is not divisible by n_head={n_head}; pick n_head among "
+                f"{[h for h in range(1, 65) if n_embd % h == 0]}"
+            )
+        self.vocab_size = vocab_size
+        self.n_positions = n_positions
+        self.n_embd = n_embd
+        self.n_layer = n_layer
+        self.n_head = n_head
+        self.mlp_ratio = mlp_ratio
+        self.dropout = dropout
+        self.bias = bias
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.initializer_range = initializer_range
+        self.loss_chunk_size = loss_chunk_size
+        self.use_cache = use_cache
+        super().__init__(
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+
+
+__all__ = ["CgptConfig"]

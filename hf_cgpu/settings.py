@@ -1,0 +1,215 @@
+"""Typed settings: dataclasses with one docstring per field, one command-line parser for all of them.
+
+Precedence: command line > preset file (``--preset NAME`` or ``--preset path.json``) > dataclass defaults.
+Every field becomes ``--field_name``; its help text is the docstring written under the field. Impossible
+combinations are rejected in ``__post_init__`` (or by ``check``) with a one-line error that names the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import textwrap
+import typing
+from pathlib import Path
+from typing import Any
+
+PRESET_ROOT = Path(__file__).parent / "presets"
+TIERS = ("full", "adamw8bit", "lora", "qlora")
+
+
+class SettingsError(ValueError):
+    """A bad setting; the message is one line that names the fix."""
+
+
+@dataclasses.dataclass
+class TrainSettings:
+    """What the one training loop needs, whatever the model."""
+
+    output_dir: str = "outputs/run"
+    """Where checkpoints, logs, the final model and all_results.json go."""
+    max_steps: int = 1000
+    """Optimizer steps to run (each sees micro_batch_size * gradient_accumulation_steps samples)."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward pass; lower it (and raise accumulation) when memory is short."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches summed before each optimizer step; effective batch = micro_batch_size * this."""
+    learning_rate: float = 6e-4
+    """Peak learning rate reached after warmup."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at learning_rate * this (the seed decays to 10%)."""
+    warmup_steps: int = 100
+    """Linear warmup steps from 0 to learning_rate."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to >=2-D weights only (not norms, biases, 1-D tensors)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    mixed_precision: str = "auto"
+    """'auto' (bf16 on a GPU that has it, else fp32), 'bf16' or 'no'."""
+    compile: bool = False
+    """torch.compile the model (static shapes, dynamic=False). Minutes of compile on the first step."""
+    recompute: bool = False
+    """Activation checkpointing of every block: ~17x less activation memory for ~30% more time."""
+    tier: str = "full"
+    """Memory tier: full (AdamW), adamw8bit (bitsandbytes 8-bit states), lora (frozen base + adapters), qlora."""
+    lora_r: int = 16
+    """LoRA rank (tiers lora/qlora)."""
+    lora_alpha: int = 32
+    """LoRA alpha; the update is scaled by alpha / r."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    lora_target_modules: str = ""
+    """Comma-separated module names to adapt; empty = chosen per architecture."""
+    paged_optimizer: bool = False
+    """Use bitsandbytes' paged AdamW8bit (tier adamw8bit) so optimizer state can spill to host memory."""
+    eval_steps: int = 200
+    """Run validation every this many optimizer steps (0 = only at the end)."""
+    eval_batches: int = 20
+    """Micro-batches of validation data per evaluation."""
+    log_steps: int = 10
+    """Log loss, lr, grad_norm, throughput, MFU and memory every this many steps."""
+    checkpointing_steps: int = 500
+    """Save a resumable checkpoint every this many steps (0 = only at the end)."""
+    checkpoints_total_limit: int = 3
+    """Keep only the newest this many checkpoints."""
+    resume_from_checkpoint: str = ""
+    """'latest' (newest valid checkpoint in output_dir/checkpoints) or a checkpoint directory; empty = fresh start."""
+    seed: int = 0
+    """Seed of data order, initialisation and every random draw (each step reseeds from seed and step)."""
+    report_to: str = "none"
+    """Experiment tracker for accelerate: none, tensorboard, wandb, ... (console logging is always on)."""
+    peak_tflops: float = 0.0
+    """bf16 peak used as the MFU denominator; 0 = what `hf-cgpu bench` measured on this machine, else none."""
+    ema_decay: float = 0.0
+    """Exponential moving average of the weights (0 = off); the image recipe uses 0.9999-ish."""
+    nan_patience: int = 5
+    """Non-finite losses/gradient norms in a row before the run stops (each one skips its optimizer step)."""
+    spike_factor: float = 10.0
+    """Warn when grad_norm exceeds this times its running median (spikes precede loss blow-ups)."""
+    oom_retry: bool = True
+    """On CUDA out-of-memory in the first steps, halve micro_batch_size and double accumulation, down to 1."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise SettingsError(f"unknown tier {self.tier!r}; choose one of {', '.join(TIERS)}")
+        if self.mixed_precision not in ("auto", "bf16", "no"):
+            raise SettingsError(f"mixed_precision={self.mixed_precision!r}; use auto, bf16 or no (fp16 needs loss scaling)")
+        for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.warmup_steps < 0 or self.learning_rate <= 0:
+            raise SettingsError("learning_rate must be > 0 and warmup_steps >= 0")
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each dataclass field (the litgpt convention), by field name."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _str2bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _arg_type(tp: Any):
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or str(origin) == "types.UnionType":
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _arg_type(args[0])
+    if tp is bool:
+        return _str2bool
+    if tp in (int, float, str):
+        return tp
+    raise TypeError(f"unsupported settings field type {tp}")
+
+
+def load_preset(name: str, family: str) -> dict[str, Any]:
+    """A preset by name (``hf_cgpu/presets/<family>/<name>.json``) or a path to a JSON file."""
+    path = Path(name)
+    if not path.suffix:
+        path = PRESET_ROOT / family / f"{name}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in (PRESET_ROOT / family).glob("*.json"))
+        raise SettingsError(f"unknown preset {name!r}; choose one of {', '.join(known)} or give a .json file")
+    return json.loads(path.read_text())
+
+
+def build_parser(classes: tuple[type, ...], description: str = "", family: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    if family:
+        parser.add_argument("--preset", default=None, help=f"preset name ({', '.join(list_presets(family))}) or JSON")
+    seen: set[str] = set()
+    for cls in classes:
+        group = parser.add_argument_group(cls.__name__)
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in seen:
+                continue
+            seen.add(f.name)
+            kind = _arg_type(hints[f.name])
+            extra = {"nargs": "?", "const": True} if kind is _str2bool else {}
+            group.add_argument(f"--{f.name}", type=kind, default=None, help=docs.get(f.name, ""), **extra)
+    return parser
+
+
+def list_presets(family: str) -> list[str]:
+    return sorted(p.stem for p in (PRESET_ROOT / family).glob("*.json"))
+
+
+def parse_settings(
+    classes: tuple[type, ...], argv: list[str] | None = None, family: str | None = None, description: str = ""
+) -> tuple:
+    """Parse ``argv`` into one instance per dataclass, with preset values under the command line."""
+    parser = build_parser(classes, description, family)
+    ns = vars(parser.parse_args(argv))
+    preset = load_preset(ns.pop("preset"), family) if family and ns.get("preset") else {}
+    known = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    unknown = set(preset) - known - {"description"}
+    if unknown:
+        raise SettingsError(f"preset has unknown keys {sorted(unknown)}; remove them or fix their names")
+    values = {**{k: v for k, v in preset.items() if k in known}, **{k: v for k, v in ns.items() if v is not None}}
+    out = []
+    for cls in classes:
+        names = {f.name for f in dataclasses.fields(cls)}
+        out.append(cls(**{k: v for k, v in values.items() if k in names}))
+    return tuple(out)
+
+
+def to_dict(*settings) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for s in settings:
+        merged.update(dataclasses.asdict(s))
+    return merged

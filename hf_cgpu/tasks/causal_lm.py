@@ -1,0 +1,173 @@
+"""Causal-LM pretraining task: tokenizer + packed blocks + the hf_cgpu GPT, plugged into the one loop."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..loop import Task
+from ..models.cgpt import CgptConfig, CgptForCausalLM
+from ..settings import SettingsError, TrainSettings
+
+
+@dataclass
+class GPTSettings:
+    """Model shape and data of a from-scratch GPT run."""
+
+    n_layer: int = 12
+    """Transformer blocks."""
+    n_embd: int = 768
+    """Residual width; must be divisible by n_head."""
+    n_head: int = 12
+    """Attention heads."""
+    mlp_ratio: int = 4
+    """MLP width = mlp_ratio * n_embd."""
+    dropout: float = 0.0
+    """Dropout (0 for single-epoch pretraining)."""
+    bias: bool = False
+    """Biases in linears and LayerNorms."""
+    seq_len: int = 1024
+    """Tokens per training sequence; also the model's n_positions."""
+    vocab_size: int = 32000
+    """Tokenizer vocabulary to train (ignored when --tokenizer is given: its size is used)."""
+    loss_chunk_size: int = 1024
+    """Tokens per chunk of the fp32 loss (0 = materialise all logits)."""
+    dataset: str = "builtin"
+    """Text source: 'builtin' (Python's pydoc topics), a directory/files of parquet/json/txt, or a Hub id."""
+    text_column: str = "text"
+    """Column holding the documents."""
+    tokenizer: str = ""
+    """Existing tokenizer directory to use; empty = train a byte-level BPE on the training split."""
+    tokenizer_train_docs: int = 50000
+    """Documents sampled to train the tokenizer (more = slower, slightly better compression)."""
+    num_proc: int = 0
+    """Processes for tokenisation (0 = automatic)."""
+    cache_dir: str = ""
+    """Where packed token files are cached (empty = ~/.cache/hf_cgpu/packed or $HF_CGPU_CACHE/packed)."""
+    prompts: str = ""
+    """'|'-separated prompts continued at the end of training (empty = taken from validation text)."""
+    max_new_tokens: int = 60
+    """Tokens generated per prompt at the end of training."""
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise SettingsError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                f"use n_head in {[h for h in range(1, 33) if self.n_embd % h == 0]}"
+            )
+        if self.seq_len < 2:
+            raise SettingsError("seq_len must be at least 2")
+
+    def model_config(self, vocab_size: int, eos_token_id: int) -> CgptConfig:
+        return CgptConfig(
+            vocab_size=vocab_size, n_positions=self.seq_len, n_embd=self.n_embd, n_layer=self.n_layer,
+            n_head=self.n_head, mlp_ratio=self.mlp_ratio, dropout=self.dropout, bias=self.bias,
+            loss_chunk_size=self.loss_chunk_size, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
+        )
+
+
+def training_flops_per_token(config: CgptConfig, num_params: int) -> float:
+    """6N for the matmuls (N without the position table) + 12 L d T for attention scores and values."""
+    n = num_params - config.n_positions * config.n_embd
+    return 6.0 * n + 12.0 * config.n_layer * config.n_embd * config.n_positions
+
+
+class CausalLMTask(Task):
+    unit = "tok"
+
+    def __init__(self, cfg: GPTSettings):
+        self.cfg = cfg
+        self.tokenizer = None
+
+    # ---- data and model
+    def setup(self, settings: TrainSettings, accelerator) -> None:
+        from ..data.text import check_vocab, load_text_dataset, pack_dataset
+
+        cfg, out = self.cfg, Path(settings.output_dir)
+        ds = load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column)
+        with accelerator.main_process_first():
+            self.tokenizer = self._tokenizer(ds, out, resume=bool(settings.resume_from_checkpoint))
+            cache = cfg.cache_dir or None
+            kw = dict(seq_len=cfg.seq_len, cache_dir=cache, num_proc=cfg.num_proc or None, text_column=cfg.text_column)
+            self.train_data = pack_dataset(ds["train"], self.tokenizer, **kw)
+            self.val_data = pack_dataset(ds["validation"], self.tokenizer, **kw)
+        vocab = len(self.tokenizer)
+        self.val_texts = [t for t in ds["validation"][cfg.text_column][:50] if t.strip()]
+        config = cfg.model_config(vocab, self.tokenizer.eos_token_id)
+        check_vocab(self.tokenizer, config.vocab_size)
+        self.model = CgptForCausalLM(config)
+        self.model.train()
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.expected_initial_loss = math.log(vocab)
+        accelerator.print(
+            f"GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), {self.num_params / 1e6:.2f}M parameters, "
+            f"vocab {vocab}, seq {cfg.seq_len}; train {self.train_data.n_tokens:,} tokens in "
+            f"{len(self.train_data):,} blocks, validation {len(self.val_data):,} blocks"
+        )
+        if len(self.val_data) == 0:
+            raise SettingsError(f"validation split has fewer than seq_len+1={cfg.seq_len + 1} tokens; lower --seq_len")
+
+    def _tokenizer(self, ds, out: Path, resume: bool):
+        from transformers import AutoTokenizer
+
+        from ..data.text import train_tokenizer
+
+        cfg = self.cfg
+        if cfg.tokenizer:
+            return AutoTokenizer.from_pretrained(cfg.tokenizer)
+        saved = out / "tokenizer"
+        if saved.is_dir() and (resume or (saved / "tokenizer.json").is_file()):
+            return AutoTokenizer.from_pretrained(str(saved))  # same ids as the checkpoint was trained with
+        train = ds["train"]
+        if len(train) > cfg.tokenizer_train_docs:
+            train = train.shuffle(seed=0).select(range(cfg.tokenizer_train_docs))
+        tok = train_tokenizer(train[cfg.text_column], vocab_size=cfg.vocab_size)
+        tok.save_pretrained(str(saved))
+        return tok
+
+    def num_train_samples(self) -> int:
+        return len(self.train_data)
+
+    def train_batch(self, indices, device, generator) -> dict:
+        return {"input_ids": self._stack(self.train_data, indices).to(device, non_blocking=True)}
+
+    @staticmethod
+    def _stack(data, indices) -> torch.Tensor:
+        return torch.stack([data[int(i)]["input_ids"] for i in indices])  # (B, S + 1)
+
+    def loss(self, model, batch, generator) -> torch.Tensor:
+        block = batch["input_ids"]
+        return model(input_ids=block[:, :-1], shift_labels=block[:, 1:], use_cache=False).loss
+
+    def units(self, batch) -> int:
+        return batch["input_ids"][:, :-1].numel()
+
+    def flops_per_unit(self) -> float:
+        return training_flops_per_token(self.model.config, self.num_params)
+
+    def evaluate(self, model, settings, device) -> dict[str, float]:
+        n = min(len(self.val_data), settings.eval_batches * settings.micro_batch_size)
+        losses = []
+        for start in range(0, n, settings.micro_batch_size):
+            idx = torch.arange(start, min(n, start + settings.micro_batch_size))
+            losses.append(self.loss(model, {"input_ids": self._stack(self.val_data, idx).to(device)}, None).float())
+        val = torch.stack(losses).mean().item()
+        return {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
+
+    def save_pretrained(self, model, output_dir: Path) -> None:
+        model.save_pretrained(str(output_dir))
+        self.tokenizer.save_pretrained(str(output_dir))
+
+    def fingerprint(self) -> dict[str, Any]:
+        c = self.cfg
+        return {"n_layer": c.n_layer, "n_embd": c.n_embd, "n_head": c.n_head, "seq_len": c.seq_len,
+                "vocab_size": len(self.tokenizer), "mlp_ratio": c.mlp_ratio, "bias": c.bias, "dataset": c.dataset}
+
+    def sample_prompts(self) -> list[str]:
+        if self.cfg.prompts:
+            return [p for p in self.cfg.prompts.split("|") if p]
+        return [t[:24] for t in self.val_texts[:3]]
