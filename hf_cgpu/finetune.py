@@ -1,0 +1,94 @@
+"""Fine-tuning pieces a LoRA recipe needs besides the training loop.
+
+Adapters are saved alone (a few MB) and merged into a bf16 copy of the base afterwards. Merging is
+never done into a 4-bit base: folding B @ A into nf4 weights would re-quantize them and lose the
+update, so QLoRA adapters are merged into the bf16 base they were trained against.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .tiers import default_target_modules, unwrap_model
+
+__all__ = ["save_adapter", "merge_and_save", "format_instruction_example", "default_target_modules"]
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+
+
+def save_adapter(model: nn.Module, output_dir: str | Path) -> Path:
+    """Write adapter_config.json + adapter_model.safetensors (adapter weights only) to `output_dir`."""
+    from peft import PeftModel
+
+    model = getattr(model, "_orig_mod", model)
+    if not isinstance(model, PeftModel):
+        raise ValueError(f"save_adapter needs a PeftModel (tier lora/qlora), got {type(model).__name__}")
+    output_dir = Path(output_dir)
+    model.save_pretrained(str(output_dir), safe_serialization=True)
+    return output_dir
+
+
+def merge_and_save(
+    base_name_or_path: str,
+    adapter_dir: str | Path,
+    output_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    trust_remote_code: bool = False,
+) -> Path:
+    """Reload the base in `dtype` (never 4-bit), apply the adapter, merge it and save safetensors.
+
+    Tokenizer files found next to the adapter are copied so the merged folder loads on its own.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if not dtype.is_floating_point or dtype.itemsize < 2:
+        raise ValueError(f"merge into a bf16/fp16/fp32 base, not {dtype}: merging into 4/8-bit weights loses the update")
+    base = AutoModelForCausalLM.from_pretrained(base_name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    output_dir = Path(output_dir)
+    merged.save_pretrained(str(output_dir))
+    for name in TOKENIZER_FILES:
+        src = Path(adapter_dir) / name
+        if src.is_file():
+            shutil.copy2(src, output_dir / name)
+    return output_dir
+
+
+PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+
+def format_instruction_example(example: dict[str, Any]) -> dict[str, str]:
+    """Turn one instruction row into {"prompt", "response", "text"} (text = prompt + response).
+
+    Accepts Alpaca-style columns instruction/input/output (input may be empty or absent) or
+    prompt/response. The prompt is returned separately so the recipe can set its label tokens to
+    -100 and train on the response only; the tokenizer's EOS is appended by the recipe.
+    """
+    if "instruction" in example and "output" in example:
+        extra = (example.get("input") or "").strip()
+        template = PROMPT_WITH_INPUT_TEMPLATE if extra else PROMPT_TEMPLATE
+        prompt = template.format(instruction=str(example["instruction"]).strip(), input=extra)
+        response = str(example["output"]).strip()
+    elif "prompt" in example and "response" in example:
+        prompt = PROMPT_TEMPLATE.format(instruction=str(example["prompt"]).strip())
+        response = str(example["response"]).strip()
+    else:
+        raise ValueError(
+            f"instruction example needs columns instruction/output (+input) or prompt/response, got {sorted(example)}"
+        )
+    return {"prompt": prompt, "response": response, "text": prompt + response}

@@ -1,0 +1,476 @@
+"""Memory tiers: composable functions applied in one fixed order before the training loop.
+
+Order (torchtitan style, one place that orders them, see `apply_tiers`):
+
+    load_base_model        bf16 base (lora), nf4 base (qlora) or fp32 master weights (full, adamw8bit)
+    1. apply_lora          adapters on a frozen base (lora, qlora); full/adamw8bit train every weight
+    2. apply_recompute     activation checkpointing of every block, cache off
+    3. apply_compile       per-block torch.compile(dynamic=False), in place
+    4. accelerate prepare  done by the loop, which also owns the optimizer from `build_optimizer`
+
+Adapters come first because checkpointing and compile must see the final modules (compiling before
+LoRA injection would trace the bare base layers); checkpointing comes before compile so the compiled
+region contains the checkpoint, as torchtitan does.
+
+Where stock peft LoRA/QLoRA memory goes (Pythia-1.4B shape: 24 x 2048, vocab 50304, micro-batch 4,
+seq 1024; stock measured 12.4 GiB for LoRA and 13.2 GiB for QLoRA, see docs/gpu.md):
+
+- Weights. bf16 base: 1.41e9 x 2 B = 2.6 GiB. `prepare_model_for_kbit_training` casts every non-4-bit
+  weight to fp32: embed_in and embed_out are 103M parameters each, so they go from 0.39 to 0.77 GiB;
+  and because the norms are fp32 too, every LayerNorm output is fp32, bnb's Linear4bit returns its
+  output in the input's dtype, so the whole residual stream, the checkpointed layer inputs and the
+  LoRA branches run in fp32: twice the activation bytes of a bf16 run. That is why stock QLoRA
+  (0.6 GiB of nf4 weights) peaks *higher* than stock LoRA (2.6 GiB of bf16 weights).
+- Logits. `XForCausalLM.forward` builds the full logits: 4 x 1024 x 50304 = 206M entries, 0.39 GiB
+  in bf16, which `ForCausalLMLoss` copies to fp32 (0.77 GiB); cross-entropy saves its fp32
+  log-softmax (0.77 GiB), and backward holds the fp32 grad of the log-softmax and of the logits at
+  once (2 x 0.77 GiB) plus the bf16 grad (0.39 GiB). With the returned bf16 logits still referenced
+  by the output object that is ~3-4 GiB at the loss, more than the entire checkpointed activation
+  stack of 24 layers (24 x 4 x 1024 x 2048 x 2 B = 0.38 GiB of layer inputs).
+- LoRA branch. peft casts each adapted layer's input to the adapter's fp32 dtype
+  (`_cast_input_dtype`) and saves it for the A-weight gradient; for dense_4h_to_h that is a
+  4 x 1024 x 8192 fp32 tensor (128 MiB) per layer. Harmless under checkpointing (one layer at a time),
+  ruinous without it: 24 layers x (~34 x b x s x d bf16 activations + the fp32 LoRA inputs) is ~10 GiB,
+  which is what a run whose checkpointing never engaged would show. Transformers only checkpoints
+  `if self.gradient_checkpointing and self.training`, and `from_pretrained` returns the model in eval
+  mode: a benchmark that never calls `model.train()` silently keeps every activation. (We cannot
+  see the peer script; the 12.4 GiB is consistent with this, and with the logits above.)
+
+How this tier avoids each cost:
+
+- No fp32 upcast of the base: the frozen base stays bf16 (LayerNorm under autocast runs in fp32
+  internally anyway), nf4 linears keep bf16 compute; only the LoRA A/B matrices are fp32 (12.6M
+  parameters at r=16 on all four projections: 50 MB, 0.2 GB with grads and Adam state).
+- The full logits are never built: `causal_lm_loss_from_hidden` runs the backbone and
+  `chunked_causal_lm_loss` computes cross-entropy on chunks of 1024 tokens, each chunk's logits inside
+  `torch.utils.checkpoint`, so forward and backward hold one 1024 x 50304 fp32 chunk (0.19 GiB, plus
+  its softmax grad) instead of ~3 GiB.
+- Checkpointing is non-reentrant (no need for inputs that require grad, no double forward of the
+  first layer), and `apply_recompute` puts the model in training mode so it actually engages.
+
+Budget for our LoRA tier: 2.6 GiB bf16 base + 0.2 GiB LoRA state + 0.4 GiB layer inputs + one
+layer's recompute (~0.6 GiB) + one loss chunk (~0.6 GiB) = ~4.4 GiB, under the 8 GiB target. QLoRA:
+0.6 GiB nf4 linears + 0.4 GiB bf16 embeddings/head + the same activations = ~2.4 GiB, under 6 GiB.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+TIERS = ("full", "adamw8bit", "lora", "qlora")
+TRAIN_MODES = ("pretrain", "finetune")
+ADAPTER_TIERS = ("lora", "qlora")
+
+# LoRA targets per architecture: every linear of attention and MLP (QLoRA paper: all-linear matches
+# full fine-tuning; attention-only does not). Names checked against transformers 5.17-5.24.
+LORA_TARGET_MODULES: dict[str, list[str]] = {
+    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "cgpt": ["qkv", "proj", "fc", "fc_out"],
+}
+
+
+def default_target_modules(model_type: str | None) -> list[str] | str:
+    """LoRA target module names for a `config.model_type`; "all-linear" (peft skips the head) otherwise."""
+    targets = LORA_TARGET_MODULES.get(model_type or "")
+    return list(targets) if targets is not None else "all-linear"
+
+
+def validate_tier(tier: str, recompute: bool, train_mode: str) -> None:
+    """Reject impossible combinations at setup with a one-line error that names the fix.
+
+    `train_mode` is "pretrain" (random init) or "finetune" (start from pretrained weights). Adapters
+    on a frozen random base learn nothing useful, so the adapter tiers are fine-tuning only.
+    """
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
+    if train_mode not in TRAIN_MODES:
+        raise ValueError(f"unknown train_mode {train_mode!r}: choose one of {', '.join(TRAIN_MODES)}")
+    if not isinstance(recompute, bool):
+        raise ValueError(f"recompute must be True or False, got {recompute!r}")
+    if train_mode == "pretrain" and tier == "qlora":
+        raise ValueError(
+            "qlora is a fine-tuning tier: it trains LoRA adapters on a frozen 4-bit base; "
+            "use --tier full or --tier adamw8bit for pretraining"
+        )
+    if train_mode == "pretrain" and tier == "lora":
+        raise ValueError(
+            "lora is a fine-tuning tier: it trains adapters on a frozen pretrained base, and a frozen random "
+            "base learns nothing; use --tier full or --tier adamw8bit for pretraining"
+        )
+
+
+def _freeze(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+
+def load_base_model(
+    name_or_path: str,
+    tier: str,
+    dtype: torch.dtype | None = None,
+    device_map: Any = None,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """Load a causal LM with the weights the tier needs; adapter tiers come back frozen.
+
+    `dtype=None` picks the tier's default: bf16 for lora/qlora (a frozen base needs no fp32 copy)
+    and fp32 for full/adamw8bit, which train every weight and need fp32 master weights under bf16
+    autocast (pure-bf16 AdamW loses updates smaller than 2^-8 of the weight).
+    qlora stores linears in nf4 (the bitsandbytes default is fp4, worse for normal weights), double
+    quantizes the block scales (~0.4 bit/param saved) and computes in bf16.
+    """
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
+    if dtype is None:
+        dtype = torch.bfloat16 if tier in ADAPTER_TIERS else torch.float32
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if tier == "qlora":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=True,
+        )
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    if tier in ADAPTER_TIERS:
+        _freeze(model)
+    return model
+
+
+def _is_4bit(model: nn.Module) -> bool:
+    if getattr(model, "is_loaded_in_4bit", False):
+        return True
+    return any(type(m).__name__ == "Linear4bit" for m in model.modules())
+
+
+def apply_lora(
+    model: nn.Module,
+    r: int = 16,
+    alpha: int = 32,
+    dropout: float = 0.0,
+    target_modules: list[str] | str | None = None,
+) -> nn.Module:
+    """Wrap `model` in a peft LoRA model: frozen base in its own dtype, fp32 trainable adapters.
+
+    Deliberately not `prepare_model_for_kbit_training`: that upcasts every non-4-bit weight to fp32
+    (embeddings, head, norms), which doubles those weights and turns the residual stream fp32 (see
+    the module docstring). Input grads for checkpointing are enabled by `apply_recompute`.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import PreTrainedModel
+
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if target_modules is None:
+        target_modules = default_target_modules(model_type)
+    _freeze(model)
+    lora_config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=target_modules,
+        bias="none",
+        fan_in_fan_out=model_type == "gpt2",  # GPT-2's Conv1D stores weights transposed
+        task_type="CAUSAL_LM" if isinstance(model, PreTrainedModel) else None,
+    )
+    peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=True)
+    for p in peft_model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()  # fp32 adapters: their updates are tiny relative to bf16 steps
+    return peft_model
+
+
+def apply_recompute(model: nn.Module) -> nn.Module:
+    """Checkpoint every block (non-reentrant) through transformers' own mechanism; cache off.
+
+    Non-reentrant checkpointing needs no input that requires grad and supports autocast state and
+    keyword arguments; we still enable input grads on the embeddings, which costs one b x s x d
+    tensor and keeps reentrant-style custom layers working. Transformers only checkpoints in
+    training mode and `from_pretrained` returns eval mode, so the model is put in training mode here:
+    otherwise checkpointing is silently a no-op.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        if not getattr(model, "supports_gradient_checkpointing", True):
+            raise ValueError(f"{type(model).__name__} does not support activation checkpointing: use recompute=False")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(f"{type(model).__name__} has no checkpointing hook: use recompute=False")
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.use_cache = False
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    model.train()
+    return model
+
+
+def _transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder blocks: transformers' `GradientCheckpointingLayer`s, else the largest ModuleList."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - older transformers
+        GradientCheckpointingLayer = ()  # type: ignore[assignment]
+    blocks = [m for m in model.modules() if GradientCheckpointingLayer and isinstance(m, GradientCheckpointingLayer)]
+    if blocks:
+        return blocks
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    return list(max(lists, key=len)) if lists else []
+
+
+def apply_compile(model: nn.Module, enabled: bool, mode: str | None = None) -> nn.Module:
+    """`torch.compile(dynamic=False)` each transformer block in place (whole model if none are found).
+
+    In place (`Module.compile`) rather than the `OptimizedModule` wrapper: parameter names keep no
+    `_orig_mod.` prefix, so `save_pretrained`/`save_adapter` and peft keep working, and the compiled
+    code runs whichever way the loss enters the model (`model(...)` or `causal_lm_loss_from_hidden`,
+    which calls the backbone). Identical blocks share one graph, so compile time does not grow with
+    depth. `dynamic=False` because a second shape would compile a dynamic graph (docs/gpu.md).
+    """
+    if not enabled:
+        return model
+    blocks = _transformer_blocks(model)
+    for block in blocks or [model]:
+        block.compile(dynamic=False, mode=mode)
+    return model
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters, counting each shared tensor once.
+
+    bitsandbytes `Params4bit` stores two 4-bit values per uint8 element, so its `numel()` is half the
+    logical count; the logical shape is in `quant_state.shape`.
+    """
+    trainable = total = 0
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        quant_state = getattr(p, "quant_state", None)
+        n = quant_state.shape.numel() if quant_state is not None else p.numel()
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def _trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    seen: set[int] = set()
+    named = []
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            named.append((name, p))
+    return named
+
+
+def build_optimizer(
+    model: nn.Module,
+    tier: str,
+    lr: float,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    paged: bool = False,
+    fused: bool | None = None,
+    optim_8bit: bool | None = None,
+) -> torch.optim.Optimizer:
+    """AdamW over trainable parameters; weight decay only on >= 2-D weights.
+
+    Norm gains, biases and other 1-D parameters get no decay (decaying a gain towards 0 fights the
+    normalisation). `optim_8bit=None` means 8-bit for tier adamw8bit only; pass True to also run
+    LoRA adapters on `bnb.optim.AdamW8bit`. bitsandbytes keeps 32-bit state for tensors under 4096
+    elements. `paged` uses `PagedAdamW8bit`, whose state can spill to host memory on a spike.
+    `fused=None` turns on the fused torch kernel when every parameter is on CUDA.
+    """
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
+    use_8bit = tier == "adamw8bit" if optim_8bit is None else optim_8bit
+    named = _trainable_parameters(model)
+    if not named:
+        kind = "an 8-bit optimizer" if use_8bit else "the optimizer"
+        raise ValueError(
+            f"{kind} got no trainable parameters (all requires_grad=False): "
+            "apply LoRA (apply_tiers/apply_lora) for adapter tiers or unfreeze the model for full/adamw8bit"
+        )
+    decay = [p for _, p in named if p.ndim >= 2]
+    no_decay = [p for _, p in named if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if use_8bit:
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+        return cls(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if paged:
+        raise ValueError("paged=True needs an 8-bit optimizer: use tier adamw8bit or optim_8bit=True")
+    if fused is None:
+        fused = all(p.is_cuda for _, p in named)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+
+
+def apply_tiers(
+    model: nn.Module,
+    tier: str,
+    recompute: bool,
+    compile: bool,
+    lora_r: int = 16,
+    lora_alpha: int = 32,
+    lora_dropout: float = 0.0,
+    target_modules: list[str] | str | None = None,
+    compile_mode: str | None = None,
+) -> nn.Module:
+    """Apply the tiers in the one fixed order: adapters -> recompute -> compile (accelerate: the loop).
+
+    The returned model is what the loop must use (it is a `PeftModel` for adapter tiers).
+    """
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
+    if tier == "qlora" and not _is_4bit(model):
+        raise ValueError("tier qlora needs a 4-bit base: load it with load_base_model(name, tier='qlora')")
+    if tier in ADAPTER_TIERS:
+        model = apply_lora(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout, target_modules=target_modules)
+    if recompute:
+        model = apply_recompute(model)
+    model = apply_compile(model, compile, mode=compile_mode)
+    model.train()
+    return model
+
+
+# --- loss without full logits -------------------------------------------------------------------
+
+
+def _chunk_ce_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()  # (n, V): matmul in the operands' dtype, softmax in fp32
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+
+
+def chunked_causal_lm_loss(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 1024,
+    ignore_index: int = -100,
+    shift: bool = True,
+    lm_head_bias: torch.Tensor | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean next-token cross-entropy without materialising the (B, T, V) logits.
+
+    hidden_states (B, T, d) are the final-norm outputs; labels (B, T) are the input ids when `shift`
+    (token t predicts label t+1, as transformers' `ForCausalLMLoss`), already aligned otherwise.
+    Tokens are processed in chunks of `chunk_size`; each chunk's logits are built in fp32 inside a
+    non-reentrant checkpoint that saves only its inputs, so one (chunk, V) block is alive at a time
+    in forward and again in backward. Same value and gradients as the full computation.
+    `num_items_in_batch` divides the summed loss instead of the local token count (for gradient
+    accumulation over micro-batches of uneven token counts).
+    """
+    if shift:
+        labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]  # (B, T), last position ignored
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # (N, d)
+    labels = labels.reshape(-1).to(hidden.device)  # (N,)
+    if hidden.shape[0] != labels.shape[0]:
+        raise ValueError(f"hidden_states has {hidden.shape[0]} tokens but labels has {labels.shape[0]}")
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_size):
+        h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
+        if torch.is_grad_enabled() and (h.requires_grad or lm_head_weight.requires_grad):
+            total = total + checkpoint(
+                _chunk_ce_sum, h, lm_head_weight, lm_head_bias, y, ignore_index, use_reentrant=False
+            )
+        else:
+            total = total + _chunk_ce_sum(h, lm_head_weight, lm_head_bias, y, ignore_index)
+    if num_items_in_batch is None:
+        num_items_in_batch = (labels != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model under `torch.compile`'s wrapper and peft's `PeftModel`."""
+    model = getattr(model, "_orig_mod", model)
+    if hasattr(model, "get_base_model"):  # peft: LoRA layers stay injected in the returned model
+        model = model.get_base_model()
+    return model
+
+
+def _backbone(lm: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM (everything before the head)."""
+    if hasattr(lm, "get_decoder"):
+        try:
+            decoder = lm.get_decoder()
+        except (NotImplementedError, AttributeError, ValueError):
+            decoder = None
+        if decoder is not None and decoder is not lm:
+            return decoder
+    base = getattr(lm, "base_model", None)
+    if base is not None and base is not lm:
+        return base
+    raise ValueError(f"cannot find the backbone of {type(lm).__name__}: expose get_decoder() or base_model_prefix")
+
+
+def causal_lm_loss_from_hidden(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    ignore_index: int = -100,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    **backbone_kwargs: Any,
+) -> torch.Tensor:
+    """The model's causal LM loss via its backbone and `chunked_causal_lm_loss`: no full logits.
+
+    Works for transformers causal LMs, peft-wrapped or compiled in place. It calls the backbone
+    directly, so it bypasses the autocast that `accelerator.prepare` patches onto `model.forward`:
+    call it under `accelerator.autocast()`. Heads with LoRA adapters, logit soft-capping or logit
+    scaling are rejected because the chunked loss would silently skip them.
+    """
+    lm = unwrap_model(model)
+    config = getattr(lm, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, attr, None) not in (None, 1.0):
+            raise NotImplementedError(f"{type(lm).__name__} uses {attr}: use the model's own labels= loss")
+    head = lm.get_output_embeddings()
+    if head is None or hasattr(head, "base_layer"):
+        raise ValueError("the output head is missing or has LoRA adapters: use the model's own labels= loss")
+    backbone = _backbone(lm)
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **backbone_kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, T, d)
+    return chunked_causal_lm_loss(
+        hidden,
+        head.weight,
+        labels,
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+        shift=True,
+        lm_head_bias=getattr(head, "bias", None),
+        num_items_in_batch=num_items_in_batch,
+    )
+

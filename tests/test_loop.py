@@ -1,0 +1,206 @@
+"""The one training loop on a toy task: schedule, data order, exact resume, guards, atomic checkpoints."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from hf_cgpu import checkpoint as ckpt_io
+from hf_cgpu.loop import SampleOrder, Task, TrainingStopped, fit, lr_at
+from hf_cgpu.settings import SettingsError, TrainSettings
+
+
+class ToyTask(Task):
+    """Noisy linear regression; optional NaN injection at chosen steps (counted by calls to loss)."""
+
+    unit = "sample"
+
+    def __init__(self, nan_calls=(), width=8):
+        self.nan_calls = set(nan_calls)
+        self.calls = 0
+        self.width = width
+        self.seen = []
+
+    def setup(self, settings, accelerator):
+        g = torch.Generator().manual_seed(123)
+        self.x = torch.randn(50, self.width, generator=g)
+        self.y = self.x @ torch.randn(self.width, 1, generator=g)
+        torch.manual_seed(settings.seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(self.width, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+
+    def num_train_samples(self):
+        return 50
+
+    def train_batch(self, indices, device, generator):
+        self.seen.extend(indices.tolist())
+        return {"x": self.x[indices].to(device), "y": self.y[indices].to(device)}
+
+    def loss(self, model, batch, generator):
+        self.calls += 1
+        noise = 0.01 * torch.randn(batch["y"].shape, generator=generator, device=batch["y"].device)
+        loss = ((model(batch["x"]) - batch["y"] - noise) ** 2).mean()
+        if self.calls in self.nan_calls:
+            loss = loss * float("nan")
+        return loss
+
+    def units(self, batch):
+        return batch["x"].shape[0]
+
+    def evaluate(self, model, settings, device):
+        return {"val_loss": ((model(self.x) - self.y) ** 2).mean().item()}
+
+    def save_pretrained(self, model, output_dir):
+        torch.save(model.state_dict(), output_dir / "toy.pt")
+
+    def fingerprint(self):
+        return {"width": self.width}
+
+
+def settings(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), max_steps=12, micro_batch_size=4, gradient_accumulation_steps=2,
+                learning_rate=1e-2, warmup_steps=3, eval_steps=0, log_steps=1, checkpointing_steps=4,
+                progress=False, mixed_precision="no")
+    base.update(kw)
+    return TrainSettings(**base)
+
+
+def losses(out_dir):
+    hist = json.loads((out_dir / "history.json").read_text())
+    return [(h["step"], h["train/loss"]) for h in hist if "train/loss" in h]
+
+
+def test_lr_schedule_closed_form():
+    s = TrainSettings(learning_rate=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, s) == pytest.approx(0.1)
+    assert lr_at(9, s) == pytest.approx(1.0)
+    assert lr_at(60, s) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(110, s) == pytest.approx(0.1)
+
+
+def test_sample_order_is_a_permutation_each_epoch():
+    order = SampleOrder(10, seed=3)
+    first = torch.cat([order.indices(k, 5) for k in range(2)])
+    second = torch.cat([order.indices(k, 5) for k in range(2, 4)])
+    assert sorted(first.tolist()) == list(range(10)) == sorted(second.tolist())
+    assert not torch.equal(first, second)
+    # a batch straddling an epoch boundary
+    assert order.indices(1, 7).tolist()[:3] == first[7:].tolist()
+
+
+def test_bad_settings_are_one_line_errors():
+    with pytest.raises(SettingsError, match="unknown tier 'qlorax'; choose one of"):
+        TrainSettings(tier="qlorax")
+    with pytest.raises(SettingsError, match="micro_batch_size must be >= 1"):
+        TrainSettings(micro_batch_size=0)
+
+
+def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path):
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    fit(ToyTask(), settings(full_dir))
+    with pytest.raises(KeyboardInterrupt):
+        fit(InterruptAt(6), settings(cut_dir))  # dies mid-run (after step 5's checkpoint-less progress)
+    # the interrupt saved step 6; drop it to resume from the periodic checkpoint at step 4 (mid-epoch)
+    shutil.rmtree(ckpt_io.checkpoint_root(cut_dir) / "step_0000006")
+    assert [p.name for p in ckpt_io.list_checkpoints(cut_dir)] == ["step_0000004"]
+    fit(ToyTask(), settings(cut_dir, resume_from_checkpoint="latest"))
+    full, cut = dict(losses(full_dir)), dict(losses(cut_dir))
+    for step in range(5, 13):
+        assert cut[step] == full[step], step
+    a = torch.load(full_dir / "toy.pt", weights_only=True)
+    b = torch.load(cut_dir / "toy.pt", weights_only=True)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+class InterruptAt(ToyTask):
+    def __init__(self, step):
+        super().__init__()
+        self.stop_step = step
+
+    def loss(self, model, batch, generator):
+        if self.calls == self.stop_step * 2:  # two micro-batches per step
+            raise KeyboardInterrupt
+        return super().loss(model, batch, generator)
+
+
+def test_nan_step_is_skipped_and_weights_unchanged(tmp_path):
+    task = ToyTask(nan_calls={5})  # third step's first micro-batch
+    fit(task, settings(tmp_path, max_steps=4, checkpointing_steps=0))
+    state = json.loads((ckpt_io.list_checkpoints(tmp_path)[-1] / "trainer_state.json").read_text())
+    assert state["skipped_steps"] == 1
+    assert json.loads((tmp_path / "all_results.json").read_text())["skipped_steps"] == 1
+
+
+def test_nan_step_leaves_weights_untouched(tmp_path):
+    class Probe(ToyTask):
+        def loss(self, model, batch, generator):
+            if self.calls == 4:  # first micro-batch of step 2 (0-based): snapshot the weights before it
+                self.before = [p.detach().clone() for p in model.parameters()]
+            if self.calls == 6:  # first micro-batch of step 3: weights must equal the snapshot
+                self.after = [p.detach().clone() for p in model.parameters()]
+            return super().loss(model, batch, generator)
+
+    task = Probe(nan_calls={5})
+    fit(task, settings(tmp_path, max_steps=4, checkpointing_steps=0))
+    for a, b in zip(task.before, task.after):
+        assert torch.equal(a, b)
+
+
+def test_repeated_nan_stops_with_checkpoint_and_diagnosis(tmp_path):
+    task = ToyTask(nan_calls=set(range(5, 100)))
+    with pytest.raises(TrainingStopped, match=r"mixed_precision no.*cut it tenfold"):
+        fit(task, settings(tmp_path, nan_patience=3, checkpointing_steps=0))
+    ckpts = ckpt_io.list_checkpoints(tmp_path)
+    assert ckpts, "a checkpoint of the last good state must be written before stopping"
+    ckpt_io.verify(ckpts[-1])
+
+
+def test_corrupted_checkpoint_falls_back_to_previous(tmp_path, capsys):
+    fit(ToyTask(), settings(tmp_path, max_steps=8))
+    ckpts = ckpt_io.list_checkpoints(tmp_path)
+    assert [p.name for p in ckpts] == ["step_0000004", "step_0000008"]
+    weights = next(ckpts[-1].glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-10])  # truncated write
+    found = ckpt_io.find_resumable(tmp_path, "latest")
+    assert found == ckpts[0]
+    assert "truncated" in capsys.readouterr().out
+    (ckpts[0] / "optimizer.bin").unlink()
+    with pytest.raises(ckpt_io.CheckpointError, match="missing optimizer.bin"):
+        ckpt_io.verify(ckpts[0])
+    assert ckpt_io.find_resumable(tmp_path, "latest") is None
+
+
+def test_unsealed_checkpoint_is_ignored_and_pruned(tmp_path):
+    (ckpt_io.checkpoint_root(tmp_path) / ".tmp-step_0000009").mkdir(parents=True)
+    fit(ToyTask(), settings(tmp_path, max_steps=12, checkpoints_total_limit=2))
+    assert [p.name for p in ckpt_io.list_checkpoints(tmp_path)] == ["step_0000008", "step_0000012"]
+    assert not list(ckpt_io.checkpoint_root(tmp_path).glob(".tmp-*"))
+
+
+def test_checkpoint_from_other_config_is_refused(tmp_path):
+    fit(ToyTask(), settings(tmp_path, max_steps=4))
+    with pytest.raises(ckpt_io.CheckpointError, match="different model"):
+        fit(ToyTask(width=6), settings(tmp_path, max_steps=8, resume_from_checkpoint="latest"))
+
+
+def test_ema_is_checkpointed_and_resumes_exactly(tmp_path):
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    fit(ToyTask(), settings(full_dir, ema_decay=0.9))
+    with pytest.raises(KeyboardInterrupt):
+        fit(InterruptAt(7), settings(cut_dir, ema_decay=0.9))  # Ctrl-C: a checkpoint of step 7 is written first
+    assert ckpt_io.list_checkpoints(cut_dir)[-1].name == "step_0000007"
+    fit(ToyTask(), settings(cut_dir, ema_decay=0.9, resume_from_checkpoint="latest"))
+    a = torch.load(full_dir / "toy.pt", weights_only=True)  # EMA weights are what gets saved
+    b = torch.load(cut_dir / "toy.pt", weights_only=True)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_label_leak_warning(tmp_path, capsys):
+    class Leaky(ToyTask):
+        expected_initial_loss = 10.0
+
+    fit(Leaky(), settings(tmp_path, max_steps=2))
+    assert "label leak" in capsys.readouterr().out
