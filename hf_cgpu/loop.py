@@ -42,6 +42,7 @@ class Task:
     unit = "sample"  # what throughput counts: "tok", "img"
     model: torch.nn.Module
     expected_initial_loss: float | None = None  # ln(vocab) for a causal LM: a much lower first loss = label leak
+    train_mode = "pretrain"  # or "finetune": adapter tiers (lora, qlora) only make sense on a pretrained base
 
     def setup(self, settings: TrainSettings, accelerator: Accelerator) -> None:
         """Build ``self.model`` and the data. Runs before any tier, compile or prepare."""
@@ -208,11 +209,13 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
     log = accelerator.print
     set_seed(s.seed)
     task.setup(s, accelerator)
-    validate_tier(s.tier, s.recompute, train_mode="finetune" if s.tier in ("lora", "qlora") else "full")
+    validate_tier(s.tier, s.recompute, train_mode=task.train_mode)
     model = apply_tiers(
         task.model, s.tier, recompute=s.recompute, compile=False, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
         lora_dropout=s.lora_dropout, target_modules=[m for m in s.lora_target_modules.split(",") if m] or None,
     )
+    if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "hf_device_map", None):
+        model = model.to(accelerator.device)  # before the optimizer, so AdamW can be fused on CUDA
     task.model = model
     optimizer = build_optimizer(
         model, s.tier, lr=s.learning_rate, weight_decay=s.weight_decay, betas=(s.adam_beta1, s.adam_beta2),
@@ -402,13 +405,14 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
     if step > last_saved:
         save_checkpoint(step)
     final = _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, None)
+    last = next((h for h in reversed(history) if "train/loss" in h), {})
     results = {
         "steps": step,
         f"{task.unit}s_seen": state["units_seen"],
-        "train_loss": history[-1]["train/loss"] if history else None,
+        "train_loss": last.get("train/loss"),
         **{k.split("/")[-1]: v for k, v in final.items()},
-        f"{task.unit}_per_s": history[-1].get(f"train/{task.unit}_per_s") if history else None,
-        "mfu": history[-1].get("train/mfu") if history else None,
+        f"{task.unit}_per_s": last.get(f"train/{task.unit}_per_s"),
+        "mfu": last.get("train/mfu"),
         "mfu_peak_tflops": peak or None,
         "mfu_peak_source": peak_source,
         "skipped_steps": state["skipped_steps"],

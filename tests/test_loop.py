@@ -21,7 +21,6 @@ class ToyTask(Task):
         self.nan_calls = set(nan_calls)
         self.calls = 0
         self.width = width
-        self.seen = []
 
     def setup(self, settings, accelerator):
         g = torch.Generator().manual_seed(123)
@@ -34,7 +33,6 @@ class ToyTask(Task):
         return 50
 
     def train_batch(self, indices, device, generator):
-        self.seen.extend(indices.tolist())
         return {"x": self.x[indices].to(device), "y": self.y[indices].to(device)}
 
     def loss(self, model, batch, generator):
@@ -200,7 +198,7 @@ def test_ema_is_checkpointed_and_resumes_exactly(tmp_path):
 
 def test_label_leak_warning(tmp_path, capsys):
     class Leaky(ToyTask):
-        expected_initial_loss = 10.0
+        expected_initial_loss = 40.0  # toy first loss is ~9, far below: must warn
 
     fit(Leaky(), settings(tmp_path, max_steps=2))
     assert "label leak" in capsys.readouterr().out

@@ -1,0 +1,101 @@
+"""GPU: hf_cgpu GPT vs transformers GPT2LMHeadModel (the peer), same shape, same training step, same run.
+
+12x768, 12 heads, vocab 32000, seq 1024, micro-batch 16, SDPA, torch.compile, bf16 autocast, fused AdamW.
+Reports tokens/s (median of timed steps after warm-up), MFU (6N + attention FLOPs against the bf16 matmul rate
+measured in this same process) and peak memory. Usage: python benchmarks/bench_gpt_throughput.py [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from hf_cgpu.bench import matmul_tflops
+from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
+from hf_cgpu.tasks.causal_lm import training_flops_per_token
+
+
+def build(kind: str, args):
+    if kind == "hf_cgpu":
+        cfg = CgptConfig(vocab_size=32000, n_positions=args.seq, n_embd=768, n_layer=12, n_head=12,
+                         loss_chunk_size=args.chunk)
+        return CgptForCausalLM(cfg), cfg
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=32000, n_positions=args.seq, n_embd=768, n_layer=12, n_head=12,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(cfg), CgptConfig(vocab_size=32000, n_positions=args.seq, n_embd=768, n_layer=12,
+                                            n_head=12)
+
+
+def run(kind: str, args, peak: float) -> dict:
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model, shape = build(kind, args)
+    model = model.cuda().train()
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    step_model = torch.compile(model, dynamic=False)
+    x = torch.randint(0, 32000, (args.batch, args.seq + 1), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if kind == "hf_cgpu":
+                loss = step_model(input_ids=x[:, :-1], shift_labels=x[:, 1:], use_cache=False).loss
+            else:
+                loss = step_model(input_ids=x[:, :-1], labels=x[:, :-1], use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    dt = statistics.median(times)
+    tok_s = args.batch * args.seq / dt
+    flops = training_flops_per_token(shape, n_params if kind == "hf_cgpu" else n_params - 0)
+    return {
+        "model": kind, "params_M": round(n_params / 1e6, 1), "tok_per_s": round(tok_s),
+        "mfu": round(flops * tok_s / (peak * 1e12), 3),
+        "peak_alloc_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "peak_reserved_GiB": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    peak = matmul_tflops(8192)
+    rows = [run(kind, args, peak) for kind in ("hf_cgpu", "transformers_gpt2")]
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  measured bf16 matmul peak {peak:.0f} TFLOP/s")
+    print("| model | params (M) | tok/s | MFU | peak alloc GiB | peak reserved GiB |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['params_M']} | {r['tok_per_s']:,} | {r['mfu']} | {r['peak_alloc_GiB']} | "
+              f"{r['peak_reserved_GiB']} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"peak_tflops": peak, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
