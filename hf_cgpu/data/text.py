@@ -19,6 +19,7 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from tqdm.auto import tqdm
 
@@ -105,17 +106,36 @@ def load_text_dataset(
     if "validation" in splits:
         validation = splits["validation"]
     else:
-        if len(train) < 2:
-            raise ValueError(
-                f"dataset {name!r} has {len(train)} non-empty document(s); need at least 2 to carve a validation "
-                f"split (add data or raise --limit)"
-            )
-        n_val = min(len(train) - 1, max(1, math.ceil(validation_fraction * len(train))))
-        parts = train.train_test_split(test_size=n_val, seed=seed, shuffle=True)
-        train, validation = parts["train"], parts["test"]
+        train, validation = carve_validation(train, text_column, validation_fraction, seed, name)
     if len(train) == 0 or len(validation) == 0:
         raise ValueError(f"dataset {name!r} has an empty train or validation split after dropping empty documents")
     return datasets.DatasetDict(train=train, validation=validation)
+
+
+MIN_VALIDATION_CHARS = 20_000
+
+
+def carve_validation(
+    ds: datasets.Dataset, text_column: str, validation_fraction: float, seed: int, name: str = "dataset"
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Split off a validation set of random documents (fixed ``seed``): at least ``validation_fraction`` of the
+    documents and at least ``MIN_VALIDATION_CHARS`` characters, so that a small corpus (the builtin one has 79
+    documents, some of 200 characters) still yields a few evaluation blocks; never more than half the corpus."""
+    n = len(ds)
+    if n < 2:
+        raise ValueError(
+            f"dataset {name!r} has {n} non-empty document(s); need at least 2 to carve a validation split "
+            f"(add data, raise --limit, or provide a validation file)"
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = max(1, math.ceil(validation_fraction * n))
+    while n_val < n // 2:
+        chars = pc.sum(pc.utf8_length(ds.select(np.sort(order[:n_val])).with_format("arrow")[text_column])).as_py()
+        if chars >= MIN_VALIDATION_CHARS:
+            break
+        n_val = min(n // 2, n_val * 2)
+    n_val = min(n_val, n - 1)
+    return ds.select(np.sort(order[n_val:])), ds.select(np.sort(order[:n_val]))
 
 
 def builtin_corpus() -> list[str]:
@@ -197,8 +217,8 @@ def _load_hub(repo_id: str) -> dict[str, datasets.Dataset]:
     except Exception as e:  # network, auth, unknown id: one line naming what to do
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise RuntimeError(
-            f"could not load dataset {repo_id!r} from the Hub ({type(e).__name__}: {first}); pass a local "
-            f"directory or file, or --dataset builtin"
+            f"{repo_id!r} is no local path, and loading it from the Hub failed ({type(e).__name__}: {first}); "
+            f"pass an existing directory or file, or --dataset builtin"
         ) from e
     if isinstance(loaded, datasets.Dataset):
         return {"train": loaded}
@@ -233,7 +253,7 @@ def _check_utf8(path: Path, chunk_bytes: int = 1 << 20) -> None:
 
 
 def _is_nonempty(batch: dict[str, list], text_column: str) -> list[bool]:
-    return [t is not None and not t.isspace() and t != "" for t in batch[text_column]]
+    return [bool(t) and not t.isspace() for t in batch[text_column]]
 
 
 def _drop_empty(ds: datasets.Dataset, text_column: str) -> datasets.Dataset:
@@ -380,11 +400,18 @@ def source_fingerprint(ds: datasets.Dataset, text_column: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def default_cache_dir() -> Path:
+    """``$HF_CGPU_CACHE/packed``, else ``~/.cache/hf_cgpu/packed``: outside the output directory, so runs on the
+    same corpus share one packed file."""
+    root = os.environ.get("HF_CGPU_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "hf_cgpu") / "packed"
+
+
 def pack_dataset(
     ds: datasets.Dataset,
     tokenizer,
     seq_len: int,
-    cache_dir: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
     num_proc: int | None = None,
     text_column: str = "text",
 ) -> PackedTokens:
@@ -394,7 +421,8 @@ def pack_dataset(
     go to ``<cache_dir>/<key>.bin`` (uint16 when the vocabulary fits, halving disk and page cache) with
     ``<key>.json`` beside it; the key hashes the tokenizer, the source fingerprint, ``seq_len`` and the column,
     so a repeat call returns at once and any change re-tokenizes. ``num_proc`` None means ``min(4, cpus)``,
-    and 1 for small sets where worker start-up costs more than it saves.
+    and 1 for small sets where worker start-up costs more than it saves. ``cache_dir`` None means
+    ``default_cache_dir()``.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1")
@@ -415,7 +443,7 @@ def pack_dataset(
         "text_column": text_column,
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
-    cache_dir = Path(cache_dir)
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     bin_path, meta_path = cache_dir / f"tokens-{key}.bin", cache_dir / f"tokens-{key}.json"
     if meta_path.exists() and bin_path.exists():
         meta = json.loads(meta_path.read_text())
@@ -505,7 +533,9 @@ __all__ = [
     "PRETOKENIZE_PATTERN",
     "PackedTokens",
     "builtin_corpus",
+    "carve_validation",
     "check_vocab",
+    "default_cache_dir",
     "load_text_dataset",
     "pack_dataset",
     "source_fingerprint",
