@@ -1,20 +1,22 @@
 """Fine-tuning pieces a LoRA recipe needs besides the training loop.
 
 Adapters are saved alone (a few MB) and merged into a bf16 copy of the base afterwards. Merging is
-never done into a 4-bit base: folding B @ A into nf4 weights would re-quantize them and lose the
-update, so QLoRA adapters are merged into the bf16 base they were trained against.
+never done into a 4-bit base: folding B @ A into nf4 weights would re-quantize them and lose most of
+the update. QLoRA adapters are merged into the bf16 original of their base; the small gap between the
+nf4 weights they were trained on and the bf16 ones is the known QLoRA merge caveat (evaluate after).
 """
 
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .tiers import default_target_modules, unwrap_model
+from .tiers import default_target_modules
 
 __all__ = ["save_adapter", "merge_and_save", "format_instruction_example", "default_target_modules"]
 
@@ -58,7 +60,9 @@ def merge_and_save(
     if not dtype.is_floating_point or dtype.itemsize < 2:
         raise ValueError(f"merge into a bf16/fp16/fp32 base, not {dtype}: merging into 4/8-bit weights loses the update")
     base = AutoModelForCausalLM.from_pretrained(base_name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    with warnings.catch_warnings():  # peft reads the deprecated `is_gradient_checkpointing` on 5.23+
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     output_dir = Path(output_dir)
     merged.save_pretrained(str(output_dir))
     for name in TOKENIZER_FILES:

@@ -12,45 +12,46 @@ Adapters come first because checkpointing and compile must see the final modules
 LoRA injection would trace the bare base layers); checkpointing comes before compile so the compiled
 region contains the checkpoint, as torchtitan does.
 
-Where stock peft LoRA/QLoRA memory goes (Pythia-1.4B shape: 24 x 2048, vocab 50304, micro-batch 4,
-seq 1024; stock measured 12.4 GiB for LoRA and 13.2 GiB for QLoRA, see docs/gpu.md):
+Where stock peft LoRA/QLoRA memory goes (Pythia-1.4B shape: 24 x 2048, vocab 50304, r=16 on the four
+projections, micro-batch 4, seq 1024; docs/gpu.md measured stock at 12.4 GiB for LoRA, 13.2 for QLoRA):
 
 - Weights. bf16 base: 1.41e9 x 2 B = 2.6 GiB. `prepare_model_for_kbit_training` casts every non-4-bit
-  weight to fp32: embed_in and embed_out are 103M parameters each, so they go from 0.39 to 0.77 GiB;
-  and because the norms are fp32 too, every LayerNorm output is fp32, bnb's Linear4bit returns its
-  output in the input's dtype, so the whole residual stream, the checkpointed layer inputs and the
-  LoRA branches run in fp32: twice the activation bytes of a bf16 run. That is why stock QLoRA
-  (0.6 GiB of nf4 weights) peaks *higher* than stock LoRA (2.6 GiB of bf16 weights).
-- Logits. `XForCausalLM.forward` builds the full logits: 4 x 1024 x 50304 = 206M entries, 0.39 GiB
-  in bf16, which `ForCausalLMLoss` copies to fp32 (0.77 GiB); cross-entropy saves its fp32
-  log-softmax (0.77 GiB), and backward holds the fp32 grad of the log-softmax and of the logits at
-  once (2 x 0.77 GiB) plus the bf16 grad (0.39 GiB). With the returned bf16 logits still referenced
-  by the output object that is ~3-4 GiB at the loss, more than the entire checkpointed activation
-  stack of 24 layers (24 x 4 x 1024 x 2048 x 2 B = 0.38 GiB of layer inputs).
-- LoRA branch. peft casts each adapted layer's input to the adapter's fp32 dtype
-  (`_cast_input_dtype`) and saves it for the A-weight gradient; for dense_4h_to_h that is a
-  4 x 1024 x 8192 fp32 tensor (128 MiB) per layer. Harmless under checkpointing (one layer at a time),
-  ruinous without it: 24 layers x (~34 x b x s x d bf16 activations + the fp32 LoRA inputs) is ~10 GiB,
-  which is what a run whose checkpointing never engaged would show. Transformers only checkpoints
-  `if self.gradient_checkpointing and self.training`, and `from_pretrained` returns the model in eval
-  mode: a benchmark that never calls `model.train()` silently keeps every activation. (We cannot
-  see the peer script; the 12.4 GiB is consistent with this, and with the logits above.)
+  weight to fp32: embed_in and the head (103M parameters each) grow from 0.38 GiB together to 0.77 GiB,
+  and because the norms become fp32 their outputs are fp32; bnb's Linear4bit returns its output
+  in its input's dtype, so the residual stream, the checkpointed layer inputs (0.75 instead of
+  0.38 GiB) and the LoRA branches all run in fp32.
+- Logits. `XForCausalLM.forward` builds all logits: 4 x 1024 x 50304 = 206M entries, 0.38 GiB in bf16,
+  which `ForCausalLMLoss` copies to fp32 (0.77 GiB); cross-entropy saves its fp32 log-softmax
+  (0.77 GiB), and backward holds fp32 grads of both (2 x 0.77 GiB) next to the bf16 logits grad. That is
+  ~2.5 GiB at the loss: over six times the whole checkpointed activation stack (24 x 4 x 1024 x 2048 x 2 B).
+- LoRA branch. peft casts each adapted layer's input to the adapter's fp32 dtype and saves it for
+  the A-weight gradient (for dense_4h_to_h a 128 MiB tensor per layer); with dropout > 0 it also
+  keeps the dropped copy. Harmless under checkpointing (one layer at a time), costly without it.
+- Checkpointing that never engages. Transformers only checkpoints `if self.gradient_checkpointing and
+  self.training`, and `from_pretrained` returns the model in eval mode: a script that never calls
+  `model.train()` keeps every activation.
 
-How this tier avoids each cost:
+Peak live tensor bytes of one step, estimated by replaying it on the meta device with a dispatch-mode
+tracker (flash attention emulated, Adam state included, no allocator overhead, no autocast):
 
-- No fp32 upcast of the base: the frozen base stays bf16 (LayerNorm under autocast runs in fp32
-  internally anyway), nf4 linears keep bf16 compute; only the LoRA A/B matrices are fp32 (12.6M
-  parameters at r=16 on all four projections: 50 MB, 0.2 GB with grads and Adam state).
+    stock LoRA, checkpointing on                 5.9 GiB     stock QLoRA, checkpointing on   5.3 GiB
+    stock LoRA, left in eval mode (ckpt off)    14.9 GiB     stock QLoRA, left in eval mode 18.1 GiB
+    stock LoRA, no ckpt, dropout 0.05           20.1 GiB
+    this tier, LoRA                              3.8 GiB     this tier, QLoRA                2.1 GiB
+
+The measured 12.4/13.2 GiB, with QLoRA above LoRA, sit between the "on" and "off" rows and rank like
+the "off" rows: the peer's checkpointing most likely did not (fully) engage. Either way both targets
+(<= 8 GiB LoRA, <= 6 GiB QLoRA) need checkpointing that really runs, and the rest is removed here:
+
+- No fp32 upcast of the base: the frozen base stays bf16 (LayerNorm under autocast computes in fp32
+  internally anyway), nf4 linears compute in bf16; only the LoRA A/B matrices are fp32 (12.6M
+  parameters: 50 MB, 0.2 GB with grads and Adam state).
 - The full logits are never built: `causal_lm_loss_from_hidden` runs the backbone and
   `chunked_causal_lm_loss` computes cross-entropy on chunks of 1024 tokens, each chunk's logits inside
-  `torch.utils.checkpoint`, so forward and backward hold one 1024 x 50304 fp32 chunk (0.19 GiB, plus
-  its softmax grad) instead of ~3 GiB.
-- Checkpointing is non-reentrant (no need for inputs that require grad, no double forward of the
-  first layer), and `apply_recompute` puts the model in training mode so it actually engages.
-
-Budget for our LoRA tier: 2.6 GiB bf16 base + 0.2 GiB LoRA state + 0.4 GiB layer inputs + one
-layer's recompute (~0.6 GiB) + one loss chunk (~0.6 GiB) = ~4.4 GiB, under the 8 GiB target. QLoRA:
-0.6 GiB nf4 linears + 0.4 GiB bf16 embeddings/head + the same activations = ~2.4 GiB, under 6 GiB.
+  a non-reentrant checkpoint, so forward and backward hold one 1024 x 50304 fp32 chunk (0.19 GiB, plus
+  its softmax grad) instead of ~2.5 GiB.
+- `apply_recompute` uses non-reentrant checkpointing (no reliance on inputs that require grad) and
+  puts the model in training mode so it engages.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ TRAIN_MODES = ("pretrain", "finetune")
 ADAPTER_TIERS = ("lora", "qlora")
 
 # LoRA targets per architecture: every linear of attention and MLP (QLoRA paper: all-linear matches
-# full fine-tuning; attention-only does not). Names checked against transformers 5.17-5.24.
+# full fine-tuning; attention-only does not). Names checked on transformers 5.24.
 LORA_TARGET_MODULES: dict[str, list[str]] = {
     "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -188,7 +189,9 @@ def apply_lora(
         fan_in_fan_out=model_type == "gpt2",  # GPT-2's Conv1D stores weights transposed
         task_type="CAUSAL_LM" if isinstance(model, PreTrainedModel) else None,
     )
-    peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=True)
+    with warnings.catch_warnings():  # peft reads the deprecated `is_gradient_checkpointing` on 5.23+
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=True)
     for p in peft_model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()  # fp32 adapters: their updates are tiny relative to bf16 steps

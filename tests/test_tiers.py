@@ -111,6 +111,19 @@ def test_chunked_loss_matches_full_cross_entropy(shift, chunk_size):
     torch.testing.assert_close(g_weight.float(), r_weight.float(), atol=1e-6, rtol=1e-5)
 
 
+def test_chunked_loss_with_head_bias():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 9, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(VOCAB, 16, dtype=torch.float64)
+    bias = torch.randn(VOCAB, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (2, 9))
+    loss = chunked_causal_lm_loss(hidden, weight, labels, chunk_size=4, lm_head_bias=bias)
+    ref = F.cross_entropy((hidden[:, :-1] @ weight.T + bias).reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    torch.testing.assert_close(loss, ref.float(), atol=1e-6, rtol=1e-6)
+    g, r = torch.autograd.grad(loss, bias), torch.autograd.grad(ref, bias)
+    torch.testing.assert_close(g[0], r[0], atol=1e-6, rtol=1e-5)
+
+
 def test_chunked_loss_bf16_close_to_fp32_reference():
     torch.manual_seed(0)
     hidden = torch.randn(2, 33, 64)

@@ -129,11 +129,10 @@ def carve_validation(
         )
     order = np.random.default_rng(seed).permutation(n)
     n_val = max(1, math.ceil(validation_fraction * n))
-    while n_val < n // 2:
-        chars = pc.sum(pc.utf8_length(ds.select(np.sort(order[:n_val])).with_format("arrow")[text_column])).as_py()
-        if chars >= MIN_VALIDATION_CHARS:
-            break
-        n_val = min(n // 2, n_val * 2)
+    window = order[: max(n_val, min(n // 2, 4096))]  # enough documents to reach the character floor
+    lengths = pc.utf8_length(ds.select(window).with_format("arrow")[text_column]).to_numpy(zero_copy_only=False)
+    reached = np.flatnonzero(np.cumsum(lengths) >= MIN_VALIDATION_CHARS)
+    n_val = max(n_val, int(reached[0]) + 1 if len(reached) else len(window))
     n_val = min(n_val, n - 1)
     return ds.select(np.sort(order[n_val:])), ds.select(np.sort(order[:n_val]))
 

@@ -1,0 +1,222 @@
+"""Measure this GPU: copy bandwidth and bf16 matmul rate, the denominators of every time and MFU estimate.
+
+``hf-cgpu bench`` (or ``python -m hf_cgpu.bench``) prints the device, its memory and compute capability, the
+read + write bandwidth of a device-to-device copy of a 256 MiB bf16 tensor, and bf16 matmul TFLOP/s at 2048, 4096
+and 8192 (warm-up, CUDA-event timing, median of several repeats). The result goes to
+``$HF_CGPU_CACHE/bench.json`` (default ``~/.cache/hf_cgpu/bench.json``); ``load_measured_peak()`` reads it back for
+the trainer's MFU and for ``hf-cgpu budget``'s hours. Datasheet numbers are upper bounds: a consumer card reaches
+~80-90% of its nominal bandwidth and its own measured matmul rate is the honest MFU denominator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+COPY_BYTES = 256 * 1024**2
+"""Size of the copied tensor: large enough to defeat the L2 cache (64-96 MB on current cards)."""
+MATMUL_SIZES = (2048, 4096, 8192)
+WARMUP = 5
+ITERS = 20
+"""Calls per timed repeat: long enough that launch overhead is negligible for the small sizes."""
+REPEATS = 5
+"""Timed repeats; the median is reported (robust to a clock-boost or a background process)."""
+NO_CUDA_EXIT = 2
+
+
+def cache_dir() -> Path:
+    """``$HF_CGPU_CACHE`` if set, else ``~/.cache/hf_cgpu``."""
+    env = os.environ.get("HF_CGPU_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hf_cgpu"
+
+
+def bench_path() -> Path:
+    return cache_dir() / "bench.json"
+
+
+@dataclass
+class BenchResult:
+    """One bench run; ``peak_bf16_tflops`` (the best matmul rate) is what MFU and budget hours divide by."""
+
+    device_name: str
+    total_memory_bytes: int
+    capability: str
+    """``sm_XY`` as CUDA names it (RTX 50 series: sm_120)."""
+    copy_bandwidth_gbs: float
+    """Read + write GB/s (10^9) of a device-to-device copy."""
+    matmul_tflops: dict[int, float] = field(default_factory=dict)
+    """bf16 square matmul TFLOP/s by matrix size."""
+    torch_version: str = ""
+    cuda_version: str | None = None
+    measured_at: str = ""
+
+    @property
+    def peak_bf16_tflops(self) -> float:
+        return max(self.matmul_tflops.values()) if self.matmul_tflops else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["matmul_tflops"] = {str(k): v for k, v in self.matmul_tflops.items()}
+        d["peak_bf16_tflops"] = self.peak_bf16_tflops
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BenchResult:
+        return cls(
+            device_name=str(d["device_name"]),
+            total_memory_bytes=int(d["total_memory_bytes"]),
+            capability=str(d["capability"]),
+            copy_bandwidth_gbs=float(d["copy_bandwidth_gbs"]),
+            matmul_tflops={int(k): float(v) for k, v in d.get("matmul_tflops", {}).items()},
+            torch_version=str(d.get("torch_version", "")),
+            cuda_version=d.get("cuda_version"),
+            measured_at=str(d.get("measured_at", "")),
+        )
+
+
+def save_result(result: BenchResult, path: str | Path | None = None) -> Path:
+    path = Path(path) if path else bench_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    tmp.replace(path)  # atomic: a reader never sees half a file
+    return path
+
+
+def load_result(path: str | Path | None = None) -> BenchResult | None:
+    """The saved bench result, or None when there is none or it cannot be read."""
+    path = Path(path) if path else bench_path()
+    try:
+        return BenchResult.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def load_measured_peak(path: str | Path | None = None) -> float | None:
+    """Measured bf16 peak in TFLOP/s from the last ``hf-cgpu bench``, or None if never measured."""
+    result = load_result(path)
+    peak = result.peak_bf16_tflops if result else 0.0
+    return peak if peak > 0 else None
+
+
+# ---- measurement (CUDA only) --------------------------------------------------------------------------------------
+
+
+def time_cuda(fn: Callable[[], Any], warmup: int = WARMUP, iters: int = ITERS, repeats: int = REPEATS) -> float:
+    """Median seconds per call of ``fn`` over ``repeats`` CUDA-event-timed runs of ``iters`` calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / iters)
+    return statistics.median(times)
+
+
+def measure_copy_bandwidth(nbytes: int = COPY_BYTES, **timing: int) -> float:
+    """GB/s moved by ``b.copy_(a)``: every byte is read once and written once."""
+    import torch
+
+    a = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    dt = time_cuda(lambda: b.copy_(a), **timing)
+    del a, b
+    return 2 * nbytes / dt / 1e9
+
+
+def measure_matmul(size: int, **timing: int) -> float:
+    """bf16 TFLOP/s of a ``size`` x ``size`` by ``size`` x ``size`` matmul (2 n^3 FLOPs)."""
+    import torch
+
+    x = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(size, size, dtype=torch.bfloat16, device="cuda")
+    dt = time_cuda(lambda: torch.mm(x, y, out=out), **timing)
+    del x, y, out
+    torch.cuda.empty_cache()
+    return 2 * size**3 / dt / 1e12
+
+
+def run_bench(sizes: Sequence[int] = MATMUL_SIZES, copy_bytes: int = COPY_BYTES, **timing: int) -> BenchResult:
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    major, minor = torch.cuda.get_device_capability(0)
+    return BenchResult(
+        device_name=torch.cuda.get_device_name(0),
+        total_memory_bytes=int(props.total_memory),
+        capability=f"sm_{major}{minor}",
+        copy_bandwidth_gbs=measure_copy_bandwidth(copy_bytes, **timing),
+        matmul_tflops={m: measure_matmul(m, **timing) for m in sizes},
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+
+
+def format_result(r: BenchResult) -> str:
+    lines = [
+        f"{r.device_name} | {r.total_memory_bytes / 1024**3:.1f} GiB | {r.capability} | torch {r.torch_version}"
+        f" (CUDA {r.cuda_version})",
+        f"  copy bandwidth (read + write)  {r.copy_bandwidth_gbs:8,.0f} GB/s",
+    ]
+    for m, tflops in sorted(r.matmul_tflops.items()):
+        lines.append(f"  bf16 matmul {m:>5} x {m:<5}       {tflops:8,.1f} TFLOP/s")
+    lines.append(f"  peak used for MFU and budget    {r.peak_bf16_tflops:8,.1f} TFLOP/s")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hf-cgpu bench", description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default=",".join(map(str, MATMUL_SIZES)), help="matmul sizes, comma separated")
+    p.add_argument("--copy_mib", type=int, default=COPY_BYTES // 1024**2, help="copied tensor size in MiB")
+    p.add_argument("--iters", type=int, default=ITERS, help="calls per timed repeat")
+    p.add_argument("--repeats", type=int, default=REPEATS, help="timed repeats (median reported)")
+    p.add_argument("--output", default=None, help=f"result JSON (default {bench_path()})")
+    p.add_argument("--no_save", action="store_true", help="print only")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``hf-cgpu bench``: exit code 2 with one line when there is no CUDA device."""
+    args = build_parser().parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("hf-cgpu bench: no CUDA device visible (torch.cuda.is_available() is False): run it on the machine "
+              "with the GPU, with a CUDA build of torch", file=sys.stderr)
+        return NO_CUDA_EXIT
+    try:
+        sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"hf-cgpu bench: error: --sizes {args.sizes!r} must be integers, e.g. 2048,4096,8192")
+    major, minor = torch.cuda.get_device_capability(0)
+    arch = f"sm_{major}{minor}"
+    if arch not in torch.cuda.get_arch_list():
+        print(f"warning: this torch build has no {arch} kernels ({', '.join(torch.cuda.get_arch_list())}); "
+              "install a wheel built for it (RTX 50: cu128 or newer)", file=sys.stderr)
+    result = run_bench(sizes, args.copy_mib * 1024**2, iters=args.iters, repeats=args.repeats)
+    print(format_result(result))
+    if not args.no_save:
+        print(f"  saved to {save_result(result, args.output)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

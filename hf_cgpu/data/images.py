@@ -1,0 +1,259 @@
+"""Small-image datasets for flow matching: decode once into a uint8 tensor, cache it, augment on the device.
+
+A 32x32 UNet on a 16 GB GPU trains at more than 10k images/s; PIL decoding plus per-image transforms in
+DataLoader workers cannot keep up on a desktop CPU. So every image is decoded once, converted to RGB and brought
+to ``image_size`` x ``image_size``, and the whole set is stored as one (N, 3, S, S) uint8 tensor (CIFAR-10: 150 MB)
+in a safetensors file keyed by source, split, columns, size and limit. A second run loads that file in well under a
+second. Batches are then indexed from that tensor (moved to the GPU once) and flipped / scaled there
+(``augment_on_device``).
+
+Sources:
+    - a directory holding ``{split}.parquet`` (e.g. /work/shared/data/cifar10), or any folder ``datasets`` can read
+      (parquet shards named by split, or an imagefolder tree ``train/<class>/*.png``; its columns are
+      ``image`` and ``label``, so pass ``image_column="image"``),
+    - a .parquet file or a list of them,
+    - a Hub dataset id such as ``uoft-cs/cifar10`` (needs network the first time).
+
+Odd images: every mode is converted to RGB (transparent pixels composited onto white, 16-bit grey scaled to
+8 bits); non-square images are centre-cropped to a square, then any size is resized (bicubic) to ``image_size``.
+Modes PIL cannot turn into RGB (LAB, HSV) raise a one-line error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+CACHE_VERSION = 1
+_16BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
+@dataclass
+class ImageDataset:
+    """Decoded images and labels, ready to move to a device.
+
+    Attributes:
+        images: (N, 3, S, S) uint8.
+        labels: (N,) int64, or None when the dataset has no label column.
+        class_names: names from a ClassLabel label feature, else None.
+        cache_path: the safetensors file the tensors live in (None when caching was off).
+    """
+
+    images: torch.Tensor
+    labels: torch.Tensor | None
+    class_names: list[str] | None
+    cache_path: str | None = None
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    @property
+    def num_classes(self) -> int | None:
+        """Class count for a class-conditional model (from the names, else the largest label + 1)."""
+        if self.class_names is not None:
+            return len(self.class_names)
+        return None if self.labels is None else int(self.labels.max()) + 1
+
+
+# ----------------------------------------------------------------------------- one image
+def preprocess_image(image: Image.Image, image_size: int = 32) -> np.ndarray:
+    """Any PIL image -> (3, S, S) uint8: RGB, centre-cropped to a square, resized to ``image_size``."""
+    if image.width == 0 or image.height == 0:
+        raise ValueError(f"empty image of size {image.size}; remove it from the dataset")
+    rgb = _to_rgb(image)
+    side = min(rgb.size)
+    if rgb.width != rgb.height:
+        left, top = (rgb.width - side) // 2, (rgb.height - side) // 2
+        rgb = rgb.crop((left, top, left + side, top + side))
+    if side != image_size:
+        rgb = rgb.resize((image_size, image_size), Image.Resampling.BICUBIC)
+    return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1).copy()  # (3, S, S)
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB view of ``image``; transparency goes onto white because hidden pixels often hold arbitrary colours."""
+    mode = image.mode
+    if mode == "RGB":
+        return image
+    if mode in _16BIT_MODES:
+        grey = np.clip(np.asarray(image, dtype=np.float64) / 257.0, 0, 255).astype(np.uint8)
+        return Image.fromarray(grey, mode="L").convert("RGB")
+    if mode == "F":
+        return Image.fromarray(np.clip(np.asarray(image), 0, 255).astype(np.uint8), mode="L").convert("RGB")
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or (mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    try:
+        return image.convert("RGB")
+    except ValueError as err:
+        raise ValueError(f"cannot convert image mode {mode!r} to RGB ({err}); convert those images first") from None
+
+
+def _decode_images(images: Sequence[Image.Image], image_size: int) -> np.ndarray:
+    """(n, 3, S, S) uint8 from a batch of PIL images."""
+    return np.stack([preprocess_image(img, image_size) for img in images])
+
+
+# ----------------------------------------------------------------------------- datasets
+def _is_local(source: str | Sequence[str]) -> bool:
+    if not isinstance(source, str):
+        return True
+    return os.path.exists(source)
+
+
+def _open_dataset(source: str | Sequence[str], split: str):
+    """A ``datasets.Dataset`` for one split of a local folder/file(s) or a Hub id."""
+    from datasets import load_dataset
+
+    if not isinstance(source, str):
+        return load_dataset("parquet", data_files={split: [str(p) for p in source]}, split=split)
+    path = Path(source)
+    if path.is_file():
+        if path.suffix != ".parquet":
+            raise ValueError(f"{source} is not a .parquet file; pass a parquet file, a folder or a Hub id")
+        return load_dataset("parquet", data_files={split: str(path)}, split=split)
+    if path.is_dir():
+        named = path / f"{split}.parquet"
+        if named.is_file():
+            return load_dataset("parquet", data_files={split: str(named)}, split=split)
+        return load_dataset(str(path), split=split)  # datasets infers parquet shards or an imagefolder
+    return load_dataset(source, split=split)
+
+
+def _file_fingerprint(source: str | Sequence[str]) -> list:
+    """Sizes and mtimes of local files so an edited dataset gets a new cache key."""
+    paths = [Path(source)] if isinstance(source, str) else [Path(p) for p in source]
+    files = []
+    for p in paths:
+        files += sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    return [[str(f.resolve()), f.stat().st_size, int(f.stat().st_mtime)] for f in files[:10000]]
+
+
+def cache_file(
+    source: str | Sequence[str],
+    split: str,
+    image_column: str,
+    label_column: str | None,
+    image_size: int,
+    limit: int | None,
+    cache_dir: str | os.PathLike,
+) -> Path:
+    """Where the decoded tensors for these arguments live."""
+    local = _is_local(source)
+    key = {
+        "v": CACHE_VERSION,
+        "source": [str(Path(s).resolve()) for s in ([source] if isinstance(source, str) else source)]
+        if local
+        else source,
+        "files": _file_fingerprint(source) if local else None,
+        "split": split,
+        "image_column": image_column,
+        "label_column": label_column,
+        "image_size": image_size,
+        "limit": limit,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    name = Path(source if isinstance(source, str) else source[0]).name.replace(".parquet", "") or "dataset"
+    return Path(cache_dir) / f"{name}-{split}-{image_size}px-{limit or 'all'}-{digest}.safetensors"
+
+
+def default_cache_dir() -> Path:
+    """$HF_CGPU_CACHE/images, else ~/.cache/hf_cgpu/images."""
+    root = os.environ.get("HF_CGPU_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_cgpu")
+    return Path(root) / "images"
+
+
+def load_image_dataset(
+    source: str | Sequence[str],
+    split: str = "train",
+    image_column: str = "img",
+    label_column: str | None = "label",
+    limit: int | None = None,
+    image_size: int = 32,
+    cache_dir: str | os.PathLike | None = None,
+    use_cache: bool = True,
+    batch_size: int = 1000,
+) -> ImageDataset:
+    """Decode ``split`` of ``source`` once into (N, 3, S, S) uint8 (+ int64 labels), cached as safetensors.
+
+    ``label_column`` missing from the data (or None) gives ``labels=None``: an unconditional dataset.
+    ``limit`` keeps the first rows only (quick runs, tests). ``cache_dir`` defaults to ``default_cache_dir()``.
+    """
+    path = cache_file(source, split, image_column, label_column, image_size, limit, cache_dir or default_cache_dir())
+    if use_cache and path.is_file():
+        return _read_cache(path)
+    data = _decode_dataset(source, split, image_column, label_column, limit, image_size, batch_size)
+    if use_cache:
+        _write_cache(path, data)
+        data.cache_path = str(path)
+    return data
+
+
+def _decode_dataset(source, split, image_column, label_column, limit, image_size, batch_size) -> ImageDataset:
+    from datasets import ClassLabel
+
+    ds = _open_dataset(source, split)
+    if image_column not in ds.column_names:
+        raise ValueError(
+            f"no image column {image_column!r} in {source} (columns: {', '.join(ds.column_names)});"
+            " set --image_column to one of them"
+        )
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    has_labels = label_column is not None and label_column in ds.column_names
+    chunks = [
+        _decode_images(batch[image_column], image_size)
+        for batch in ds.select_columns([image_column]).iter(batch_size=batch_size)
+    ]
+    empty = np.zeros((0, 3, image_size, image_size), dtype=np.uint8)
+    images = torch.from_numpy(np.concatenate(chunks) if chunks else empty)  # (N, 3, S, S)
+    labels = torch.tensor(list(ds[label_column]), dtype=torch.int64) if has_labels else None
+    feature = ds.features[label_column] if has_labels else None
+    names = list(feature.names) if isinstance(feature, ClassLabel) else None
+    return ImageDataset(images=images, labels=labels, class_names=names)
+
+
+def _write_cache(path: Path, data: ImageDataset) -> None:
+    """Atomic write (tmp + rename) so an interrupted run never leaves a truncated cache behind."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {"images": data.images.contiguous()}
+    if data.labels is not None:
+        tensors["labels"] = data.labels
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"class_names": json.dumps(data.class_names)})
+    os.replace(tmp, path)
+
+
+def _read_cache(path: Path) -> ImageDataset:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        names = json.loads((f.metadata() or {}).get("class_names", "null"))
+        images = f.get_tensor("images")
+        labels = f.get_tensor("labels") if "labels" in f.keys() else None
+    return ImageDataset(images=images, labels=labels, class_names=names, cache_path=str(path))
+
+
+# ----------------------------------------------------------------------------- augmentation
+def augment_on_device(
+    x_uint8: torch.Tensor, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """(B, C, H, W) uint8 -> ``dtype`` in [-1, 1] with a random horizontal flip per image.
+
+    Runs wherever ``x_uint8`` lives (index the cached tensor on the GPU, then call this), so the CPU is not the
+    bottleneck. A ``generator`` must be on the same device as ``x_uint8``.
+    """
+    x = x_uint8.to(dtype) / 127.5 - 1.0  # (B, C, H, W) in [-1, 1]
+    flip = torch.rand(x.shape[0], device=x.device, generator=generator) < 0.5  # (B,)
+    return torch.where(flip[:, None, None, None], x.flip(3), x)

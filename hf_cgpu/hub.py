@@ -1,0 +1,376 @@
+"""Model cards and Hub upload for trained output directories (``hf-cgpu push DIR REPO_ID``).
+
+A card is rendered from a Jinja2 template (``model_cards/<kind>.md``) with YAML front matter built by
+``huggingface_hub.ModelCardData``; the numbers come from the directory itself (``all_results.json``, the config
+files, the safetensors headers), so a card always describes the weights beside it.
+
+Where the templates live: one copy only, ``model_cards/`` at the repository root, where they are reviewed like
+docs. ``template_dir()`` looks, in order, at ``$HF_CGPU_MODEL_CARDS``, the source checkout (``<repo>/model_cards``,
+which also covers ``pip install -e .``) and ``<prefix>/share/hf_cgpu/model_cards``, where a wheel installs them
+through setup.cfg's ``[options.data_files]``. No copy inside the package, no symlink (symlinks are dropped or
+duplicated by sdists and wheels, and break on Windows checkouts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import site
+import struct
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+KINDS: dict[str, dict[str, str]] = {
+    "gpt": {"library_name": "transformers", "pipeline_tag": "text-generation"},
+    "flow": {"library_name": "diffusers", "pipeline_tag": "unconditional-image-generation"},
+    "lora": {"library_name": "peft", "pipeline_tag": "text-generation"},
+}
+# Never uploaded: training state (optimizer moments are 2-3x the model), caches and editor litter. Patterns are
+# huggingface_hub's (fnmatch, ``*`` crosses ``/``), so ``upload_file_list`` shows exactly what upload_folder sends.
+UPLOAD_IGNORE_PATTERNS = [
+    "checkpoints/*",
+    "*/checkpoints/*",
+    "__pycache__/*",
+    "*/__pycache__/*",
+    "*.pyc",
+    ".git/*",
+    ".cache/*",
+    "*.tmp",
+    ".DS_Store",
+]
+# config.json keys that say nothing about the model.
+_CONFIG_NOISE = {"architectures", "auto_map", "transformers_version", "_name_or_path", "dtype", "torch_dtype"}
+
+
+class HubError(RuntimeError):
+    """A push or card problem, with a one-line message naming the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Templates
+
+
+def template_dir() -> Path:
+    """Directory holding ``gpt.md``, ``flow.md`` and ``lora.md`` (see the module docstring for the order)."""
+    candidates = []
+    if os.environ.get("HF_CGPU_MODEL_CARDS"):
+        candidates.append(Path(os.environ["HF_CGPU_MODEL_CARDS"]).expanduser())
+    candidates.append(Path(__file__).resolve().parent.parent / "model_cards")
+    prefixes = [sysconfig.get_path("data"), sys.prefix, getattr(site, "USER_BASE", None)]
+    candidates += [Path(p) / "share" / "hf_cgpu" / "model_cards" for p in prefixes if p]
+    for directory in candidates:
+        if (directory / "gpt.md").is_file():
+            return directory
+    raise HubError(
+        f"model card templates not found (looked in {', '.join(map(str, candidates))}); reinstall hf_cgpu or set "
+        f"HF_CGPU_MODEL_CARDS to a directory holding gpt.md, flow.md and lora.md"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading a trained directory
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise HubError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); repair or delete it") from None
+    return data if isinstance(data, dict) else {}
+
+
+def detect_kind(output_dir: str | os.PathLike) -> str:
+    """``lora`` (adapter_config.json), ``flow`` (model_index.json) or ``gpt`` (config.json)."""
+    d = Path(output_dir)
+    if (d / "adapter_config.json").is_file():
+        return "lora"
+    if (d / "model_index.json").is_file():
+        return "flow"
+    if (d / "config.json").is_file():
+        return "gpt"
+    raise HubError(
+        f"{d} holds no config.json, model_index.json or adapter_config.json; point at a finished run's output_dir"
+    )
+
+
+def _model_config(kind: str, d: Path) -> dict[str, Any]:
+    """The config that describes the network: config.json, the pipeline's denoiser config, or the adapter's."""
+    if kind == "lora":
+        return _read_json(d / "adapter_config.json")
+    if kind == "flow":
+        index = _read_json(d / "model_index.json")
+        for name in ("unet", "transformer", *index):
+            if not name.startswith("_") and (d / name / "config.json").is_file():
+                return {"_component": name, **_read_json(d / name / "config.json")}
+        return {}
+    return _read_json(d / "config.json")
+
+
+def count_parameters(output_dir: str | os.PathLike) -> int:
+    """Parameters stored in the directory's safetensors files, read from their headers (no weights loaded)."""
+    total = 0
+    for path in sorted(Path(output_dir).rglob("*.safetensors")):
+        if "checkpoints" in path.relative_to(output_dir).parts:
+            continue
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return total
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
+            return f"{value:.3e}"
+        return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_format_value(v) for v in value)
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _format_count(n: int) -> str:
+    """1.41B, 124.4M, 205: the precision people quote model sizes with."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f}M"
+    return f"{n:,}"
+
+
+def _rows(mapping: dict[str, Any], skip: set[str] = frozenset()) -> list[tuple[str, str]]:
+    """Scalar (and short list) entries as table rows; nested objects and None are left out."""
+    rows = []
+    for key, value in mapping.items():
+        if key in skip or key.startswith("_") or value is None or isinstance(value, dict):
+            continue
+        if isinstance(value, (list, tuple)) and (len(value) > 8 or any(isinstance(v, (dict, list)) for v in value)):
+            continue
+        rows.append((key, _format_value(value)))
+    return rows
+
+
+def _first(mapping: dict[str, Any], *keys: str) -> Any:
+    return next((mapping[k] for k in keys if mapping.get(k) is not None), None)
+
+
+def _by_suffix(mapping: dict[str, Any], suffix: str) -> tuple[str, Any] | None:
+    """The loop names some results by its unit: ``toks_seen``, ``tok_per_s``, ``imgs_seen``."""
+    return next(((k, v) for k, v in mapping.items() if k.endswith(suffix) and v is not None), None)
+
+
+_UNIT_NAMES = {"tok": "tokens", "token": "tokens", "img": "images", "image": "images"}
+
+
+def _summary(results: dict[str, Any], n_params: int) -> str:
+    """One sentence with the headline figures that exist."""
+    parts = []
+    if n_params:
+        parts.append(f"{_format_count(n_params)} parameters")
+    steps = _first(results, "steps", "global_step")
+    if steps is not None:
+        parts.append(f"{_format_value(steps)} optimizer steps")
+    seen = _by_suffix(results, "s_seen")
+    if seen is not None:
+        unit = seen[0][: -len("s_seen")]
+        parts.append(f"{_format_value(seen[1])} {_UNIT_NAMES.get(unit, unit + 's')} seen")
+    train_loss = _first(results, "train_loss", "final_loss")
+    if train_loss is not None:
+        parts.append(f"final train loss {_format_value(train_loss)}")
+    val_loss = _first(results, "val_loss", "eval_loss", "validation_loss")
+    if val_loss is not None:
+        parts.append(f"validation loss {_format_value(val_loss)}")
+    rate = _by_suffix(results, "_per_s")
+    if rate is not None:
+        parts.append(f"{_format_value(rate[1])} {rate[0][: -len('_per_s')]}/s")
+    return "; ".join(parts) + "." if parts else "No results recorded (all_results.json missing)."
+
+
+def _is_hub_id(name: str | None) -> bool:
+    """A Hub dataset id looks like ``owner/name`` and is no existing local path."""
+    return bool(name) and name.count("/") == 1 and not Path(name).expanduser().exists() and " " not in name
+
+
+def _dataset_label(dataset: str | None) -> str:
+    """How the card names the training data in prose."""
+    if not dataset:
+        return "an unrecorded dataset"
+    if dataset == "builtin":
+        return "Python's own reference documentation (`pydoc_data.topics`, hf_cgpu's `builtin` corpus)"
+    if _is_hub_id(dataset):
+        return f"[{dataset}](https://huggingface.co/datasets/{dataset})"
+    return f"`{Path(dataset).name or dataset}`"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rendering
+
+
+def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -> str:
+    """Render ``model_cards/<kind>.md`` for ``output_dir``, write it as ``output_dir/README.md``, return the text.
+
+    Read from the directory: ``all_results.json`` (results table and summary; its ``settings`` entry, if any,
+    becomes the settings table), the model config and the safetensors headers (parameter count).
+    ``fields`` override or add: ``repo_id`` (used in the loading snippet), ``model_name``, ``description``,
+    ``dataset`` (a Hub id also goes into the front matter), ``license`` (default apache-2.0), ``language``,
+    ``base_model`` (lora; default from adapter_config.json), ``settings`` (dict of training settings),
+    ``tags`` (extra tags).
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    if kind not in KINDS:
+        raise HubError(f"unknown model card kind {kind!r}; choose one of {', '.join(KINDS)}")
+    d = Path(output_dir)
+    if not d.is_dir():
+        raise HubError(f"{d} is not a directory; pass a trained run's output_dir")
+    results = _read_json(d / "all_results.json")
+    config = _model_config(kind, d)
+    settings = fields.pop("settings", None) or results.get("settings") or {}
+    n_params = fields.pop("num_parameters", None) or count_parameters(d)
+    repo_id = fields.pop("repo_id", None)
+    dataset = fields.pop("dataset", None) or settings.get("dataset") or config.get("dataset")
+    base_model = fields.pop("base_model", None) or (config.get("base_model_name_or_path") if kind == "lora" else None)
+    extra_tags = list(fields.pop("tags", None) or [])
+    card_data = ModelCardData(
+        license=fields.pop("license", "apache-2.0"),
+        language=fields.pop("language", None),
+        library_name=KINDS[kind]["library_name"],
+        pipeline_tag=KINDS[kind]["pipeline_tag"],
+        tags=["hf_cgpu", kind, *extra_tags],
+        datasets=[dataset] if _is_hub_id(dataset) else None,
+        base_model=base_model if kind == "lora" else None,
+    )
+    template = template_dir() / f"{kind}.md"
+    if not template.is_file():
+        raise HubError(f"template {template} is missing; reinstall hf_cgpu or set HF_CGPU_MODEL_CARDS")
+    card = ModelCard.from_template(
+        card_data,
+        template_path=str(template),
+        model_name=fields.pop("model_name", None) or (repo_id.split("/")[-1] if repo_id else d.resolve().name),
+        load_path=repo_id or str(d),
+        description=fields.pop("description", ""),
+        dataset_name=_dataset_label(dataset),
+        summary=_summary(results, n_params),
+        num_parameters=n_params,
+        results_rows=_rows(results, skip={"settings"}),
+        settings_rows=_rows(settings),
+        config_rows=_rows(config, skip=_CONFIG_NOISE),
+        base_model_name=base_model or "BASE_MODEL",
+        base_model_label=(f"[{base_model}](https://huggingface.co/{base_model})" if _is_hub_id(base_model)
+                          else f"`{base_model}`" if base_model else "its base model"),
+        **fields,
+    )
+    card.save(str(d / "README.md"))
+    return str(card)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Upload
+
+
+def upload_file_list(output_dir: str | os.PathLike) -> list[str]:
+    """Relative paths that ``push_to_hub`` uploads: every file except ``UPLOAD_IGNORE_PATTERNS`` (checkpoints...)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    d = Path(output_dir)
+    files = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
+    return list(filter_repo_objects(files, ignore_patterns=UPLOAD_IGNORE_PATTERNS))
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def push_to_hub(
+    output_dir: str | os.PathLike,
+    repo_id: str,
+    private: bool = False,
+    token: str | None = None,
+    commit_message: str = "Upload model trained with hf_cgpu",
+) -> str:
+    """Create ``repo_id`` if needed and upload ``output_dir`` without its checkpoints; returns the commit URL.
+
+    The card is rendered first when README.md is missing, so a pushed model always says how it was made.
+    The token is checked before any request, so a missing login fails at once instead of after a timeout.
+    """
+    from huggingface_hub import HfApi, get_token
+
+    d = Path(output_dir)
+    if not d.is_dir():
+        raise HubError(f"{d} is not a directory; pass a trained run's output_dir")
+    files = upload_file_list(d)
+    if not files:
+        raise HubError(f"{d} has nothing to upload outside checkpoints/; train first or point at the output_dir")
+    token = token or get_token()
+    if not token:
+        raise HubError("no Hugging Face token: run `hf auth login`, set HF_TOKEN, or pass --token")
+    if not (d / "README.md").is_file():
+        render_model_card(detect_kind(d), d, repo_id=repo_id)
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        commit = api.upload_folder(
+            folder_path=str(d),
+            repo_id=repo_id,
+            repo_type="model",
+            commit_message=commit_message,
+            ignore_patterns=UPLOAD_IGNORE_PATTERNS,
+        )
+    except Exception as e:  # network, auth, name clash: one line, the traceback stays on __cause__
+        raise HubError(
+            f"push to {repo_id} failed ({_one_line(e)}); check the network, the repo id and that the token can "
+            f"write (`hf auth whoami`)"
+        ) from e
+    return str(getattr(commit, "commit_url", commit))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hf-cgpu push DIR REPO_ID [--private] [--token T] [--commit_message M]``."""
+    parser = argparse.ArgumentParser(
+        prog="hf-cgpu push", description="Upload a trained output directory to the Hub with a model card."
+    )
+    parser.add_argument("output_dir", help="a finished run's output directory")
+    parser.add_argument("repo_id", help="target model repo, e.g. your-name/cgpt-zh-poetry")
+    parser.add_argument("--private", action="store_true", help="create the repo private")
+    parser.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or `hf auth login`)")
+    parser.add_argument("--commit_message", default="Upload model trained with hf_cgpu")
+    parser.add_argument("--render_card", action="store_true", help="re-render README.md even if it exists")
+    args = parser.parse_args(argv)
+    try:
+        if args.render_card:
+            render_model_card(detect_kind(args.output_dir), args.output_dir, repo_id=args.repo_id)
+        url = push_to_hub(args.output_dir, args.repo_id, args.private, args.token, args.commit_message)
+    except HubError as e:
+        print(f"hf-cgpu push: {e}", file=sys.stderr)
+        return 1
+    print(url)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = [
+    "HubError",
+    "KINDS",
+    "UPLOAD_IGNORE_PATTERNS",
+    "count_parameters",
+    "detect_kind",
+    "main",
+    "push_to_hub",
+    "render_model_card",
+    "template_dir",
+    "upload_file_list",
+]

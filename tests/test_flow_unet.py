@@ -1,0 +1,107 @@
+"""Contract tests for FlowUNet2DModel on tiny widths (the parameter counts use the meta device)."""
+
+import pytest
+import torch
+
+from hf_cgpu.flow.unet import FlowUNet2DModel
+
+
+def _params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("base, millions", [(128, 6.1), (160, 9.3), (192, 13.3)])
+def test_parameter_counts_match_the_chapter(base, millions):
+    with torch.device("meta"):
+        model = FlowUNet2DModel(base_channels=base)
+    assert round(_params(model) / 1e6, 1) == millions
+
+
+def test_class_embedding_adds_one_null_row():
+    with torch.device("meta"):
+        plain, cond = FlowUNet2DModel(base_channels=128), FlowUNet2DModel(base_channels=128, num_classes=10)
+    assert _params(cond) - _params(plain) == 11 * 256
+    assert cond.null_class == 10 and plain.null_class is None
+
+
+def _tiny(**kw) -> FlowUNet2DModel:
+    torch.manual_seed(0)
+    return FlowUNet2DModel(base_channels=16, time_embed_dim=32, **kw).eval()
+
+
+def test_forward_shapes_and_timestep_forms():
+    model = _tiny()
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        out = model(x, torch.full((3,), 0.3)).sample
+        assert out.shape == (3, 3, 32, 32)
+        assert torch.allclose(model(x, 0.3).sample, out, atol=1e-6)
+        assert torch.allclose(model(x, torch.tensor(0.3)).sample, out, atol=1e-6)
+        assert model(x, 0.3, return_dict=False)[0].shape == out.shape
+        assert not torch.allclose(model(x, 0.7).sample, out)  # time reaches the blocks
+
+
+def test_per_sample_times_are_independent():
+    model = _tiny()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        both = model(x, torch.tensor([0.1, 0.9])).sample
+        first = model(x[:1], torch.tensor([0.1])).sample
+    assert torch.allclose(both[:1], first, atol=1e-5)
+
+
+def test_class_conditioning_and_null_class():
+    model = _tiny(num_classes=4)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        a = model(x, 0.5, torch.tensor([0, 0])).sample
+        b = model(x, 0.5, torch.tensor([1, 1])).sample
+        null = model(x, 0.5, torch.tensor([4, 4])).sample
+        none = model(x, 0.5).sample
+    assert not torch.allclose(a, b)
+    assert torch.allclose(null, none)  # no labels on a conditional model = the null class
+    with pytest.raises(ValueError, match="num_classes"):
+        _tiny()(x, 0.5, torch.tensor([0, 1]))
+
+
+def test_gradient_checkpointing_same_grads_and_used(monkeypatch):
+    x, t = torch.randn(2, 3, 32, 32), torch.tensor([0.2, 0.8])
+    grads = []
+    calls = []
+    for checkpointing in (False, True):
+        model = _tiny().train()
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+            inner = model._gradient_checkpointing_func
+            model._gradient_checkpointing_func = lambda *a: calls.append(1) or inner(*a)
+        model(x, t).sample.square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert len(calls) == 5  # d1, d2, mid, u2, u1
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_channels_last_and_bf16():
+    model = _tiny()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ref = model(x, 0.4).sample
+        cl = model.to(memory_format=torch.channels_last)(x.to(memory_format=torch.channels_last), 0.4).sample
+        assert torch.allclose(ref, cl, atol=1e-5)
+        low = model.to(torch.bfloat16)(x.to(torch.bfloat16), torch.tensor([0.4, 0.4])).sample
+    assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), ref, atol=0.1)
+
+
+def test_save_load_round_trip(tmp_path):
+    model = _tiny(num_classes=3)
+    model.save_pretrained(tmp_path)
+    loaded = FlowUNet2DModel.from_pretrained(tmp_path).eval()
+    assert loaded.config.num_classes == 3 and loaded.config.base_channels == 16
+    x = torch.randn(1, 3, 32, 32)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    with torch.no_grad():  # same weights; oneDNN may pick another kernel for mmap-loaded tensors (~1e-6)
+        assert torch.allclose(model(x, 0.5, torch.tensor([2])).sample, loaded(x, 0.5, torch.tensor([2])).sample, atol=1e-5)
+
+
+def test_bad_widths_fail_with_the_fix():
+    with pytest.raises(ValueError, match="norm_num_groups"):
+        FlowUNet2DModel(base_channels=12)
