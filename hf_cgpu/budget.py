@@ -1210,7 +1210,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Memory ledger and training time for one GPU. Sizes: GB is read as GiB (like the seed).",
     )
     src = p.add_argument_group("model (one of)")
-    src.add_argument("--preset", help=f"GPT preset or shape: {', '.join(preset_names())}")
+    src.add_argument("--preset", help=f"GPT preset or shape (default 124m): {', '.join(preset_names())}")
     src.add_argument("--config", help="a local config.json of a transformers causal LM (or its directory)")
     src.add_argument("--model", help="preset name, local config path, or Hub id (needs network)")
     run = p.add_argument_group("training")
@@ -1282,12 +1282,14 @@ def run(argv: Sequence[str] | None = None) -> str:
     preset: dict[str, Any] = {}
     if args.config:
         shape = ModelShape.from_config_file(args.config)
-    elif args.model:
+    elif args.model and args.model not in preset_names():
         shape = resolve_model(args.model)
     else:
-        name = args.preset or "124m"
+        name = args.preset or args.model or "124m"
         shape = ModelShape.from_preset(name)
         preset = load_preset_json(name)
+        if args.seq_len and shape.n_positions:  # hf_cgpu's GPT sizes its position table to seq_len
+            shape = dataclasses.replace(shape, n_positions=args.seq_len)
     cap = parse_memory(args.memory_cap)
     if not 0 < args.mfu <= 1:
         raise BudgetError(f"--mfu must be in (0, 1], got {args.mfu}: typical is 0.3-0.5")

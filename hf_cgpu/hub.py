@@ -172,11 +172,11 @@ def _by_suffix(mapping: dict[str, Any], suffix: str) -> tuple[str, Any] | None:
 _UNIT_NAMES = {"tok": "tokens", "token": "tokens", "img": "images", "image": "images"}
 
 
-def _summary(results: dict[str, Any], n_params: int) -> str:
+def _summary(results: dict[str, Any], n_params: int, kind: str = "gpt") -> str:
     """One sentence with the headline figures that exist."""
     parts = []
     if n_params:
-        parts.append(f"{_format_count(n_params)} parameters")
+        parts.append(f"{_format_count(n_params)} {'adapter ' if kind == 'lora' else ''}parameters")
     steps = _first(results, "steps", "global_step")
     if steps is not None:
         parts.append(f"{_format_value(steps)} optimizer steps")
@@ -260,7 +260,7 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
         load_path=repo_id or str(d),
         description=fields.pop("description", ""),
         dataset_name=_dataset_label(dataset),
-        summary=_summary(results, n_params),
+        summary=_summary(results, n_params, kind),
         num_parameters=n_params,
         results_rows=_rows(results, skip={"settings"}),
         settings_rows=_rows(settings),

@@ -65,7 +65,7 @@ def test_every_template_renders_with_valid_front_matter_and_numbers(tmp_path, ki
     assert loader in text
     for number in ("400", "819,200", "3.212", "3.457", "12,346", "0.003", "bf16"):
         assert number in text
-    assert "205 parameters" in text  # counted from the safetensors header, not checkpoints
+    assert ("205 adapter parameters" if kind == "lora" else "205 parameters") in text  # counted from the safetensors header, not checkpoints
     assert "## Limitations" in text and "{{" not in text
 
 

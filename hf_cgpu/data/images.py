@@ -16,7 +16,7 @@ Sources:
 
 Odd images: every mode is converted to RGB (transparent pixels composited onto white, 16-bit grey scaled to
 8 bits); non-square images are centre-cropped to a square, then any size is resized (bicubic) to ``image_size``.
-Modes PIL cannot turn into RGB (LAB, HSV) raise a one-line error.
+Modes PIL cannot turn into RGB (e.g. premultiplied 'La') raise a one-line error.
 """
 
 from __future__ import annotations
@@ -80,6 +80,13 @@ def preprocess_image(image: Image.Image, image_size: int = 32) -> np.ndarray:
 
 def _to_rgb(image: Image.Image) -> Image.Image:
     """RGB view of ``image``; transparency goes onto white because hidden pixels often hold arbitrary colours."""
+    try:
+        return _convert(image)
+    except ValueError as err:
+        raise ValueError(f"cannot convert image mode {image.mode!r} to RGB ({err}); convert those images first") from None
+
+
+def _convert(image: Image.Image) -> Image.Image:
     mode = image.mode
     if mode == "RGB":
         return image
@@ -92,10 +99,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    try:
-        return image.convert("RGB")
-    except ValueError as err:
-        raise ValueError(f"cannot convert image mode {mode!r} to RGB ({err}); convert those images first") from None
+    return image.convert("RGB")
 
 
 def _decode_images(images: Sequence[Image.Image], image_size: int) -> np.ndarray:

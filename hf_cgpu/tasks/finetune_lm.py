@@ -1,0 +1,132 @@
+"""Fine-tuning task: any causal LM (Hub id or local dir; Pythia-1.4B is the headline) on a text or instruction set.
+
+The memory tier (``--tier lora|qlora|full|adamw8bit``) decides how the base is loaded (bf16, nf4, fp32); the loss
+goes through ``causal_lm_loss_from_hidden`` so the (B, T, vocab) fp32 logits are never built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..loop import Task
+from ..settings import SettingsError, TrainSettings
+
+
+@dataclass
+class FinetuneSettings:
+    """Base model and data of a fine-tuning run."""
+
+    model: str = "EleutherAI/pythia-1.4b"
+    """Base causal LM: a Hub id (needs network once) or a local directory (our own GPT works too)."""
+    dataset: str = "builtin"
+    """Text or instruction data: a directory/files of parquet/json/txt, a Hub id, or 'builtin'."""
+    text_column: str = "text"
+    """Column with plain text; instruction sets (instruction/input/output or prompt/response) are formatted."""
+    seq_len: int = 1024
+    """Tokens per training sequence."""
+    loss_chunk_size: int = 1024
+    """Tokens per chunk of the fp32 loss (the full logits are never materialised)."""
+    merge: bool = False
+    """Also write the adapter merged into a bf16 copy of the base (output_dir/merged)."""
+    trust_remote_code: bool = False
+    """Allow the base model's own code from its repository."""
+    num_proc: int = 0
+    """Processes for tokenisation (0 = automatic)."""
+    cache_dir: str = ""
+    """Where packed token files are cached (empty = default cache)."""
+
+
+class FinetuneTask(Task):
+    unit = "tok"
+    train_mode = "finetune"
+
+    def __init__(self, cfg: FinetuneSettings):
+        self.cfg = cfg
+
+    def setup(self, settings: TrainSettings, accelerator) -> None:
+        from transformers import AutoTokenizer
+
+        from ..data.text import load_text_dataset, pack_dataset
+        from ..tiers import count_parameters, load_base_model
+
+        cfg = self.cfg
+        self.settings, self.accelerator = settings, accelerator
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        if self.tokenizer.eos_token_id is None:
+            raise SettingsError(f"tokenizer of {cfg.model} has no eos token; documents could not be separated")
+        device_map = {"": accelerator.device} if settings.tier == "qlora" and accelerator.device.type == "cuda" else None
+        self.model = load_base_model(cfg.model, settings.tier, device_map=device_map,
+                                     trust_remote_code=cfg.trust_remote_code)
+        limit = getattr(self.model.config, "max_position_embeddings", None) or getattr(self.model.config, "n_positions", None)
+        if limit and cfg.seq_len > limit:
+            raise SettingsError(f"--seq_len {cfg.seq_len} exceeds the model's {limit} positions; use --seq_len {limit}")
+        ds = load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column)
+        with accelerator.main_process_first():
+            kw = dict(seq_len=cfg.seq_len, cache_dir=cfg.cache_dir or None, num_proc=cfg.num_proc or None,
+                      text_column=cfg.text_column)
+            self.train_data = pack_dataset(ds["train"], self.tokenizer, **kw)
+            self.val_data = pack_dataset(ds["validation"], self.tokenizer, **kw)
+        _, total = count_parameters(self.model)
+        self.num_params = total
+        self.expected_initial_loss = None  # a pretrained base starts well below ln(vocab)
+        accelerator.print(f"{cfg.model}: {total / 1e6:.0f}M parameters, tier {settings.tier}; train "
+                          f"{self.train_data.n_tokens:,} tokens in {len(self.train_data):,} blocks of {cfg.seq_len}")
+
+    def num_train_samples(self) -> int:
+        return len(self.train_data)
+
+    @staticmethod
+    def _blocks(data, indices) -> torch.Tensor:
+        return torch.from_numpy(data.blocks[indices.numpy()].astype("int64"))  # (B, S + 1)
+
+    def train_batch(self, indices, device, generator) -> dict:
+        return {"input_ids": self._blocks(self.train_data, indices).to(device, non_blocking=True)}
+
+    def loss(self, model, batch, generator) -> torch.Tensor:
+        from ..tiers import causal_lm_loss_from_hidden
+
+        ids = batch["input_ids"][:, :-1]  # (B, S); the last target of each block is dropped (HF shift)
+        with self.accelerator.autocast():  # the backbone is called directly, outside prepare's autocast
+            return causal_lm_loss_from_hidden(model, ids, ids, chunk_size=self.cfg.loss_chunk_size)
+
+    def units(self, batch) -> int:
+        return batch["input_ids"][:, :-1].numel()
+
+    def flops_per_unit(self) -> float:
+        """Frozen-base fine-tuning does no weight-gradient matmuls: ~4N per token (2N forward, 2N input grads)."""
+        factor = 6.0 if self.settings.tier in ("full", "adamw8bit") else 4.0
+        return factor * self.num_params
+
+    def evaluate(self, model, settings, device) -> dict[str, float]:
+        n = min(len(self.val_data), settings.eval_batches * settings.micro_batch_size)
+        losses = [
+            self.loss(model, {"input_ids": self._blocks(self.val_data, torch.arange(s, min(n, s + settings.micro_batch_size))).to(device)}, None)
+            for s in range(0, n, settings.micro_batch_size)
+        ]
+        if not losses:
+            return {}
+        val = torch.stack(losses).float().mean().item()
+        return {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
+
+    def save_pretrained(self, model, output_dir: Path) -> None:
+        from ..finetune import merge_and_save, save_adapter
+
+        if self.settings.tier in ("lora", "qlora"):
+            save_adapter(model, output_dir)
+            if self.cfg.merge:
+                merge_and_save(self.cfg.model, output_dir, output_dir / "merged",
+                               trust_remote_code=self.cfg.trust_remote_code)
+        else:
+            model.save_pretrained(str(output_dir))
+        self.tokenizer.save_pretrained(str(output_dir))
+
+    def fingerprint(self) -> dict[str, Any]:
+        s = self.settings
+        return {"model": self.cfg.model, "tier": s.tier, "lora_r": s.lora_r, "seq_len": self.cfg.seq_len,
+                "dataset": self.cfg.dataset}
+

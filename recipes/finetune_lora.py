@@ -1,0 +1,27 @@
+"""LoRA / QLoRA fine-tuning of an open causal LM (default EleutherAI/pythia-1.4b) with the one loop.
+
+    accelerate launch --config_file accelerate_config.yaml recipes/finetune_lora.py --preset lora \
+        --model EleutherAI/pythia-1.4b --dataset ../shared/data/zh-poetry --output_dir runs/pythia-lora
+    ... --preset qlora      # 4-bit nf4 base
+Writes adapter_config.json + adapter_model.safetensors (+ merged/ with --merge), the tokenizer, all_results.json.
+"""
+
+import json
+import sys
+
+from hf_cgpu.loop import fit
+from hf_cgpu.settings import TrainSettings, parse_settings
+from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--preset" or a.startswith("--preset=") for a in argv):
+        argv = ["--preset", "lora", *argv]
+    cfg, train = parse_settings((FinetuneSettings, TrainSettings), argv, family="finetune", description=__doc__)
+    print(json.dumps(fit(FinetuneTask(cfg), train), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
