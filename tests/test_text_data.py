@@ -125,6 +125,13 @@ def test_jsonl_files_named_by_split_and_custom_column(tmp_path):
     assert ds["train"].column_names == ["body"]
 
 
+def test_explicit_comma_separated_files_named_by_split(tmp_path):
+    (tmp_path / "train.txt").write_text("one\n\ntwo\n\nthree", encoding="utf-8")
+    (tmp_path / "dev.txt").write_text("held out", encoding="utf-8")
+    ds = load_text_dataset(f"{tmp_path / 'train.txt'},{tmp_path / 'dev.txt'}")
+    assert sorted(ds["train"]["text"]) == ["one", "three", "two"] and list(ds["validation"]["text"]) == ["held out"]
+
+
 def test_non_utf8_text_file_is_refused_naming_the_file(tmp_path):
     bad = tmp_path / "gbk.txt"
     bad.write_bytes("床前明月光\n\n疑是地上霜".encode("gbk"))

@@ -150,7 +150,7 @@ def builtin_corpus() -> list[str]:
 
 def _load_splits(source: str | None, text_column: str) -> dict[str, datasets.Dataset]:
     """Return the splits the source has (``train`` always, ``validation`` when present)."""
-    if source is None or source == BUILTIN:
+    if not source or source == BUILTIN:
         return {"train": datasets.Dataset.from_dict({text_column: builtin_corpus()})}
     paths = [Path(p.strip()).expanduser() for p in source.split(",") if p.strip()]
     if len(paths) == 1 and paths[0].is_dir():
@@ -161,28 +161,32 @@ def _load_splits(source: str | None, text_column: str) -> dict[str, datasets.Dat
                 f"no {'/'.join(sorted(_BUILDERS))} files in directory {paths[0]}; point --dataset at a directory "
                 f"or files with text"
             )
-        return _load_files(files, text_column)
-    if all(p.is_file() for p in paths):
+        return _load_files(files, text_column, root=paths[0])
+    if paths and all(p.is_file() for p in paths):
         return _load_files(paths, text_column)
     missing = [str(p) for p in paths if not p.exists()]
+    if len(paths) > 1 and not missing:
+        raise ValueError(f"{source!r} mixes directories and files; pass one directory, or files separated by commas")
     if len(paths) > 1 or source.startswith((".", "/", "~")) or Path(source).suffix.lower() in _BUILDERS:
         raise FileNotFoundError(f"dataset path(s) not found: {', '.join(missing)}; check --dataset")
     return _load_hub(source)
 
 
-def _split_of(path: Path) -> str | None:
-    """Split named by a file's name the way the Hub names them (``train-00000-of-00001.parquet``)."""
-    stem = path.name.lower()
+def _split_of(path: Path, root: Path | None = None) -> str | None:
+    """Split named by a file's name the way the Hub names them (``train-00000-of-00001.parquet``), or by a folder
+    under the dataset directory ``root`` (``data/train/part-0.parquet``)."""
+    folders = [p.lower() for p in path.relative_to(root).parent.parts] if root is not None else []
     for split, names in _SPLIT_NAMES.items():
-        if any(re.match(rf"{n}([-_.\d]|$)", stem) for n in names):
+        if any(re.match(rf"{n}([-_.\d]|$)", path.name.lower()) for n in names):
             return split
-    for part in reversed(path.parent.parts):  # data/train/xxx.parquet
-        if part.lower() in {n for names in _SPLIT_NAMES.values() for n in names}:
-            return next(s for s, names in _SPLIT_NAMES.items() if part.lower() in names)
+    for folder in reversed(folders):
+        for split, names in _SPLIT_NAMES.items():
+            if folder in names:
+                return split
     return None
 
 
-def _load_files(files: Sequence[Path], text_column: str) -> dict[str, datasets.Dataset]:
+def _load_files(files: Sequence[Path], text_column: str, root: Path | None = None) -> dict[str, datasets.Dataset]:
     builders = {_BUILDERS.get(f.suffix.lower()) for f in files}
     if None in builders:
         bad = [str(f) for f in files if f.suffix.lower() not in _BUILDERS]
@@ -198,7 +202,7 @@ def _load_files(files: Sequence[Path], text_column: str) -> dict[str, datasets.D
             _check_utf8(f)
     by_split: dict[str, list[str]] = {}
     for f in files:
-        by_split.setdefault(_split_of(f) or "train", []).append(str(f))
+        by_split.setdefault(_split_of(f, root) or "train", []).append(str(f))
     by_split.pop("test", None)
     if "train" not in by_split:
         raise ValueError(
@@ -367,6 +371,7 @@ class PackedTokens(torch.utils.data.Dataset):
         return self.num_blocks
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        index = int(index)  # numpy and 0-d torch indices from samplers
         if not -self.num_blocks <= index < self.num_blocks:
             raise IndexError(f"block {index} out of range for {self.num_blocks} blocks")
         return {"input_ids": torch.from_numpy(self.blocks[index].astype(np.int64))}

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from .matching import FlowMatcher, TimeSampling
+from .matching import FlowMatcher
 from .scheduling_flow_match import FlowMatchEulerScheduler, FlowMatchHeunScheduler, sample_ode
 
 
@@ -54,7 +54,7 @@ class Toy2DSettings:
     """Cosine decay after warmup (False: constant lr)."""
     ema_decay: float = 0.995
     """EMA of the weights used for sampling; 0 samples from the raw weights."""
-    time_sampling: TimeSampling = "uniform"
+    time_sampling: str = "uniform"
     """'uniform' or 'logit_normal' (see FlowMatcher)."""
     logit_mean: float = 0.0
     """Logit-normal mean (> 0 trains more near the data end)."""
@@ -62,8 +62,8 @@ class Toy2DSettings:
     """Logit-normal spread."""
     num_samples: int = 2000
     """Samples drawn for each evaluation row."""
-    nfe_budgets: tuple[int, ...] = (2, 5, 10, 20, 100)
-    """Network-evaluation budgets; Heun uses N = (budget + 1) // 2 steps = 2N - 1 <= budget calls."""
+    nfe_budgets: str = "2,5,10,20,100"
+    """Comma-separated network-evaluation budgets; Heun takes N = (budget + 1) // 2 steps, 2N - 1 <= budget calls."""
     hit_radius: float = 0.3
     """A sample counts as on a mode when this close to its centre."""
     seed: int = 0
@@ -79,6 +79,19 @@ class Toy2DSettings:
             raise ValueError("train_steps and batch_size must be >= 1")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"ema_decay={self.ema_decay} must be in [0, 1)")
+        FlowMatcher(self.time_sampling, self.logit_mean, self.logit_std)  # validates the time settings
+        self.budgets  # noqa: B018 - validates nfe_budgets
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """``nfe_budgets`` as ints."""
+        try:
+            budgets = tuple(int(b) for b in self.nfe_budgets.split(","))
+        except ValueError:
+            raise ValueError(f"nfe_budgets={self.nfe_budgets!r}; write comma-separated integers like 2,5,10") from None
+        if min(budgets) < 1:
+            raise ValueError(f"nfe_budgets={self.nfe_budgets!r}; every budget must be >= 1")
+        return budgets
 
 
 # ----------------------------------------------------------------------------- data and model
@@ -179,7 +192,7 @@ def evaluate(model: nn.Module, s: Toy2DSettings) -> tuple[list[dict], dict[str, 
     x0 = torch.randn(s.num_samples, 2, generator=torch.Generator().manual_seed(s.seed + 1))
     rows, samples = [], {}
     for name, scheduler in (("euler", FlowMatchEulerScheduler()), ("heun", FlowMatchHeunScheduler())):
-        for budget in s.nfe_budgets:
+        for budget in s.budgets:
             steps = budget if name == "euler" else max(1, (budget + 1) // 2)
             x1, nfe = sample_ode(model, scheduler, x0, steps)
             rows.append({"method": name, "budget": budget, "steps": steps, "nfe": nfe, **mode_stats(x1, centres, s.hit_radius)})
@@ -227,7 +240,7 @@ def run_flow2d(s: Toy2DSettings) -> dict:
     os.makedirs(s.output_dir, exist_ok=True)
     centres = mode_centres(s.num_modes, s.radius)
     data = sample_modes(s.num_samples, centres, s.mode_std, torch.Generator().manual_seed(s.seed + 2))
-    save_plot(os.path.join(s.output_dir, "flow2d_samples.png"), data, samples, s.nfe_budgets)
+    save_plot(os.path.join(s.output_dir, "flow2d_samples.png"), data, samples, s.budgets)
     results = {
         "settings": asdict(s),
         "train_seconds": round(train_s, 2),
