@@ -211,7 +211,7 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
     task.setup(s, accelerator)
     validate_tier(s.tier, s.recompute, train_mode=task.train_mode)
     model = apply_tiers(
-        task.model, s.tier, recompute=s.recompute, compile=False, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
+        task.model, s.tier, recompute=s.recompute, compile=s.compile, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
         lora_dropout=s.lora_dropout, target_modules=[m for m in s.lora_target_modules.split(",") if m] or None,
     )
     if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "hf_device_map", None):
@@ -223,7 +223,6 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
     )
     device = accelerator.device
     model, optimizer = accelerator.prepare(model, optimizer)
-    forward_model = torch.compile(model, dynamic=False) if s.compile else model
     ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
     if accelerator.is_main_process and s.report_to != "none":
         accelerator.init_trackers("hf_cgpu", config={k: v for k, v in asdict(s).items() if v is not None})
@@ -291,7 +290,7 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
             batch = task.train_batch(idx[k * micro : (k + 1) * micro], device, gen)
             ctx = accelerator.no_sync(model) if k < accum - 1 else _nullcontext()
             with ctx:
-                loss = task.loss(forward_model, batch, gen)
+                loss = task.loss(model, batch, gen)
                 accelerator.backward(loss / accum)
             loss_sum += loss.detach().float()
             units += task.units(batch)

@@ -49,7 +49,7 @@ class Toy2DSettings:
     lr: float = 2e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 100
-    """Linear warmup, then cosine decay to 1% of lr; 0 with cosine=False is the seed's constant lr."""
+    """Linear warmup, then cosine decay to lr / 100; 0 with cosine=False is the seed's constant lr."""
     cosine: bool = True
     """Cosine decay after warmup (False: constant lr)."""
     ema_decay: float = 0.995
