@@ -43,6 +43,8 @@ class Task:
     model: torch.nn.Module
     expected_initial_loss: float | None = None  # ln(vocab) for a causal LM: a much lower first loss = label leak
     train_mode = "pretrain"  # or "finetune": adapter tiers (lora, qlora) only make sense on a pretrained base
+    card_kind: str | None = None  # model card template rendered into the output directory (gpt, flow, lora)
+    cfg: Any = None  # the task's settings dataclass, recorded in all_results.json
 
     def setup(self, settings: TrainSettings, accelerator: Accelerator) -> None:
         """Build ``self.model`` and the data. Runs before any tier, compile or prepare."""
@@ -427,8 +429,11 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
         task.save_pretrained(unwrapped, out_dir)
         if ema is not None:
             ema.swap()
-        (out_dir / "all_results.json").write_text(json.dumps(results, indent=2))
+        settings = {**(asdict(task.cfg) if task.cfg is not None else {}), **asdict(s)}
+        (out_dir / "all_results.json").write_text(json.dumps({**results, "settings": settings}, indent=2))
         (out_dir / "history.json").write_text(json.dumps(history))
+        if task.card_kind:
+            _render_card(task.card_kind, out_dir, log)
     accelerator.end_training()
     return results
 
@@ -451,6 +456,15 @@ def _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, 
         msg = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
         (bar.write if bar is not None else accelerator.print)(f"step {step}: {msg}")
     return metrics
+
+
+def _render_card(kind: str, out_dir: Path, log) -> None:
+    from .hub import render_model_card
+
+    try:
+        render_model_card(kind, out_dir)
+    except Exception as err:  # a card is documentation: never let it fail a finished run
+        log(f"warning: model card not written ({err})")
 
 
 def _oom_advice(task: Task, s: TrainSettings) -> str:

@@ -23,10 +23,10 @@ def main(argv=None):
     if task.tokenizer is not None and results is not None:
         model = task.model.module if hasattr(task.model, "module") else task.model
         samples = continue_texts(model, task.tokenizer, task.sample_prompts(), gpt.max_new_tokens)
-        results["samples"] = samples
-        (out / "all_results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False))
+        saved = json.loads((out / "all_results.json").read_text())
+        (out / "all_results.json").write_text(json.dumps({**saved, "samples": samples}, indent=2, ensure_ascii=False))
         print("\n".join(f"--- sample {i + 1}\n{s}" for i, s in enumerate(samples)))
-    print(json.dumps({k: v for k, v in results.items() if k != "samples"}, indent=2))
+    print(json.dumps(results, indent=2))
     return 0
 
 

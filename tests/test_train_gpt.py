@@ -53,6 +53,7 @@ def test_recipe_writes_model_results_and_samples(trained):
     assert results["toks_seen"] == 30 * 8 * 64
     assert results["tok_per_s"] > 0 and results["val_loss"] > 0 and results["train_loss"] > 0
     assert len(results["samples"]) == 3 and "--- sample 1" in log
+    assert "hf_cgpu" in (out / "README.md").read_text()  # model card rendered
     # loss went down from ~ln(512)
     hist = [h for h in json.loads((out / "history.json").read_text()) if "train/loss" in h]
     assert hist[0]["train/loss"] > hist[-1]["train/loss"] + 0.5

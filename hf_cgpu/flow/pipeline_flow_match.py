@@ -125,9 +125,10 @@ def save_for_remote_code(pipeline: DiffusionPipeline, save_directory: str | os.P
         index = json.load(f)
     for name in pipeline.components:
         component = getattr(pipeline, name)
+        component = getattr(component, "_orig_mod", component)  # torch.compile wrapper -> the model
         module = type(component).__module__
         if component is None or module.split(".")[0] in ("diffusers", "transformers"):
-            continue
+            continue  # a stock class loads from its library
         source = inspect.getsourcefile(type(component))
         module_name = os.path.splitext(os.path.basename(source))[0]
         shutil.copyfile(source, os.path.join(save_directory, name, f"{module_name}.py"))

@@ -36,17 +36,17 @@ class Toy2DSettings:
     """Circle radius."""
     mode_std: float = 0.08
     """Standard deviation of each Gaussian."""
-    hidden: int = 256
+    hidden: int = 64
     """MLP width."""
     depth: int = 3
     """Hidden layers of the MLP."""
     time_embed_dim: int = 32
     """Sinusoidal features of t fed to the MLP; 0 feeds raw t like the seed."""
-    train_steps: int = 2500
+    train_steps: int = 2000
     """Optimizer steps."""
-    batch_size: int = 1024
+    batch_size: int = 512
     """Points per step; large batches average out the irreducible noise of the regression target."""
-    lr: float = 2e-3
+    lr: float = 5e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 100
     """Linear warmup, then cosine decay to lr / 100; 0 with cosine=False is the seed's constant lr."""

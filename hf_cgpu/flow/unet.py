@@ -116,7 +116,10 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         """Label index meaning "no class" (classifier-free guidance), or None for an unconditional model."""
         return self.config.num_classes
 
-    def _embed(self, timestep: torch.Tensor | float, class_labels: torch.Tensor | None, batch: int, device):
+    def _embed(
+        self, timestep: torch.Tensor | float, class_labels: torch.Tensor | None, batch: int, device: torch.device
+    ) -> torch.Tensor:
+        """(B, tdim) SiLU-activated time (+ class) embedding shared by every block."""
         t = torch.as_tensor(timestep, device=device, dtype=torch.float32).reshape(-1).expand(batch)  # (B,)
         emb = sinusoidal_embedding(t * 1000.0, self.config.time_embed_dim)  # (B, tdim) fp32
         emb = self.time_mlp(emb.to(self.time_mlp[0].weight.dtype))

@@ -78,6 +78,7 @@ def training_flops_per_token(config: CgptConfig, num_params: int) -> float:
 
 class CausalLMTask(Task):
     unit = "tok"
+    card_kind = "gpt"
 
     def __init__(self, cfg: GPTSettings):
         self.cfg = cfg

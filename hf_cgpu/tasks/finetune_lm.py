@@ -77,6 +77,10 @@ class FinetuneTask(Task):
         accelerator.print(f"{cfg.model}: {total / 1e6:.0f}M parameters, tier {settings.tier}; train "
                           f"{self.train_data.n_tokens:,} tokens in {len(self.train_data):,} blocks of {cfg.seq_len}")
 
+    @property
+    def card_kind(self) -> str | None:
+        return "lora" if self.settings.tier in ("lora", "qlora") else None
+
     def num_train_samples(self) -> int:
         return len(self.train_data)
 

@@ -65,6 +65,7 @@ def unet_flops_per_image(model: torch.nn.Module, sample_size: int, conditional: 
 
 class FlowMatchingTask(Task):
     unit = "img"
+    card_kind = "flow"
 
     def __init__(self, cfg: FlowSettings):
         self.cfg = cfg
