@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from hf_cgpu.bench import matmul_tflops
+from hf_cgpu.bench import measure_matmul
 from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 from hf_cgpu.tasks.causal_lm import training_flops_per_token
 
@@ -84,7 +84,7 @@ def main():
     p.add_argument("--json", default="")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
-    peak = matmul_tflops(8192)
+    peak = measure_matmul(8192)
     rows = [run(kind, args, peak) for kind in ("hf_cgpu", "transformers_gpt2")]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  measured bf16 matmul peak {peak:.0f} TFLOP/s")
     print("| model | params (M) | tok/s | MFU | peak alloc GiB | peak reserved GiB |")

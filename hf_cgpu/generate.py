@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 
 import torch
 
@@ -22,7 +23,9 @@ def continue_texts(
             ids = torch.tensor([[tokenizer.eos_token_id]], device=device)
         new = max_new_tokens if limit is None else max(0, min(max_new_tokens, limit - ids.shape[1]))
         torch.manual_seed(seed + i)
-        with torch.no_grad():
+        # compiled blocks would recompile for every cache length: decode eagerly
+        stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
+        with torch.no_grad(), stance:
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=do_sample,
                 temperature=temperature, top_k=top_k, top_p=top_p, pad_token_id=tokenizer.eos_token_id,

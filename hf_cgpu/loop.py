@@ -316,6 +316,7 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
         bar = tqdm(total=s.max_steps, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
     first_step = state["step"]
     step = state["step"]
+    deadline = time.monotonic() + 60 * s.max_minutes if s.max_minutes > 0 else math.inf
     try:
         while step < s.max_steps:
             lr = lr_at(step, s)
@@ -388,6 +389,9 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
                 _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, bar)
             if s.checkpointing_steps and step % s.checkpointing_steps == 0:
                 save_checkpoint(step)
+            if time.monotonic() > deadline:
+                log(f"--max_minutes {s.max_minutes} reached at step {step}; finishing the run here")
+                break
             if stop_signal["hit"]:
                 save_checkpoint(step)
                 raise TrainingStopped(f"stopped by SIGTERM at step {step}; checkpoint saved, resume with "

@@ -33,6 +33,8 @@ class TrainSettings:
     """Where checkpoints, logs, the final model and all_results.json go."""
     max_steps: int = 1000
     """Optimizer steps to run (each sees micro_batch_size * gradient_accumulation_steps samples)."""
+    max_minutes: float = 0.0
+    """Stop (checkpoint, evaluate, save as usual) once training has run this many minutes; 0 = no time limit."""
     micro_batch_size: int = 8
     """Samples per forward/backward pass; lower it (and raise accumulation) when memory is short."""
     gradient_accumulation_steps: int = 1

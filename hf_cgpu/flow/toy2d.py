@@ -4,10 +4,15 @@ Same loss and the same Euler/Heun scheduler classes as the image model, so it te
 Quality measure (the seed chapter's): fraction of 2000 samples within 0.3 of a mode centre, and how many samples
 land nearest to each mode (250 each is perfect coverage, no mode collapse).
 
-Versus the seed's MLP on raw (x, t) with uniform t and a fixed lr (81% within 0.3 after 100 Euler steps), the
-defaults below add: a sinusoidal embedding of t, a wider and deeper MLP, larger batches, a warmup + cosine
-learning-rate schedule and EMA weights for sampling. ``run_flow2d`` reports which one mattered via
-``--ablate``-style settings in the recipe.
+What beat the seed's 81% (MLP on raw (x, t), 100 Euler steps), measured as the best row at <= 20 network
+evaluations, one CPU thread, defaults unless named (seeds 0/1/2 of the defaults: 96.8 / 97.0 / 96.6%):
+    - a sinusoidal embedding of t: the biggest lever. Without it the defaults drop to 85.7%; added alone to the
+      seed's own network and schedule it lifts 83.6% to 92.2%. The field sharpens as t -> 1 and raw t is a poor
+      input for a small MLP to resolve that.
+    - enough learning rate for the step budget: lr 5e-3 gives 96.8%, 2e-3 only 84.0% after 2000 steps.
+    - 3 hidden layers of 64 and batches of 512 instead of 2 x 96 and 256: cheaper per step, less gradient noise.
+Measured and not helping here (within 0.3 points): EMA (96.8% without), cosine decay (97.0% at constant lr),
+logit-normal t (96.9%). They stay as settings because the image model wants EMA.
 """
 
 from __future__ import annotations
@@ -207,8 +212,10 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def save_plot(path: str, data: torch.Tensor, samples: dict[str, torch.Tensor], budgets: tuple[int, ...]) -> None:
+def save_plot(path: str, data: torch.Tensor, samples: dict[str, torch.Tensor], rows: list[dict]) -> None:
     """Scatter of data vs samples: one row per method, one column per budget (plus data in the first)."""
+    budgets = sorted({r["budget"] for r in rows})
+    nfe = {(r["method"], r["budget"]): r["nfe"] for r in rows}
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,7 +228,7 @@ def save_plot(path: str, data: torch.Tensor, samples: dict[str, torch.Tensor], b
         for col, budget in enumerate(budgets, start=1):
             x = samples[f"{method}-{budget}"]
             axes[row, col].scatter(x[:, 0], x[:, 1], s=1)
-            axes[row, col].set_title(f"{method} {budget} NFE")
+            axes[row, col].set_title(f"{method}, {nfe[method, budget]} NFE")
     for ax in axes.flat:
         ax.set(xlim=(-3, 3), ylim=(-3, 3), xticks=[], yticks=[], aspect="equal")
     fig.tight_layout()
@@ -231,16 +238,20 @@ def save_plot(path: str, data: torch.Tensor, samples: dict[str, torch.Tensor], b
 
 def run_flow2d(s: Toy2DSettings) -> dict:
     """Train, evaluate, print the table, write all_results.json and flow2d_samples.png; return the results."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(s.threads)
-    start = time.perf_counter()
-    model, losses = train(s)
-    train_s = time.perf_counter() - start
-    rows, samples = evaluate(model, s)
+    try:
+        start = time.perf_counter()
+        model, losses = train(s)
+        train_s = time.perf_counter() - start
+        rows, samples = evaluate(model, s)
+    finally:
+        torch.set_num_threads(threads)
     print(format_table(rows))
     os.makedirs(s.output_dir, exist_ok=True)
     centres = mode_centres(s.num_modes, s.radius)
     data = sample_modes(s.num_samples, centres, s.mode_std, torch.Generator().manual_seed(s.seed + 2))
-    save_plot(os.path.join(s.output_dir, "flow2d_samples.png"), data, samples, s.budgets)
+    save_plot(os.path.join(s.output_dir, "flow2d_samples.png"), data, samples, rows)
     results = {
         "settings": asdict(s),
         "train_seconds": round(train_s, 2),
