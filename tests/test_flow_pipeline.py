@@ -144,8 +144,15 @@ def test_loads_with_trust_remote_code_without_hf_cgpu(tmp_path):
     expected = pipe(2, 3, _gen(), class_labels=[0, 1], guidance_scale=2.0, output_type="np").images
     folder = tmp_path / "saved"
     save_for_remote_code(pipe, folder)
-    assert (folder / "pipeline.py").is_file() and (folder / "unet" / "unet.py").is_file()
-    assert (folder / "scheduler" / "scheduling_flow_match.py").is_file()
+    assert (folder / "pipeline.py").is_file() and (folder / "unet" / "hf_cgpu.flow.unet.py").is_file()
+    assert (folder / "scheduler" / "hf_cgpu.flow.scheduling_flow_match.py").is_file()
+
+    # With hf_cgpu installed the same folder loads with our classes and without running the folder's code.
+    local = FlowMatchPipeline.from_pretrained(folder)
+    local.set_progress_bar_config(disable=True)
+    assert type(local.unet) is FlowUNet2DModel and type(local.scheduler) is FlowMatchHeunScheduler
+    again = local(2, 3, _gen(), class_labels=[0, 1], guidance_scale=2.0, output_type="np").images
+    assert np.allclose(again, expected, atol=1e-5)
 
     work = tmp_path / "elsewhere"
     work.mkdir()

@@ -83,7 +83,8 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     try:
         return _convert(image)
     except ValueError as err:
-        raise ValueError(f"cannot convert image mode {image.mode!r} to RGB ({err}); convert those images first") from None
+        message = f"cannot convert image mode {image.mode!r} to RGB ({err}); convert those images first"
+        raise ValueError(message) from None
 
 
 def _convert(image: Image.Image) -> Image.Image:

@@ -5,12 +5,14 @@ copies this file as ``pipeline.py`` into the saved folder, so without hf_cgpu in
 
     DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)
 
-The UNet and scheduler are typed as their diffusers base classes so the classes loaded from the copied files
-(another module than hf_cgpu's) pass diffusers' type check.
+and, with hf_cgpu installed, ``FlowMatchPipeline.from_pretrained(folder)`` loads the same folder with hf_cgpu's own
+classes and no remote code. The UNet and scheduler are typed as their diffusers base classes so the classes
+loaded from the copied files (another module than hf_cgpu's) pass diffusers' type check.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import os
@@ -37,6 +39,33 @@ class FlowMatchPipeline(DiffusionPipeline):
     def __init__(self, unet: ModelMixin, scheduler: SchedulerMixin) -> None:
         super().__init__()
         self.register_modules(unet=unet, scheduler=scheduler)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs):
+        """diffusers' loader, but components recorded under this class's own package are loaded from it.
+
+        A ``save_for_remote_code`` folder also holds the component code (unet/hf_cgpu.flow.unet.py), and diffusers
+        runs such a file whenever it exists, so it would demand ``trust_remote_code=True`` even with hf_cgpu
+        installed. Loading those components from the installed package and passing them in avoids running the
+        folder's code. Only modules of this class's top-level package are imported, never other names from the file.
+        """
+        folder = os.fspath(pretrained_model_name_or_path)
+        package = cls.__module__.split(".")[0]
+        index_path = os.path.join(folder, "model_index.json")
+        if package != "diffusers_modules" and os.path.isfile(index_path):
+            with open(index_path, encoding="utf-8") as f:
+                index = json.load(f)
+            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+            for name, spec in index.items():
+                if name.startswith("_") or name in kwargs or not isinstance(spec, list) or spec[0] is None:
+                    continue
+                library, class_name = spec
+                if library.split(".")[0] != package:
+                    continue
+                klass = getattr(importlib.import_module(library), class_name)
+                extra = {"dtype": dtype} if dtype is not None and issubclass(klass, ModelMixin) else {}
+                kwargs[name] = klass.from_pretrained(folder, subfolder=name, **extra)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     def _labels(self, class_labels, batch_size: int, device: torch.device) -> torch.Tensor | None:
         """int / list / tensor -> (B,) int64 on device; None stays None (unconditional)."""
@@ -112,11 +141,12 @@ class FlowMatchPipeline(DiffusionPipeline):
 def save_for_remote_code(pipeline: DiffusionPipeline, save_directory: str | os.PathLike) -> None:
     """``save_pretrained`` plus the code, so the folder loads where hf_cgpu is not installed.
 
-    Writes pipeline.py (this file's pipeline class source) at the top, copies each non-diffusers component's
-    module file into its own folder (unet/unet.py, scheduler/scheduling_flow_match.py) and points
-    model_index.json at those module names: diffusers loads a component from ``<folder>/<module>.py`` when that
-    file exists and trust_remote_code=True. Load with
-    ``DiffusionPipeline.from_pretrained(d, custom_pipeline=d, trust_remote_code=True)``.
+    Writes pipeline.py (the pipeline class's source file) at the top and copies each non-diffusers component's
+    module file into its folder under the module's import name (unet/hf_cgpu.flow.unet.py,
+    scheduler/hf_cgpu.flow.scheduling_flow_match.py), which is the name model_index.json records: diffusers loads
+    a component from ``<folder>/<library>.py`` when that file exists and trust_remote_code=True. Load with
+    ``DiffusionPipeline.from_pretrained(d, custom_pipeline=d, trust_remote_code=True)``, or with hf_cgpu installed
+    ``FlowMatchPipeline.from_pretrained(d)``.
     """
     save_directory = os.fspath(save_directory)
     pipeline.save_pretrained(save_directory)
@@ -129,10 +159,9 @@ def save_for_remote_code(pipeline: DiffusionPipeline, save_directory: str | os.P
         module = type(component).__module__
         if component is None or module.split(".")[0] in ("diffusers", "transformers"):
             continue  # a stock class loads from its library
-        source = inspect.getsourcefile(type(component))
-        module_name = os.path.splitext(os.path.basename(source))[0]
-        shutil.copyfile(source, os.path.join(save_directory, name, f"{module_name}.py"))
-        index[name] = [module_name, type(component).__name__]
+        library = module.removeprefix("diffusers_modules.local.")  # re-saving a pipeline loaded as remote code
+        shutil.copyfile(inspect.getsourcefile(type(component)), os.path.join(save_directory, name, f"{library}.py"))
+        index[name] = [library, type(component).__name__]
     shutil.copyfile(inspect.getsourcefile(type(pipeline)), os.path.join(save_directory, "pipeline.py"))
     with open(index_path, "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2, sort_keys=True)
