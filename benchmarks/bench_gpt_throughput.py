@@ -19,10 +19,18 @@ from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 from hf_cgpu.tasks.causal_lm import training_flops_per_token
 
 
-def build(kind: str, args):
+VARIANTS = {  # name: (model, compile scope, loss chunk)
+    "hf_cgpu-blocks": ("hf_cgpu", "blocks", 1024),
+    "hf_cgpu-whole": ("hf_cgpu", "whole", 1024),
+    "hf_cgpu-whole-fulllogits": ("hf_cgpu", "whole", 0),
+    "transformers_gpt2": ("gpt2", "whole", 0),
+}
+
+
+def build(kind: str, args, chunk: int = 1024):
     if kind == "hf_cgpu":
         cfg = CgptConfig(vocab_size=32000, n_positions=args.seq, n_embd=768, n_layer=12, n_head=12,
-                         loss_chunk_size=args.chunk)
+                         loss_chunk_size=chunk)
         return CgptForCausalLM(cfg), cfg
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -33,19 +41,20 @@ def build(kind: str, args):
                                             n_head=12)
 
 
-def run(kind: str, args, peak: float) -> dict:
+def run(variant: str, args, peak: float) -> dict:
+    kind, scope, chunk = VARIANTS[variant]
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model, shape = build(kind, args)
+    model, shape = build(kind, args, chunk)
     model = model.cuda().train()
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    if kind == "hf_cgpu":  # what recipes/train_gpt.py --compile does: every block compiled in place
+    if scope == "blocks":  # every block compiled in place, loss and head eager
         from hf_cgpu.tiers import apply_compile
 
         step_model = apply_compile(model, True)
-    else:  # what a transformers user writes
+    else:  # the whole forward + loss in one graph
         step_model = torch.compile(model, dynamic=False)
     x = torch.randint(0, 32000, (args.batch, args.seq + 1), device="cuda")
 
@@ -72,7 +81,7 @@ def run(kind: str, args, peak: float) -> dict:
     tok_s = args.batch * args.seq / dt
     flops = training_flops_per_token(shape, n_params)  # 6N (N without the position table) + attention
     return {
-        "model": kind, "params_M": round(n_params / 1e6, 1), "tok_per_s": round(tok_s),
+        "model": variant, "params_M": round(n_params / 1e6, 1), "tok_per_s": round(tok_s),
         "mfu": round(flops * tok_s / (peak * 1e12), 3),
         "peak_alloc_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "peak_reserved_GiB": round(torch.cuda.max_memory_reserved() / 2**30, 2),
@@ -83,14 +92,14 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--json", default="")
+    p.add_argument("--variants", default="hf_cgpu-blocks,transformers_gpt2")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     peak = measure_matmul(8192)
-    rows = [run(kind, args, peak) for kind in ("hf_cgpu", "transformers_gpt2")]
+    rows = [run(v, args, peak) for v in args.variants.split(",")]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  measured bf16 matmul peak {peak:.0f} TFLOP/s")
     print("| model | params (M) | tok/s | MFU | peak alloc GiB | peak reserved GiB |")
     print("|---|---|---|---|---|---|")
