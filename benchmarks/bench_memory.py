@@ -183,6 +183,8 @@ def main():
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     configs = [c for c in CONFIGS if not args.only or any(s in c[0] for s in args.only.split(","))]
+    if any(c[1] == "pythia" for c in configs):
+        pythia_dir(root, args.dry_run)  # create the random checkpoint before any peak is measured
     rows = []
     for cfg in configs:
         try:

@@ -99,8 +99,15 @@ LOGITS_EAGER_BYTES = 12
 """Full logits, eager cross-entropy with the fp32 upcast: fp32 log-softmax saved (4) + at the start of backward the
 fp32 gradient of the log-softmax and of the logits at once (4 + 4). Meta-device trace of a 350M GPT step: 12.0 bytes
 per logit. The logits tensor itself is extra when the caller keeps the model output alive (``LOGITS_HELD``)."""
-LOGITS_HELD = True
-"""HF causal LMs return the logits in their output object, which a training loop keeps until after backward."""
+LOGITS_HELD = False
+"""Whether the (B*T, V) logits from the head stay alive until backward. HF causal LMs return them in their output
+object, but a loop that takes ``model(...).loss`` at once (``benchmarks/bench_memory.py``, and the HF Trainer's
+``compute_loss``/``training_step``) drops that object before backward: the loss's fp32 upcast is a new tensor and
+log-softmax saves its output, not its input, so nothing references the logits after the forward. Anchor: H200,
+torch 2.11, transformers 5.17, Pythia-1.4B shape, micro-batch 4, accumulation 2, recompute, full logits under bf16
+autocast: stock peft LoRA 5.60 GiB, stock QLoRA 4.93 GiB measured; held logits predicted 6.04 (+7.9%) and 5.53
+(+12.2%, fp32 logits counted), not held 5.66 and 4.76; a meta-device replay of the same steps peaks at 5.53 / 4.81
+GiB before the workspace. Set True for a loop that keeps ``outputs`` alive across ``backward()``."""
 LOGITS_COMPILED_BYTES = 6
 """Full logits with the cross-entropy inside a torch.compile region (nanoGPT-style whole-model compile): fitted to the
 H200 anchors 350M mb8 12.8 GiB and 770M mb4 15.6 GiB (predicted 12.7 and 15.5) with eager activations; inductor
