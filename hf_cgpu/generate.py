@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     tok = AutoTokenizer.from_pretrained(a.model_dir)
     model = AutoModelForCausalLM.from_pretrained(a.model_dir)
+    from .data.text import check_vocab
+
+    check_vocab(tok, model.config.vocab_size)
     if torch.cuda.is_available():
         model = model.to("cuda", dtype=torch.bfloat16)
     for text in continue_texts(model, tok, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed,

@@ -202,3 +202,49 @@ def test_label_leak_warning(tmp_path, capsys):
 
     fit(Leaky(), settings(tmp_path, max_steps=2))
     assert "label leak" in capsys.readouterr().out
+
+
+class OOMBelow(ToyTask):
+    """Raises CUDA OOM for micro-batches larger than ``fits`` (what a too-big batch does on a real card)."""
+
+    def __init__(self, fits):
+        super().__init__()
+        self.fits = fits
+
+    def loss(self, model, batch, generator):
+        if batch["x"].shape[0] > self.fits:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().loss(model, batch, generator)
+
+
+def test_oom_retries_with_half_micro_batch_same_effective_batch(tmp_path, capsys):
+    fit(OOMBelow(fits=2), settings(tmp_path, max_steps=4, micro_batch_size=8, gradient_accumulation_steps=1))
+    results = json.loads((tmp_path / "all_results.json").read_text())
+    assert (results["micro_batch_size"], results["gradient_accumulation_steps"]) == (2, 4)
+    assert results["samples_seen"] == 4 * 8  # every step still saw the effective batch of 8
+    assert "retrying with micro_batch_size 4 x accumulation 2" in capsys.readouterr().out
+
+
+def test_oom_at_micro_batch_one_names_next_rung(tmp_path):
+    with pytest.raises(TrainingStopped, match=r"micro_batch_size 1; next rung of the memory ladder: --recompute"):
+        fit(OOMBelow(fits=0), settings(tmp_path, max_steps=4, micro_batch_size=2, gradient_accumulation_steps=1))
+
+
+def test_grad_norm_spike_warns(tmp_path, capsys):
+    class Spiky(ToyTask):
+        def loss(self, model, batch, generator):
+            loss = super().loss(model, batch, generator)
+            return loss * 1e4 if self.calls == 2 * 25 + 1 else loss  # first micro-batch of step 25
+
+    fit(Spiky(), settings(tmp_path, max_steps=27, checkpointing_steps=0, max_grad_norm=0.0))
+    out = capsys.readouterr().out
+    assert "step 25 grad_norm" in out and "running median" in out
+
+
+def test_ema_warmup_closed_form():
+    from hf_cgpu.loop import EMA
+
+    ema = EMA(torch.nn.Linear(2, 2), decay=0.9999)
+    assert ema.decay_at(0) == pytest.approx(0.1)
+    assert ema.decay_at(90) == pytest.approx(91 / 100)
+    assert ema.decay_at(10**7) == 0.9999
