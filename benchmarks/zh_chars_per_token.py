@@ -21,7 +21,7 @@ def main():
     t0 = time.perf_counter()
     tok = train_tokenizer(train["text"], vocab_size=a.vocab_size, show_progress=False)
     dt = time.perf_counter() - t0
-    val = ds["validation"]["text"]
+    val = list(ds["validation"]["text"])
     chars = sum(len(t) for t in val)
     tokens = sum(len(ids) for ids in tok(val)["input_ids"])
     print(f"vocab {len(tok)} trained on {len(train)} poems in {dt:.0f} s; validation {chars:,} chars / "

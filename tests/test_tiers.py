@@ -243,7 +243,10 @@ def test_apply_compile_in_place_keeps_names(neox_dir):
     assert apply_compile(model, enabled=False) is model
     assert apply_compile(model, enabled=True) is model
     assert list(model.state_dict()) == names
-    assert all(layer._compiled_call_impl is not None for layer in model.gpt_neox.layers)
+    assert model._compiled_call_impl is not None  # a plain model compiles whole: head and loss fuse too
+    lora = apply_lora(load_fp32(neox_dir), r=4)
+    apply_compile(lora, enabled=True)  # an adapter model compiles block by block
+    assert all(layer._compiled_call_impl is not None for layer in lora.base_model.model.gpt_neox.layers)
 
 
 # --- optimizers and parameter counts ---------------------------------------------------------------
