@@ -62,7 +62,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from .models.cgpt.modeling_cgpt import chunked_cross_entropy
 
 TIERS = ("full", "adamw8bit", "lora", "qlora")
 TRAIN_MODES = ("pretrain", "finetune")
@@ -366,13 +367,6 @@ def apply_tiers(
 # --- loss without full logits -------------------------------------------------------------------
 
 
-def _chunk_ce_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, ignore_index: int
-) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias).float()  # (n, V): matmul in the operands' dtype, softmax in fp32
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
-
-
 def chunked_causal_lm_loss(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -399,20 +393,8 @@ def chunked_causal_lm_loss(
     labels = labels.reshape(-1).to(hidden.device)  # (N,)
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"hidden_states has {hidden.shape[0]} tokens but labels has {labels.shape[0]}")
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk_size):
-        h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
-        if torch.is_grad_enabled() and (h.requires_grad or lm_head_weight.requires_grad):
-            total = total + checkpoint(
-                _chunk_ce_sum, h, lm_head_weight, lm_head_bias, y, ignore_index, use_reentrant=False
-            )
-        else:
-            total = total + _chunk_ce_sum(h, lm_head_weight, lm_head_bias, y, ignore_index)
-    if num_items_in_batch is None:
-        num_items_in_batch = (labels != ignore_index).sum()
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+    return chunked_cross_entropy(hidden, lm_head_weight, labels, chunk_size, bias=lm_head_bias,
+                                 ignore_index=ignore_index, denominator=num_items_in_batch)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

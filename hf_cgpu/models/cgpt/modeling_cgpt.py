@@ -33,28 +33,40 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 IGNORE_INDEX = -100
 
 
-def _chunk_ce_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight).float()  # (n, V) in fp32 for a stable softmax
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+def _chunk_ce_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()  # (n, V): matmul in the operands' dtype, softmax in fp32
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    denominator: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean token cross-entropy of ``hidden @ weight.T`` against ``targets`` without holding all logits.
+    """Mean token cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets`` without holding all logits.
 
     hidden (N, C), weight (V, C), targets (N,). Each chunk's fp32 logits live only inside a checkpointed call, so
     forward and backward hold one ``chunk_size x V`` block instead of ``N x V`` (1 GB at 124M, micro-batch 8).
+    ``denominator`` replaces the count of non-ignored targets (for accumulation over uneven micro-batches).
     """
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_size):
-        end = start + chunk_size
-        if torch.is_grad_enabled():
-            part = checkpoint(_chunk_ce_sum, hidden[start:end], weight, targets[start:end], use_reentrant=False)
+        args = (hidden[start : start + chunk_size], weight, bias, targets[start : start + chunk_size], ignore_index)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            total = total + checkpoint(_chunk_ce_sum, *args, use_reentrant=False)
         else:
-            part = _chunk_ce_sum(hidden[start:end], weight, targets[start:end])
-        total = total + part
-    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+            total = total + _chunk_ce_sum(*args)
+    if denominator is None:
+        denominator = (targets != ignore_index).sum().clamp(min=1)
+    if torch.is_tensor(denominator):
+        denominator = denominator.to(total.device)
+    return total / denominator
 
 
 class CgptAttention(nn.Module):
