@@ -78,6 +78,10 @@ class Task:
     def save_pretrained(self, model: torch.nn.Module, output_dir: Path) -> None:
         raise NotImplementedError
 
+    def budget_shape(self) -> tuple[Any, int, int] | None:
+        """(hf_cgpu.budget.ModelShape, seq_len, loss chunk tokens) for --autofit; None = not a language model."""
+        return None
+
     def fingerprint(self) -> dict[str, Any]:
         """What must match for a checkpoint to be resumable (model shape, vocab, ...)."""
         return {}
@@ -216,6 +220,8 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
     log = accelerator.print
     set_seed(s.seed)
     task.setup(s, accelerator)
+    if s.autofit:
+        apply_autofit(task, s, accelerator.device, log)
     validate_tier(s.tier, s.recompute, train_mode=task.train_mode)
     model = apply_tiers(
         task.model, s.tier, recompute=s.recompute, compile=s.compile, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
@@ -465,6 +471,42 @@ def _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, 
         msg = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
         (bar.write if bar is not None else accelerator.print)(f"step {step}: {msg}")
     return metrics
+
+
+def apply_autofit(task: Task, s: TrainSettings, device: torch.device, log=print) -> None:
+    """Let the ledger choose micro-batch, accumulation, recompute and 8-bit AdamW so the run fits ``memory_cap``.
+
+    The effective batch (tokens per optimizer step) is kept; the sequence length and the model are not touched, and
+    adapter tiers are not chosen (the base model is already loaded). Changes ``s`` in place and logs each reason.
+    """
+    from . import budget
+    from .settings import SettingsError
+
+    info = task.budget_shape()
+    if info is None:
+        raise SettingsError("--autofit needs a language-model task; set micro_batch_size/recompute by hand here")
+    shape, seq_len, loss_chunk = info
+    if s.memory_cap:
+        cap = budget.parse_memory(s.memory_cap)
+    elif device.type == "cuda":
+        cap = torch.cuda.get_device_properties(device).total_memory
+    else:
+        raise SettingsError("--autofit without a GPU needs --memory_cap, e.g. --memory_cap 16GB")
+    base = budget.TrainSetup(seq_len=seq_len, micro_batch_size=s.micro_batch_size,
+                             accumulation_steps=s.gradient_accumulation_steps, tier=s.tier, recompute=s.recompute,
+                             loss_chunk=loss_chunk)
+    plan = budget.autofit(shape, cap, seq_len=seq_len, micro_batch_size=s.micro_batch_size,
+                          accumulation_steps=s.gradient_accumulation_steps, allow_lora=False,
+                          allow_shorter_seq=False, base=base)
+    for reason in plan.reasons:
+        log(f"autofit: {reason}")
+    if not plan.fits:
+        raise SettingsError(f"autofit: no micro-batch/recompute/8-bit setting fits {budget.fmt_gib(cap)}; "
+                            "pick a smaller preset or fine-tune an existing model with --tier lora")
+    s.micro_batch_size = plan.setup.micro_batch_size
+    s.gradient_accumulation_steps = plan.setup.accumulation_steps
+    s.recompute = plan.setup.recompute
+    s.tier = plan.setup.tier
 
 
 def _render_card(kind: str, out_dir: Path, log) -> None:

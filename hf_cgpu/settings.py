@@ -71,6 +71,11 @@ class TrainSettings:
     """Dropout on the LoRA input."""
     lora_target_modules: str = ""
     """Comma-separated module names to adapt; empty = chosen per architecture."""
+    autofit: bool = False
+    """Before training, let the ledger pick micro-batch/accumulation (effective batch kept), recompute and 8-bit
+    AdamW, in the seed's order, so the run fits memory_cap; prints why (language models)."""
+    memory_cap: str = ""
+    """Memory budget for --autofit, e.g. 16GB (a 5070 Ti); empty = this GPU's total memory."""
     paged_optimizer: bool = False
     """Use bitsandbytes' paged AdamW8bit (tier adamw8bit) so optimizer state can spill to host memory."""
     eval_steps: int = 200
@@ -208,6 +213,26 @@ def parse_settings(
         names = {f.name for f in dataclasses.fields(cls)}
         out.append(cls(**{k: v for k, v in values.items() if k in names}))
     return tuple(out)
+
+
+def run_main(main, argv: list[str] | None = None) -> int:
+    """Run a recipe's ``main``; bad input (settings, data, checkpoints, a stopped run) ends in one line, exit 2.
+
+    Set ``HF_CGPU_DEBUG=1`` for the full traceback.
+    """
+    import os
+    import sys
+
+    from .checkpoint import CheckpointError
+    from .loop import TrainingStopped
+
+    try:
+        return int(main(argv) or 0)
+    except (SettingsError, CheckpointError, TrainingStopped, FileNotFoundError, ValueError) as err:
+        if os.environ.get("HF_CGPU_DEBUG"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 def to_dict(*settings) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import json
 import sys
 
 from hf_cgpu.loop import fit
-from hf_cgpu.settings import TrainSettings, parse_settings
+from hf_cgpu.settings import TrainSettings, parse_settings, run_main
 from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
 
 
@@ -24,4 +24,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -9,7 +9,7 @@ import json
 import sys
 
 from hf_cgpu.loop import fit
-from hf_cgpu.settings import TrainSettings, parse_settings
+from hf_cgpu.settings import TrainSettings, parse_settings, run_main
 from hf_cgpu.tasks.flow_images import FlowMatchingTask, FlowSettings
 
 
@@ -21,4 +21,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hf_cgpu.generate import continue_texts
 from hf_cgpu.loop import fit
-from hf_cgpu.settings import TrainSettings, parse_settings
+from hf_cgpu.settings import TrainSettings, parse_settings, run_main
 from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
 
 
@@ -31,4 +31,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

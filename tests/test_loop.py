@@ -248,3 +248,39 @@ def test_ema_warmup_closed_form():
     assert ema.decay_at(0) == pytest.approx(0.1)
     assert ema.decay_at(90) == pytest.approx(91 / 100)
     assert ema.decay_at(10**7) == 0.9999
+
+
+def test_autofit_makes_770m_fit_a_16gb_card_keeping_the_effective_batch(capsys):
+    from hf_cgpu import budget
+    from hf_cgpu.loop import apply_autofit
+
+    class Shape770(ToyTask):
+        def budget_shape(self):
+            return budget.ModelShape.from_preset("770m"), 1024, 1024
+
+    s = TrainSettings(micro_batch_size=16, gradient_accumulation_steps=8, memory_cap="16GB")
+    before = budget.ledger(budget.ModelShape.from_preset("770m"), budget.TrainSetup(micro_batch_size=16,
+                                                                                  accumulation_steps=8))
+    assert before.total > 16 * 2**30  # the request does not fit as given
+    apply_autofit(Shape770(), s, torch.device("cpu"), log=print)
+    assert s.micro_batch_size * s.gradient_accumulation_steps == 128
+    after = budget.ledger(budget.ModelShape.from_preset("770m"), budget.TrainSetup(
+        micro_batch_size=s.micro_batch_size, accumulation_steps=s.gradient_accumulation_steps, tier=s.tier,
+        recompute=s.recompute))
+    assert after.total <= 16 * 2**30
+    out = capsys.readouterr().out
+    assert "autofit: micro-batch 16 -> 8" in out and "autofit: fits" in out
+
+
+def test_autofit_refuses_without_cap_on_cpu():
+    from hf_cgpu import budget
+    from hf_cgpu.loop import apply_autofit
+
+    class Shape(ToyTask):
+        def budget_shape(self):
+            return budget.ModelShape.from_preset("124m"), 1024, 1024
+
+    with pytest.raises(SettingsError, match="--memory_cap"):
+        apply_autofit(Shape(), TrainSettings(), torch.device("cpu"))
+    with pytest.raises(SettingsError, match="language-model task"):
+        apply_autofit(ToyTask(), TrainSettings(memory_cap="16GB"), torch.device("cpu"))

@@ -163,6 +163,12 @@ class CausalLMTask(Task):
         model.save_pretrained(str(output_dir))
         self.tokenizer.save_pretrained(str(output_dir))
 
+    def budget_shape(self):
+        from ..budget import ModelShape
+
+        cfg = self.model.config
+        return ModelShape.from_config_dict(cfg.to_dict(), name="cgpt"), cfg.n_positions, cfg.loss_chunk_size
+
     def fingerprint(self) -> dict[str, Any]:
         c = self.cfg
         return {"n_layer": c.n_layer, "n_embd": c.n_embd, "n_head": c.n_head, "seq_len": c.seq_len,

@@ -129,6 +129,11 @@ class FinetuneTask(Task):
             model.save_pretrained(str(output_dir))
         self.tokenizer.save_pretrained(str(output_dir))
 
+    def budget_shape(self):
+        from ..budget import ModelShape
+
+        return ModelShape.from_config_dict(self.model.config.to_dict()), self.cfg.seq_len, self.cfg.loss_chunk_size
+
     def fingerprint(self) -> dict[str, Any]:
         s = self.settings
         return {"model": self.cfg.model, "tier": s.tier, "lora_r": s.lora_r, "seq_len": self.cfg.seq_len,
