@@ -188,7 +188,8 @@ def build_parser(classes: tuple[type, ...], description: str = "", family: str |
             seen.add(f.name)
             kind = _arg_type(hints[f.name])
             extra = {"nargs": "?", "const": True} if kind is _str2bool else {}
-            group.add_argument(f"--{f.name}", type=kind, default=None, help=docs.get(f.name, ""), **extra)
+            help_ = docs.get(f.name, "").replace("%", "%%")
+            group.add_argument(f"--{f.name}", type=kind, default=None, help=help_, **extra)
     return parser
 
 
