@@ -284,3 +284,25 @@ def test_autofit_refuses_without_cap_on_cpu():
         apply_autofit(Shape(), TrainSettings(), torch.device("cpu"))
     with pytest.raises(SettingsError, match="language-model task"):
         apply_autofit(ToyTask(), TrainSettings(memory_cap="16GB"), torch.device("cpu"))
+
+
+class _Evil:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_resume_never_unpickles_code(tmp_path):
+    fit(ToyTask(), settings(tmp_path, max_steps=4))
+    ckpt = ckpt_io.list_checkpoints(tmp_path)[-1]
+    torch.save({"state": _Evil(tmp_path / "pwned")}, ckpt / "optimizer.bin")  # a tampered checkpoint
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["optimizer.bin"] = (ckpt / "optimizer.bin").stat().st_size
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(Exception, match="(?i)weights_only|unpickl|global"):
+        fit(ToyTask(), settings(tmp_path, max_steps=8, resume_from_checkpoint="latest"))
+    assert not (tmp_path / "pwned").exists()
