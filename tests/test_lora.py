@@ -18,23 +18,7 @@ from hf_cgpu.tiers import (
     load_base_model,
 )
 
-VOCAB = 256
-
-
-@pytest.fixture(scope="module")
-def neox_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-    )
-    path = tmp_path_factory.mktemp("neox")
-    GPTNeoXForCausalLM(config).save_pretrained(path)
-    return path
+from conftest import TINY_VOCAB as VOCAB
 
 
 @pytest.fixture(scope="module")

@@ -21,26 +21,8 @@ from hf_cgpu.tiers import (
     validate_tier,
 )
 
-VOCAB = 256
-
-
-def tiny_neox_config() -> GPTNeoXConfig:
-    return GPTNeoXConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-    )
-
-
-@pytest.fixture(scope="module")
-def neox_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("neox")
-    GPTNeoXForCausalLM(tiny_neox_config()).save_pretrained(path)
-    return path
+from conftest import TINY_VOCAB as VOCAB
+from conftest import tiny_neox_config
 
 
 def load_fp32(path):
