@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_cgpu.finetune import default_target_modules, format_instruction_example, merge_and_save, save_adapter
 from hf_cgpu.tiers import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import AutoModelForCausalLM
 
 from hf_cgpu.tiers import (
     TIERS,
@@ -22,7 +22,6 @@ from hf_cgpu.tiers import (
 )
 
 from conftest import TINY_VOCAB as VOCAB
-from conftest import tiny_neox_config
 
 
 def load_fp32(path):

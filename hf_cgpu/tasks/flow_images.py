@@ -125,10 +125,9 @@ class FlowMatchingTask(Task):
             batch["labels"] = self.labels[idx]
         return batch
 
-    def _null_class(self, model) -> int | None:
-        m = model._orig_mod if hasattr(model, "_orig_mod") else model
-        m = m.module if hasattr(m, "module") else m
-        return m.config.num_classes
+    @staticmethod
+    def _null_class(model) -> int | None:
+        return (model.module if hasattr(model, "module") else model).config.num_classes  # DDP wraps in .module
 
     def loss(self, model, batch, generator) -> torch.Tensor:
         def velocity(xt, t, labels=None):
