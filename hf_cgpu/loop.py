@@ -447,6 +447,7 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
         settings = {**(asdict(task.cfg) if task.cfg is not None else {}), **asdict(s)}
         (out_dir / "all_results.json").write_text(json.dumps({**results, "settings": settings}, indent=2))
         (out_dir / "history.json").write_text(json.dumps(history))
+        _plot_history(history, out_dir / "training_curves.png", task.unit, log)
         if task.card_kind:
             _render_card(task.card_kind, out_dir, log)
     accelerator.end_training()
@@ -507,6 +508,33 @@ def apply_autofit(task: Task, s: TrainSettings, device: torch.device, log=print)
     s.gradient_accumulation_steps = plan.setup.accumulation_steps
     s.recompute = plan.setup.recompute
     s.tier = plan.setup.tier
+
+
+def _plot_history(history: list[dict[str, Any]], path: Path, unit: str, log) -> None:
+    """Loss (train and validation), learning rate, gradient norm and throughput against step, one PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plotting is a convenience
+        return
+    panels = [("loss", ["train/loss", "eval/val_loss"]), ("learning rate", ["train/lr"]),
+              ("gradient norm", ["train/grad_norm"]), (f"{unit}/s", [f"train/{unit}_per_s"])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (title, keys) in zip(axes, panels):
+        for key in keys:
+            pts = [(h["step"], h[key]) for h in history if key in h]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if key.startswith("eval") else None, label=key.split("/")[-1])
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if len(keys) > 1:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    log(f"training curves: {path}")
 
 
 def _render_card(kind: str, out_dir: Path, log) -> None:

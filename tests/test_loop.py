@@ -306,3 +306,10 @@ def test_resume_never_unpickles_code(tmp_path):
     with pytest.raises(Exception, match="(?i)weights_only|unpickl|global"):
         fit(ToyTask(), settings(tmp_path, max_steps=8, resume_from_checkpoint="latest"))
     assert not (tmp_path / "pwned").exists()
+
+
+def test_tensorboard_tracker_and_curves_are_written(tmp_path):
+    fit(ToyTask(), settings(tmp_path, max_steps=4, report_to="tensorboard"))
+    assert list(tmp_path.rglob("events.out.tfevents.*")), "accelerate's TensorBoard tracker wrote no event file"
+    png = tmp_path / "training_curves.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
