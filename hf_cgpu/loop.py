@@ -19,6 +19,7 @@ import signal
 import statistics
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -301,7 +302,7 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
         units = 0
         for k in range(accum):
             batch = task.train_batch(idx[k * micro : (k + 1) * micro], device, gen)
-            ctx = accelerator.no_sync(model) if k < accum - 1 else _nullcontext()
+            ctx = accelerator.no_sync(model) if k < accum - 1 else nullcontext()
             with ctx:
                 loss = task.loss(model, batch, gen)
                 accelerator.backward(loss / accum)
@@ -552,10 +553,3 @@ def _oom_advice(task: Task, s: TrainSettings) -> str:
     steps = "; then ".join(x for x in ladder if x)
     return f"CUDA out of memory even at micro_batch_size 1; next rung of the memory ladder: {steps} (see `hf-cgpu budget`)"
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

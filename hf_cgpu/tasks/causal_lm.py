@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..loop import Task
+from .packed import PackedTokensTask
 from ..models.cgpt import CgptConfig, CgptForCausalLM
 from ..settings import SettingsError, TrainSettings
 
@@ -76,8 +76,7 @@ def training_flops_per_token(config: CgptConfig, num_params: int) -> float:
     return 6.0 * n + 12.0 * config.n_layer * config.n_embd * config.n_positions
 
 
-class CausalLMTask(Task):
-    unit = "tok"
+class CausalLMTask(PackedTokensTask):
     card_kind = "gpt"
 
     def __init__(self, cfg: GPTSettings):
@@ -130,34 +129,12 @@ class CausalLMTask(Task):
         tok.save_pretrained(str(saved))
         return tok
 
-    def num_train_samples(self) -> int:
-        return len(self.train_data)
-
-    def train_batch(self, indices, device, generator) -> dict:
-        return {"input_ids": self._stack(self.train_data, indices).to(device, non_blocking=True)}
-
-    @staticmethod
-    def _stack(data, indices) -> torch.Tensor:
-        return torch.from_numpy(data.blocks[indices.numpy()].astype("int64"))  # (B, S + 1)
-
     def loss(self, model, batch, generator) -> torch.Tensor:
         block = batch["input_ids"]
         return model(input_ids=block[:, :-1], shift_labels=block[:, 1:], use_cache=False).loss
 
-    def units(self, batch) -> int:
-        return batch["input_ids"][:, :-1].numel()
-
     def flops_per_unit(self) -> float:
         return training_flops_per_token(self.model.config, self.num_params)
-
-    def evaluate(self, model, settings, device) -> dict[str, float]:
-        n = min(len(self.val_data), settings.eval_batches * settings.micro_batch_size)
-        losses = []
-        for start in range(0, n, settings.micro_batch_size):
-            idx = torch.arange(start, min(n, start + settings.micro_batch_size))
-            losses.append(self.loss(model, {"input_ids": self._stack(self.val_data, idx).to(device)}, None).float())
-        val = torch.stack(losses).mean().item()
-        return {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
 
     def save_pretrained(self, model, output_dir: Path) -> None:
         model.save_pretrained(str(output_dir))

@@ -6,14 +6,13 @@ goes through ``causal_lm_loss_from_hidden`` so the (B, T, vocab) fp32 logits are
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..loop import Task
+from .packed import PackedTokensTask
 from ..settings import SettingsError, TrainSettings
 
 
@@ -41,8 +40,7 @@ class FinetuneSettings:
     """Where packed token files are cached (empty = default cache)."""
 
 
-class FinetuneTask(Task):
-    unit = "tok"
+class FinetuneTask(PackedTokensTask):
     train_mode = "finetune"
 
     def __init__(self, cfg: FinetuneSettings):
@@ -81,16 +79,6 @@ class FinetuneTask(Task):
     def card_kind(self) -> str | None:
         return "lora" if self.settings.tier in ("lora", "qlora") else None
 
-    def num_train_samples(self) -> int:
-        return len(self.train_data)
-
-    @staticmethod
-    def _blocks(data, indices) -> torch.Tensor:
-        return torch.from_numpy(data.blocks[indices.numpy()].astype("int64"))  # (B, S + 1)
-
-    def train_batch(self, indices, device, generator) -> dict:
-        return {"input_ids": self._blocks(self.train_data, indices).to(device, non_blocking=True)}
-
     def loss(self, model, batch, generator) -> torch.Tensor:
         from ..tiers import causal_lm_loss_from_hidden
 
@@ -98,24 +86,10 @@ class FinetuneTask(Task):
         with self.accelerator.autocast():  # the backbone is called directly, outside prepare's autocast
             return causal_lm_loss_from_hidden(model, ids, ids, chunk_size=self.cfg.loss_chunk_size)
 
-    def units(self, batch) -> int:
-        return batch["input_ids"][:, :-1].numel()
-
     def flops_per_unit(self) -> float:
         """Frozen-base fine-tuning does no weight-gradient matmuls: ~4N per token (2N forward, 2N input grads)."""
         factor = 6.0 if self.settings.tier in ("full", "adamw8bit") else 4.0
         return factor * self.num_params
-
-    def evaluate(self, model, settings, device) -> dict[str, float]:
-        n = min(len(self.val_data), settings.eval_batches * settings.micro_batch_size)
-        losses = [
-            self.loss(model, {"input_ids": self._blocks(self.val_data, torch.arange(s, min(n, s + settings.micro_batch_size))).to(device)}, None)
-            for s in range(0, n, settings.micro_batch_size)
-        ]
-        if not losses:
-            return {}
-        val = torch.stack(losses).float().mean().item()
-        return {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
 
     def save_pretrained(self, model, output_dir: Path) -> None:
         from ..finetune import merge_and_save, save_adapter
