@@ -8,6 +8,7 @@ import sys
 COMMANDS = {
     "generate": ("hf_cgpu.generate", "continue text with a saved GPT"),
     "sample": ("hf_cgpu.flow.sample", "sample images from a saved FlowMatchPipeline"),
+    "eval": ("hf_cgpu.evaluation.cli", "evaluate a saved model: LM loss/perplexity/bits per char, or image FD"),
     "budget": ("hf_cgpu.budget", "memory and time ledger: what fits on your card, how long it takes"),
     "bench": ("hf_cgpu.bench", "measure this GPU's bandwidth and bf16 matmul rate (MFU denominator)"),
     "push": ("hf_cgpu.hub", "push a trained directory to the Hub with a model card"),

@@ -1,0 +1,1 @@
+"""Tasks plug a model family into the one loop (``hf_cgpu.loop.fit``): causal LM, fine-tune, flow images."""
