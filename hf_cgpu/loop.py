@@ -14,11 +14,14 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import resource
+import shutil
 import signal
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -46,6 +49,7 @@ class Task:
     train_mode = "pretrain"  # or "finetune": adapter tiers (lora, qlora) only make sense on a pretrained base
     card_kind: str | None = None  # model card template rendered into the output directory (gpt, flow, lora)
     cfg: Any = None  # the task's settings dataclass, recorded in all_results.json
+    best_metric: str | None = None  # evaluation figure (lower is better) that picks the best weights, e.g. val_loss
 
     def setup(self, settings: TrainSettings, accelerator: Accelerator) -> None:
         """Build ``self.model`` and the data. Runs before any tier, compile or prepare."""
@@ -54,8 +58,13 @@ class Task:
     def num_train_samples(self) -> int:
         raise NotImplementedError
 
+    def sample_order(self, seed: int) -> "SampleOrder":
+        """What ``train_batch`` receives at each step: ``indices(step, batch)`` and ``epoch_of(step, batch)``, a
+        function of ``(seed, step)`` only (exact resume). Default: sample indices, a new permutation each epoch."""
+        return SampleOrder(self.num_train_samples(), seed)
+
     def train_batch(self, indices: torch.Tensor, device: torch.device, generator: torch.Generator) -> dict:
-        """The micro-batch made of training samples ``indices`` (1-D LongTensor), on ``device``."""
+        """The micro-batch made of training samples ``indices`` (1-D LongTensor from ``sample_order``), on ``device``."""
         raise NotImplementedError
 
     def loss(self, model: torch.nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
@@ -78,6 +87,14 @@ class Task:
 
     def save_pretrained(self, model: torch.nn.Module, output_dir: Path) -> None:
         raise NotImplementedError
+
+    def save_best(self, model: torch.nn.Module, folder: Path) -> None:
+        """Write the best-so-far weights (``output_dir/best``); default: what ``save_pretrained`` writes."""
+        self.save_pretrained(model, folder)
+
+    def load_saved_weights(self, model: torch.nn.Module, folder: Path) -> None:
+        """Load weights that ``save_pretrained`` wrote to ``folder`` back into ``model`` (for the best weights)."""
+        load_saved_weights(model, folder)
 
     def budget_shape(self) -> tuple[Any, int, int] | None:
         """(hf_cgpu.budget.ModelShape, seq_len, loss chunk tokens) for --autofit; None = not a language model."""
@@ -168,6 +185,79 @@ class EMA:
             self.shadow[n].copy_(loaded[n])
 
 
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Put directory ``tmp`` in place of ``final``: at every instant one complete copy exists on disk."""
+    old = final.with_name(f".{final.name}-old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_saved_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Load ``save_pretrained`` output (a peft adapter, or transformers/diffusers safetensors) into ``model``."""
+    folder = Path(folder)
+    if (folder / "adapter_model.safetensors").is_file():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(folder / "adapter_model.safetensors")))
+        return
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"{folder} does not match the model (missing {sorted(set(missing) - tied)[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]})")
+
+
+class BestKeeper:
+    """Keeps the weights with the lowest evaluation ``metric`` in ``output_dir/best`` and counts evaluations since
+    the last improvement (early stopping). Its state travels in every checkpoint, so a resumed run keeps it."""
+
+    def __init__(self, metric: str | None, folder: Path, patience: int = 0, save: bool = True):
+        self.metric, self.folder, self.patience, self.save = metric, folder, patience, save
+        self.value: float | None = None
+        self.step: int | None = None
+        self.metrics: dict[str, float] = {}
+        self.stale = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "step": self.step, "metrics": self.metrics, "stale": self.stale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value, self.step = state.get("value"), state.get("step")
+        self.metrics, self.stale = dict(state.get("metrics") or {}), int(state.get("stale") or 0)
+
+    def observe(self, metrics: dict[str, float], step: int, write: Callable[[Path], None] | None) -> bool:
+        """Record one evaluation; ``write(folder)`` saves the weights evaluated when they are the best so far."""
+        value = metrics.get(self.metric) if self.metric else None
+        if value is None or not math.isfinite(value):
+            return False
+        if self.value is not None and value >= self.value:
+            self.stale += 1
+            return False
+        self.value, self.step, self.metrics, self.stale = value, step, dict(metrics), 0
+        if self.save and write is not None:
+            tmp = self.folder.with_name(f".{self.folder.name}-tmp")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            write(tmp)
+            (tmp / "best.json").write_text(json.dumps({"step": step, **metrics}, indent=1))
+            _replace_dir(tmp, self.folder)
+        return True
+
+    def should_stop(self) -> bool:
+        return self.patience > 0 and self.stale >= self.patience
+
+
 def _peak_memory(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         return {
@@ -238,6 +328,8 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
     device = accelerator.device
     model, optimizer = accelerator.prepare(model, optimizer)
     ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
+    best = BestKeeper(task.best_metric, out_dir / "best", s.early_stopping_patience,
+                      save=s.save_best or s.load_best_at_end)
     if accelerator.is_main_process and s.report_to != "none":
         accelerator.init_trackers("hf_cgpu", config={k: v for k, v in asdict(s).items() if v is not None})
 
@@ -260,10 +352,11 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
             accelerator.load_state(str(found))
             if ema is not None:
                 ema.load(found / "ema.safetensors")
+            best.load_state_dict(saved.pop("best", None) or {})
             state.update(saved)
             log(f"resumed from {found} at step {state['step']}")
 
-    order = SampleOrder(task.num_train_samples(), s.seed)
+    order = task.sample_order(s.seed)
     effective = state["micro_batch_size"] * state["accumulation"]
     peak, peak_source = _peak_tflops(s, device)
     flops_per_unit = task.flops_per_unit()
@@ -285,7 +378,8 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
         if accelerator.is_main_process:
             if ema is not None:
                 ema.save(tmp / "ema.safetensors")
-            (tmp / ckpt_io.TRAINER_STATE).write_text(json.dumps({**state, "step": step}, indent=1))
+            (tmp / ckpt_io.TRAINER_STATE).write_text(
+                json.dumps({**state, "step": step, "best": best.state_dict()}, indent=1))
             ckpt_io.seal(tmp, final)
             ckpt_io.prune(out_dir, s.checkpoints_total_limit)
         last_saved = step
@@ -398,7 +492,11 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
                 (bar.write if bar is not None else log)(f"step {step}: {msg}")
                 window = {"loss": 0.0, "n": 0, "units": 0, "t0": time.perf_counter()}
             if s.eval_steps and step % s.eval_steps == 0 and step < s.max_steps:
-                _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, bar)
+                _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, bar, best)
+                if best.should_stop():
+                    log(f"early stopping at step {step}: {best.metric} has not improved for {best.stale} evaluations "
+                        f"(best {best.value:.4g} at step {best.step})")
+                    break
             if s.checkpointing_steps and step % s.checkpointing_steps == 0:
                 save_checkpoint(step)
             if time.monotonic() > deadline:
@@ -421,13 +519,23 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
 
     if step > last_saved:
         save_checkpoint(step)
-    final = _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, None)
+    final = _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, None, best)
+    final = {k.split("/")[-1]: v for k, v in final.items()}
+    use_best = bool(s.load_best_at_end and best.step is not None and best.step != step and best.folder.is_dir())
+    if use_best:
+        accelerator.wait_for_everyone()
+        task.load_saved_weights(accelerator.unwrap_model(model), best.folder)
+        log(f"load_best_at_end: the saved model is the one of step {best.step} ({best.metric} {best.value:.4g}; "
+            f"last step {step}: {final.get(best.metric, float('nan')):.4g})")
     last = next((h for h in reversed(history) if "train/loss" in h), {})
     results = {
         "steps": step,
         f"{task.unit}s_seen": state["units_seen"],
         "train_loss": last.get("train/loss"),
-        **{k.split("/")[-1]: v for k, v in final.items()},
+        **(best.metrics if use_best else final),
+        **({f"best_{best.metric}": best.value, "best_step": best.step} if best.step is not None else {}),
+        **({f"last_{k}": v for k, v in final.items()} if use_best else {}),
+        "model_step": best.step if use_best else step,
         f"{task.unit}_per_s": last.get(f"train/{task.unit}_per_s"),
         "mfu": last.get("train/mfu"),
         "mfu_peak_tflops": peak or None,
@@ -440,10 +548,11 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
     }
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
-        if ema is not None:
+        swap = ema is not None and not use_best  # the best weights were evaluated (and saved) with EMA in place
+        if swap:
             ema.swap()
         task.save_pretrained(unwrapped, out_dir)
-        if ema is not None:
+        if swap:
             ema.swap()
         settings = {**(asdict(task.cfg) if task.cfg is not None else {}), **asdict(s)}
         (out_dir / "all_results.json").write_text(json.dumps({**results, "settings": settings}, indent=2))
@@ -455,22 +564,28 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
     return results
 
 
-def _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, bar) -> dict[str, float]:
-    was_training = model.training
+def _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, bar, best=None) -> dict[str, float]:
+    was_training, improved = model.training, False
     model.eval()
     if ema is not None:
         ema.swap()
     with torch.no_grad(), accelerator.autocast():
-        metrics = {f"eval/{k}": v for k, v in task.evaluate(model, s, device).items()}
+        raw = task.evaluate(model, s, device)
+    metrics = {f"eval/{k}": v for k, v in raw.items()}
     if accelerator.is_main_process:
         task.on_evaluate(accelerator.unwrap_model(model), step, out_dir)
+    if best is not None:  # while the evaluated (EMA) weights are in place
+        write = (lambda folder: task.save_best(accelerator.unwrap_model(model), folder)) \
+            if accelerator.is_main_process else None
+        improved = best.observe(raw, step, write)
+        accelerator.wait_for_everyone()
     if ema is not None:
         ema.swap()
     model.train(was_training)
     if metrics:
         accelerator.log(metrics, step=step)
         history.append({"step": step, **metrics})
-        msg = " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+        msg = " ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + (" (best so far)" if improved else "")
         (bar.write if bar is not None else accelerator.print)(f"step {step}: {msg}")
     return metrics
 

@@ -80,8 +80,14 @@ class TrainSettings:
     """Use bitsandbytes' paged AdamW8bit (tier adamw8bit) so optimizer state can spill to host memory."""
     eval_steps: int = 200
     """Run validation every this many optimizer steps (0 = only at the end)."""
-    eval_batches: int = 20
-    """Micro-batches of validation data per evaluation."""
+    eval_batches: int = 0
+    """Micro-batches of validation data per evaluation (0 = the whole validation split)."""
+    save_best: bool = True
+    """Keep the weights with the best validation figure (language models: val_loss) in output_dir/best."""
+    load_best_at_end: bool = False
+    """Finish with the best-by-validation weights as the output model (the last weights stay in checkpoints/)."""
+    early_stopping_patience: int = 0
+    """Stop when validation has not improved for this many evaluations in a row (0 = never stop early)."""
     log_steps: int = 10
     """Log loss, lr, grad_norm, throughput, MFU and memory every this many steps."""
     checkpointing_steps: int = 500
@@ -117,6 +123,10 @@ class TrainSettings:
                 raise SettingsError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.warmup_steps < 0 or self.learning_rate <= 0:
             raise SettingsError("learning_rate must be > 0 and warmup_steps >= 0")
+        if self.early_stopping_patience < 0 or self.eval_batches < 0:
+            raise SettingsError("early_stopping_patience and eval_batches must be >= 0")
+        if (self.load_best_at_end or self.early_stopping_patience) and not self.eval_steps:
+            raise SettingsError("load_best_at_end/early_stopping_patience need evaluations: set --eval_steps N")
 
 
 # ---------------------------------------------------------------- parsing

@@ -428,9 +428,12 @@ def causal_lm_loss_from_hidden(
     chunk_size: int = 1024,
     ignore_index: int = -100,
     num_items_in_batch: int | torch.Tensor | None = None,
+    shift: bool = True,
     **backbone_kwargs: Any,
 ) -> torch.Tensor:
     """The model's causal LM loss via its backbone and `chunked_causal_lm_loss`: no full logits.
+
+    `labels` are the input ids when `shift` (HF convention), targets already aligned with the positions otherwise.
 
     Works for transformers causal LMs, peft-wrapped or compiled in place. It calls the backbone
     directly, so it bypasses the autocast that `accelerator.prepare` patches onto `model.forward`:
@@ -454,7 +457,7 @@ def causal_lm_loss_from_hidden(
         labels,
         chunk_size=chunk_size,
         ignore_index=ignore_index,
-        shift=True,
+        shift=shift,
         lm_head_bias=getattr(head, "bias", None),
         num_items_in_batch=num_items_in_batch,
     )

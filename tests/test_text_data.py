@@ -204,7 +204,8 @@ def test_packer_closed_form(tmp_path):
     packed = pack_dataset(datasets.Dataset.from_dict({"text": docs}), tok, seq_len, tmp_path)
     n_blocks = (sum(lengths) + len(lengths)) // (seq_len + 1)
     assert packed.num_blocks == len(packed) == n_blocks == 10
-    assert packed.n_tokens == n_blocks * (seq_len + 1)
+    assert packed.n_tokens == sum(lengths) + len(lengths)  # the whole stream is kept
+    assert packed.n_chars == sum(lengths)
     eos = tok.eos_token_id
     stream = []
     for doc in docs:
@@ -217,8 +218,10 @@ def test_packer_closed_form(tmp_path):
     assert (np.flatnonzero(flat == eos) == ends[ends < len(flat)]).all()
     assert packed[0]["input_ids"].dtype.is_floating_point is False and packed[0]["input_ids"].shape == (8,)
     meta = json.loads(next(tmp_path.glob("*.json")).read_text())
-    assert meta["dtype"] == "uint16" and meta["seq_len"] == seq_len and meta["n_tokens"] == packed.n_tokens
-    assert {"tokenizer", "source", "n_tokens"} <= meta.keys()
+    assert meta["dtype"] == "uint16" and meta["seq_len"] == seq_len and meta["n_tokens_total"] == packed.n_tokens
+    assert meta["n_tokens"] == n_blocks * (seq_len + 1)
+    assert {"tokenizer", "source", "n_tokens", "n_chars"} <= meta.keys()
+    assert packed.tokens.tolist() == stream
     assert os.path.getsize(packed.path) == packed.n_tokens * 2
 
 

@@ -1,8 +1,9 @@
-"""Text data for the GPT recipe: load a corpus, train a byte-level BPE tokenizer, pack tokens into fixed blocks.
+"""Text data for the GPT recipe: load a corpus, train a byte-level BPE tokenizer, pack tokens into one stream.
 
 The pipeline is ``load_text_dataset -> train_tokenizer -> pack_dataset``. Packing writes a memory-mapped token
-file plus a JSON meta into a cache directory keyed by (tokenizer, source fingerprint, seq_len), so a second run
-on the same inputs starts training at once instead of re-tokenizing.
+stream plus a JSON meta (token and character counts) into a cache directory keyed by (tokenizer, source
+fingerprint, seq_len), so a second run on the same inputs starts training at once instead of re-tokenizing.
+Training cuts windows from the stream (``WindowOrder``), evaluation scores every token once (``eval_windows``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 EOS_TOKEN = "<|endoftext|>"
 BUILTIN = "builtin"
-PACK_FORMAT_VERSION = 1
+PACK_FORMAT_VERSION = 2  # 2: the whole token stream is kept (windows at any offset), characters counted
 
 # Extension -> datasets packaged builder. Text files are read by paragraph (blank-line separated documents).
 _BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}
@@ -342,10 +343,12 @@ def check_vocab(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
 
 
 class PackedTokens(torch.utils.data.Dataset):
-    """Fixed blocks of ``seq_len + 1`` tokens from a memory-mapped token file: ``{"input_ids": LongTensor}``.
+    """A tokenized split as one memory-mapped token stream (documents joined by EOS).
 
-    The training task splits a block into inputs ``[:-1]`` and labels ``[1:]``. The memmap is reopened lazily
-    after pickling, so DataLoader workers share the page cache instead of copying the array.
+    Two views: ``blocks`` / ``__getitem__``, the fixed ``seq_len + 1`` blocks that tile the stream from offset 0
+    (the trailing partial block left out), and ``windows(starts, length)``, windows cut at any offset, which is how
+    training draws its samples (``WindowOrder``) and how evaluation covers the whole split (``eval_windows``).
+    The memmap is reopened lazily after pickling, so DataLoader workers share the page cache.
     """
 
     def __init__(self, path: str | os.PathLike, meta: dict[str, Any]):
@@ -353,19 +356,32 @@ class PackedTokens(torch.utils.data.Dataset):
         self.meta = meta
         self.seq_len: int = meta["seq_len"]
         self.num_blocks: int = meta["num_blocks"]
-        self.n_tokens: int = meta["n_tokens"]
+        self.n_tokens: int = meta["n_tokens_total"]
+        self.n_chars: int | None = meta.get("n_chars")
         self.vocab_size: int = meta["vocab_size"]
         self.dtype = np.dtype(meta["dtype"])
-        self._blocks: np.memmap | None = None
+        self._tokens: np.memmap | None = None
 
     @property
-    def blocks(self) -> np.memmap:
-        """The token file as a ``(num_blocks, seq_len + 1)`` read-only memmap."""
-        if self._blocks is None:
-            self._blocks = np.memmap(
-                self.path, dtype=self.dtype, mode="r", shape=(self.num_blocks, self.seq_len + 1)
-            )
-        return self._blocks
+    def tokens(self) -> np.memmap:
+        """The whole token stream, ``(n_tokens,)``, read-only."""
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
+        return self._tokens
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """The stream's first ``num_blocks * (seq_len + 1)`` tokens as ``(num_blocks, seq_len + 1)``."""
+        block = self.seq_len + 1
+        return self.tokens[: self.num_blocks * block].reshape(self.num_blocks, block)
+
+    def windows(self, starts: np.ndarray | torch.Tensor, length: int) -> torch.Tensor:
+        """``(len(starts), length)`` int64 tensor of the tokens ``[start, start + length)`` for each start."""
+        starts = np.asarray(starts, dtype=np.int64)
+        if starts.size and (starts.min() < 0 or starts.max() + length > self.n_tokens):
+            raise IndexError(f"window of {length} tokens out of range of a {self.n_tokens}-token stream")
+        index = starts[:, None] + np.arange(length, dtype=np.int64)[None, :]
+        return torch.from_numpy(self.tokens[index].astype(np.int64))
 
     def __len__(self) -> int:
         return self.num_blocks
@@ -378,11 +394,81 @@ class PackedTokens(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_blocks"] = None
+        state["_tokens"] = None
         return state
 
     def __repr__(self) -> str:
         return f"PackedTokens(num_blocks={self.num_blocks}, seq_len={self.seq_len}, n_tokens={self.n_tokens})"
+
+
+DATA_ORDERS = ("shifted", "random", "fixed")
+
+
+class WindowOrder:
+    """Start offsets of the training windows of optimizer step ``k``: a function of ``(seed, k)`` alone.
+
+    ``shifted`` (default): every epoch cuts the stream at a new random offset into windows of ``window`` tokens and
+    visits them in a new random order, so each token is seen once per epoch but never twice in the same context.
+    ``random``: nanoGPT's ``get_batch``, every start drawn uniformly and independently. ``fixed``: the same blocks
+    every epoch (offset 0), in a new order; on a small corpus seen for many epochs this memorises the blocks
+    (measured: validation rose after 12 epochs of zh-poetry, see benchmarks/RESULTS.md).
+    """
+
+    def __init__(self, n_tokens: int, window: int, seed: int, mode: str = "shifted"):
+        if mode not in DATA_ORDERS:
+            raise ValueError(f"data_order={mode!r}; choose one of {', '.join(DATA_ORDERS)}")
+        if n_tokens < window:
+            raise ValueError(f"the training stream has {n_tokens} tokens, fewer than one window of {window}; "
+                             "lower --seq_len or add data")
+        self.n, self.window, self.seed, self.mode = n_tokens, window, seed, mode
+        self.max_offset = 0 if mode == "fixed" else min(window - 1, n_tokens - window)
+        self.per_epoch = (n_tokens - self.max_offset) // window  # windows that fit at every offset
+        self._epoch, self._perm, self._offset = -1, np.empty(0, dtype=np.int64), 0
+
+    def _epoch_plan(self, epoch: int) -> tuple[np.ndarray, int]:
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 7_777 + epoch)
+            perm = torch.randperm(self.per_epoch, generator=g).numpy()
+            offset = int(torch.randint(0, self.max_offset + 1, (1,), generator=g)) if self.max_offset else 0
+            self._epoch, self._perm, self._offset = epoch, perm, offset
+        return self._perm, self._offset
+
+    def indices(self, step: int, batch: int) -> torch.Tensor:
+        """``batch`` window starts (token offsets) of optimizer step ``step``."""
+        if self.mode == "random":
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + step * 7919 + 29) % (2**62))
+            return torch.randint(0, self.n - self.window + 1, (batch,), generator=g)
+        out: list[int] = []
+        pos = step * batch
+        while len(out) < batch:
+            epoch, at = divmod(pos, self.per_epoch)
+            perm, offset = self._epoch_plan(epoch)
+            take = min(batch - len(out), self.per_epoch - at)
+            out.extend((offset + perm[at : at + take] * self.window).tolist())
+            pos += take
+        return torch.tensor(out, dtype=torch.long)
+
+    def epoch_of(self, step: int, batch: int) -> float:
+        """Epochs of the stream consumed before ``step`` (tokens seen / tokens in the stream)."""
+        return step * batch * self.window / self.n
+
+
+def eval_windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
+    """``(start, skip)`` pairs of ``seq_len + 1``-token windows whose targets cover tokens ``1 .. n_tokens - 1``
+    of a stream exactly once: stride ``seq_len`` (each window overlaps the last one by its first token, which is
+    context only), and a last window aligned to the stream's end whose first ``skip`` targets were already scored.
+    """
+    window = seq_len + 1
+    if n_tokens < 2:
+        return []
+    if n_tokens <= window:
+        return [(0, 0)] if n_tokens == window else []
+    out = [(s, 0) for s in range(0, n_tokens - window + 1, seq_len)]
+    covered = out[-1][0] + window  # tokens [0, covered) are scored (token 0 as context only)
+    if covered < n_tokens:
+        start = n_tokens - window
+        out.append((start, covered - 1 - start))  # targets are tokens start+1 .. ; those < covered already scored
+    return out
 
 
 def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -424,9 +510,11 @@ def pack_dataset(
     num_proc: int | None = None,
     text_column: str = "text",
 ) -> PackedTokens:
-    """Tokenize ``ds``, append EOS after every document, concatenate, cut into blocks of ``seq_len + 1`` tokens.
+    """Tokenize ``ds``, append EOS after every document and concatenate into one token stream.
 
-    The trailing partial block is dropped so every batch has the same shape (no recompiles, no padding). Tokens
+    The whole stream is kept; ``PackedTokens.blocks`` views it as fixed ``seq_len + 1`` blocks (the trailing partial
+    block left out) and ``windows`` cuts it anywhere, so every batch has the same shape (no recompiles, no
+    padding). The meta also records the documents' characters (``n_chars``, for bits per character). Tokens
     go to ``<cache_dir>/<key>.bin`` (uint16 when the vocabulary fits, halving disk and page cache) with
     ``<key>.json`` beside it; the key hashes the tokenizer, the source fingerprint, ``seq_len`` and the column,
     so a repeat call returns at once and any change re-tokenizes. ``num_proc`` None means ``min(4, cpus)``,
@@ -456,7 +544,7 @@ def pack_dataset(
     bin_path, meta_path = cache_dir / f"tokens-{key}.bin", cache_dir / f"tokens-{key}.json"
     if meta_path.exists() and bin_path.exists():
         meta = json.loads(meta_path.read_text())
-        expected = meta["n_tokens"] * np.dtype(meta["dtype"]).itemsize
+        expected = meta["n_tokens_total"] * np.dtype(meta["dtype"]).itemsize
         if bin_path.stat().st_size == expected:
             return PackedTokens(bin_path, meta)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -474,7 +562,9 @@ def pack_dataset(
             num_proc=num_proc if num_proc > 1 else None,
             remove_columns=ds.column_names,
             fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "eos": eos},
-            features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+            features=datasets.Features(
+            {"input_ids": datasets.List(datasets.Value("int32")), "n_chars": datasets.Value("int64")}
+        ),
             cache_file_name=str(work_dir / "tokenized.arrow"),
             load_from_cache_file=False,
             desc=f"tokenizing ({num_proc} proc)",
@@ -502,39 +592,37 @@ def _tokenize_batch(
         return_token_type_ids=False,
         verbose=False,
     )["input_ids"]
-    return {"input_ids": [doc + [eos] for doc in ids]}
+    return {"input_ids": [doc + [eos] for doc in ids], "n_chars": [len(t) for t in batch[text_column]]}
 
 
 def _write_blocks(tokenized: datasets.Dataset, bin_path: Path, seq_len: int, dtype: type) -> dict[str, Any]:
-    """Stream the token lists into the memmap, keeping only whole blocks."""
+    """Stream the token lists into the memmap: the whole stream (windows may start anywhere); ``num_blocks`` counts
+    the whole ``seq_len + 1`` blocks it tiles from offset 0."""
     column = tokenized.data.column("input_ids")
-    lengths = [np.asarray(chunk.value_lengths(), dtype=np.int64) for chunk in column.chunks]
-    n_total = int(sum(lens.sum() for lens in lengths))
+    n_total = int(sum(int(pc.sum(pc.list_value_length(chunk)).as_py() or 0) for chunk in column.chunks))
     block = seq_len + 1
     num_blocks = n_total // block
     if num_blocks == 0:
         raise ValueError(
             f"only {n_total} tokens, fewer than seq_len + 1 = {block}; lower --seq_len or add data"
         )
-    n_tokens = num_blocks * block
     tmp_path = bin_path.with_suffix(".bin.tmp")
-    out = np.memmap(tmp_path, dtype=dtype, mode="w+", shape=(n_tokens,))
+    out = np.memmap(tmp_path, dtype=dtype, mode="w+", shape=(n_total,))
     pos = 0
-    for chunk in tqdm(column.chunks, desc="packing blocks", unit="chunk", leave=False):
+    for chunk in tqdm(column.chunks, desc="packing tokens", unit="chunk", leave=False):
         values = chunk.flatten().to_numpy(zero_copy_only=False)
-        take = min(len(values), n_tokens - pos)
-        out[pos : pos + take] = values[:take]
-        pos += take
-        if pos == n_tokens:
-            break
+        out[pos : pos + len(values)] = values
+        pos += len(values)
     out.flush()
     del out
     tmp_path.replace(bin_path)
+    n_chars = int(pc.sum(tokenized.data.column("n_chars")).as_py() or 0)
     return {
         "seq_len": seq_len,
         "num_blocks": num_blocks,
-        "n_tokens": n_tokens,
+        "n_tokens": num_blocks * block,
         "n_tokens_total": n_total,
+        "n_chars": n_chars,
         "dtype": np.dtype(dtype).name,
     }
 
@@ -542,11 +630,14 @@ def _write_blocks(tokenized: datasets.Dataset, bin_path: Path, seq_len: int, dty
 __all__ = [
     "EOS_TOKEN",
     "PRETOKENIZE_PATTERN",
+    "DATA_ORDERS",
     "PackedTokens",
+    "WindowOrder",
     "builtin_corpus",
     "carve_validation",
     "check_vocab",
     "default_cache_dir",
+    "eval_windows",
     "load_text_dataset",
     "pack_dataset",
     "source_fingerprint",

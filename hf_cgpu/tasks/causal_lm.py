@@ -36,6 +36,9 @@ class GPTSettings:
     """Tokenizer vocabulary to train (ignored when --tokenizer is given: its size is used)."""
     loss_chunk_size: int = 1024
     """Tokens per chunk of the fp32 loss (0 = materialise all logits)."""
+    data_order: str = "shifted"
+    """How training windows are cut from the token stream: shifted (a new random offset and order every epoch),
+    random (nanoGPT: uniform random starts) or fixed (the same blocks every epoch; memorises a small corpus)."""
     dataset: str = "builtin"
     """Text source: 'builtin' (Python's pydoc topics), a directory/files of parquet/json/txt, or a Hub id."""
     text_column: str = "text"
@@ -61,6 +64,12 @@ class GPTSettings:
             )
         if self.seq_len < 2:
             raise SettingsError("seq_len must be at least 2")
+        from ..data.text import DATA_ORDERS
+
+        if self.data_order not in DATA_ORDERS:
+            raise SettingsError(f"data_order={self.data_order!r}; choose one of {', '.join(DATA_ORDERS)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise SettingsError(f"dropout={self.dropout} must be in [0, 1); e.g. 0.1 for many epochs of a small corpus")
 
     def model_config(self, vocab_size: int, eos_token_id: int) -> CgptConfig:
         return CgptConfig(
@@ -76,12 +85,37 @@ def training_flops_per_token(config: CgptConfig, num_params: int) -> float:
     return 6.0 * n + 12.0 * config.n_layer * config.n_embd * config.n_positions
 
 
+MANY_EPOCHS = 4  # Muennighoff et al. (2023): up to ~4 epochs are nearly as good as fresh data, then returns drop
+TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio (the seed's table uses it too)
+
+
+def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_params: int, processes: int = 1) -> list[str]:
+    """Lines saying how many epochs the planned tokens are, and a warning where that many epochs over-fit."""
+    per_step = settings.micro_batch_size * settings.gradient_accumulation_steps * seq_len * processes
+    planned = settings.max_steps * per_step
+    epochs = planned / max(1, corpus_tokens)
+    lines = [f"plan: {settings.max_steps:,} steps x {per_step:,} tokens = {planned / 1e6:,.1f}M tokens = "
+             f"{epochs:.1f} epochs of the {corpus_tokens / 1e6:,.2f}M-token training stream"
+             + (f" (or fewer: --max_minutes {settings.max_minutes:g})" if settings.max_minutes else "")]
+    if epochs > MANY_EPOCHS:
+        supported = corpus_tokens / TOKENS_PER_PARAM
+        lines.append(
+            f"warning: {epochs:.0f} epochs of one corpus over-fit (beyond ~{MANY_EPOCHS} epochs repeated tokens are "
+            f"worth much less than new ones); at {TOKENS_PER_PARAM} tokens/parameter this corpus supports a "
+            f"~{supported / 1e6:.2f}M-parameter model per epoch (this one has {num_params / 1e6:.1f}M). Use more "
+            f"data, a smaller model or dropout (--dropout 0.1); validation picks the best weights "
+            f"(--load_best_at_end true, --early_stopping_patience N)"
+        )
+    return lines
+
+
 class CausalLMTask(PackedTokensTask):
     card_kind = "gpt"
 
     def __init__(self, cfg: GPTSettings):
         self.cfg = cfg
         self.tokenizer = None
+        self.data_order = cfg.data_order
 
     # ---- data and model
     def setup(self, settings: TrainSettings, accelerator) -> None:
@@ -105,11 +139,14 @@ class CausalLMTask(PackedTokensTask):
         self.expected_initial_loss = math.log(vocab)
         accelerator.print(
             f"GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), {self.num_params / 1e6:.2f}M parameters, "
-            f"vocab {vocab}, seq {cfg.seq_len}; train {self.train_data.n_tokens:,} tokens in "
-            f"{len(self.train_data):,} blocks, validation {len(self.val_data):,} blocks"
+            f"vocab {vocab}, seq {cfg.seq_len}, dropout {cfg.dropout}; train {self.train_data.n_tokens:,} tokens, "
+            f"validation {self.val_data.n_tokens:,} tokens ({cfg.data_order} windows)"
         )
-        if len(self.val_data) == 0:
+        if self.val_data.n_tokens < cfg.seq_len + 1:
             raise SettingsError(f"validation split has fewer than seq_len+1={cfg.seq_len + 1} tokens; lower --seq_len")
+        for line in epoch_plan(settings, cfg.seq_len, self.train_data.n_tokens, self.num_params,
+                               accelerator.num_processes):
+            accelerator.print(line)
 
     def _tokenizer(self, ds, out: Path, resume: bool):
         from transformers import AutoTokenizer
@@ -129,9 +166,8 @@ class CausalLMTask(PackedTokensTask):
         tok.save_pretrained(str(saved))
         return tok
 
-    def loss(self, model, batch, generator) -> torch.Tensor:
-        block = batch["input_ids"]
-        return model(input_ids=block[:, :-1], shift_labels=block[:, 1:], use_cache=False).loss
+    def target_loss(self, model, inputs, targets) -> torch.Tensor:
+        return model(input_ids=inputs, shift_labels=targets, use_cache=False).loss
 
     def flops_per_unit(self) -> float:
         return training_flops_per_token(self.model.config, self.num_params)
@@ -149,7 +185,8 @@ class CausalLMTask(PackedTokensTask):
     def fingerprint(self) -> dict[str, Any]:
         c = self.cfg
         return {"n_layer": c.n_layer, "n_embd": c.n_embd, "n_head": c.n_head, "seq_len": c.seq_len,
-                "vocab_size": len(self.tokenizer), "mlp_ratio": c.mlp_ratio, "bias": c.bias, "dataset": c.dataset}
+                "vocab_size": len(self.tokenizer), "mlp_ratio": c.mlp_ratio, "bias": c.bias, "dataset": c.dataset,
+                "data_order": c.data_order}
 
     def sample_prompts(self) -> list[str]:
         if self.cfg.prompts:

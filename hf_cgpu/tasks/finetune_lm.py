@@ -73,18 +73,17 @@ class FinetuneTask(PackedTokensTask):
         self.num_params = total
         self.expected_initial_loss = None  # a pretrained base starts well below ln(vocab)
         accelerator.print(f"{cfg.model}: {total / 1e6:.0f}M parameters, tier {settings.tier}; train "
-                          f"{self.train_data.n_tokens:,} tokens in {len(self.train_data):,} blocks of {cfg.seq_len}")
+                          f"{self.train_data.n_tokens:,} tokens, windows of {cfg.seq_len}")
 
     @property
     def card_kind(self) -> str | None:
         return "lora" if self.settings.tier in ("lora", "qlora") else None
 
-    def loss(self, model, batch, generator) -> torch.Tensor:
+    def target_loss(self, model, inputs, targets) -> torch.Tensor:
         from ..tiers import causal_lm_loss_from_hidden
 
-        ids = batch["input_ids"][:, :-1]  # (B, S); the last target of each block is dropped (HF shift)
         with self.accelerator.autocast():  # the backbone is called directly, outside prepare's autocast
-            return causal_lm_loss_from_hidden(model, ids, ids, chunk_size=self.cfg.loss_chunk_size)
+            return causal_lm_loss_from_hidden(model, inputs, targets, chunk_size=self.cfg.loss_chunk_size, shift=False)
 
     def flops_per_unit(self) -> float:
         """Frozen-base fine-tuning does no weight-gradient matmuls: ~4N per token (2N forward, 2N input grads)."""
@@ -102,6 +101,16 @@ class FinetuneTask(PackedTokensTask):
         else:
             model.save_pretrained(str(output_dir))
         self.tokenizer.save_pretrained(str(output_dir))
+
+    def save_best(self, model, folder: Path) -> None:
+        """The adapter (or model) and tokenizer, never the merged copy: the best weights are saved often."""
+        from ..finetune import save_adapter
+
+        if self.settings.tier in ("lora", "qlora"):
+            save_adapter(model, folder)
+        else:
+            model.save_pretrained(str(folder))
+        self.tokenizer.save_pretrained(str(folder))
 
     def budget_shape(self):
         from ..budget import ModelShape

@@ -1,5 +1,6 @@
-"""What every language-model task shares: packed ``seq_len + 1`` token blocks (``hf_cgpu.data.text.PackedTokens``)
-turned into micro-batches, token counting, and validation loss / perplexity over the first validation blocks."""
+"""What every language-model task shares: training windows cut from a packed token stream
+(``hf_cgpu.data.text.PackedTokens`` + ``WindowOrder``), token counting, and validation over the whole validation
+split: mean loss per token, perplexity and bits per character (comparable across tokenizers)."""
 
 from __future__ import annotations
 
@@ -11,30 +12,40 @@ from ..loop import Task
 
 
 class PackedTokensTask(Task):
-    """Subclasses set ``self.train_data`` / ``self.val_data`` in ``setup`` and define ``loss``."""
+    """Subclasses set ``self.train_data`` / ``self.val_data`` in ``setup`` and define ``target_loss``.
+
+    ``data_order`` (``shifted`` | ``random`` | ``fixed``, see ``WindowOrder``) says how training windows are cut.
+    """
 
     unit = "tok"
+    best_metric = "val_loss"
+    data_order = "shifted"
 
-    @staticmethod
-    def blocks(data, indices: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(data.blocks[indices.numpy()].astype("int64"))  # (B, S + 1)
+    def sample_order(self, seed: int):
+        from ..data.text import WindowOrder
 
-    def num_train_samples(self) -> int:
-        return len(self.train_data)
+        return WindowOrder(self.train_data.n_tokens, self.train_data.seq_len + 1, seed, self.data_order)
 
     def train_batch(self, indices, device, generator) -> dict:
-        return {"input_ids": self.blocks(self.train_data, indices).to(device, non_blocking=True)}
+        window = self.train_data.seq_len + 1
+        return {"input_ids": self.train_data.windows(indices.numpy(), window).to(device, non_blocking=True)}
 
     def units(self, batch) -> int:
         return batch["input_ids"][:, :-1].numel()
 
+    def target_loss(self, model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of ``model(inputs)`` against already shifted ``targets`` (-100 = not scored)."""
+        raise NotImplementedError
+
+    def loss(self, model, batch, generator) -> torch.Tensor:
+        block = batch["input_ids"]  # (B, S + 1): position t predicts token t + 1
+        return self.target_loss(model, block[:, :-1], block[:, 1:])
+
     def evaluate(self, model, settings, device) -> dict[str, float]:
-        n = min(len(self.val_data), settings.eval_batches * settings.micro_batch_size)
-        losses = [
-            self.loss(model, {"input_ids": self.blocks(self.val_data, torch.arange(s, min(n, s + settings.micro_batch_size))).to(device)}, None).float()
-            for s in range(0, n, settings.micro_batch_size)
-        ]
-        if not losses:
-            return {}
-        val = torch.stack(losses).mean().item()
-        return {"val_loss": val, "val_perplexity": math.exp(min(val, 50.0))}
+        from ..evaluation.text import score_stream
+
+        limit = settings.eval_batches * settings.micro_batch_size if settings.eval_batches > 0 else None
+        return score_stream(
+            lambda x, y: self.target_loss(model, x, y), self.val_data, self.val_data.seq_len,
+            settings.micro_batch_size, device, max_windows=limit, prefix="val_",
+        )

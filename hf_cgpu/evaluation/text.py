@@ -1,0 +1,175 @@
+"""Language-model evaluation: loss, perplexity and bits per character over a whole split.
+
+Every token of the split's stream (documents joined by EOS) is scored exactly once, with up to ``seq_len`` tokens
+of context (``hf_cgpu.data.text.eval_windows``), in fixed-shape batches (compiled models do not recompile).
+Bits per character = summed cross-entropy in bits / characters of the split's documents: unlike loss per token it
+does not depend on the tokenizer, so models with different vocabularies compare on one scale.
+
+    hf-cgpu eval runs/gpt124m --dataset ../shared/data/zh-poetry
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, shifted targets) -> mean loss
+
+
+def score_stream(
+    loss_fn: LossFn,
+    data,
+    seq_len: int,
+    batch_size: int,
+    device: torch.device | str,
+    max_windows: int | None = None,
+    prefix: str = "",
+    progress: bool = False,
+) -> dict[str, float]:
+    """Score the token stream of ``data`` (a ``PackedTokens``) with ``loss_fn``.
+
+    Returns ``{prefix}loss`` (mean nats per scored token), ``{prefix}perplexity``, ``{prefix}bpc`` (when the
+    data knows its characters) and ``{prefix}tokens`` (tokens scored). ``max_windows`` caps the work (the bpc then
+    uses the characters in proportion to the tokens scored). Deterministic: no sampling anywhere.
+    """
+    from ..data.text import eval_windows
+
+    plan = eval_windows(data.n_tokens, seq_len)
+    if max_windows is not None:
+        plan = plan[:max_windows]
+    if not plan:
+        return {}
+    window = seq_len + 1
+    total, count = 0.0, 0
+    batches = range(0, len(plan), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc="evaluating", unit="batch")
+    for first in batches:
+        chunk = plan[first : first + batch_size]
+        starts = [s for s, _ in chunk]
+        ids = data.windows(starts + [starts[0]] * (batch_size - len(chunk)), window)  # padded to a fixed shape
+        targets = ids[:, 1:].clone()
+        for row, (_, skip) in enumerate(chunk):
+            targets[row, :skip] = -100  # already scored by the previous window
+        targets[len(chunk) :] = -100  # padding rows
+        n = int((targets != -100).sum())
+        loss = loss_fn(ids[:, :-1].to(device), targets.to(device))
+        total += float(loss.double()) * n
+        count += n
+    mean = total / count
+    out = {f"{prefix}loss": mean, f"{prefix}perplexity": math.exp(min(mean, 50.0)), f"{prefix}tokens": count}
+    if getattr(data, "n_chars", None):
+        chars = data.n_chars * count / max(1, data.n_tokens - 1)
+        out[f"{prefix}bpc"] = total / math.log(2) / chars
+    return out
+
+
+def causal_lm_target_loss(model) -> LossFn:
+    """Mean cross-entropy against shifted targets for any transformers causal LM (peft-wrapped too).
+
+    Our GPT takes the targets directly (its chunked fp32 loss); other models go through their backbone and the
+    chunked loss of ``hf_cgpu.tiers``, so the (batch, seq, vocab) fp32 logits never exist at once.
+    """
+    from ..tiers import causal_lm_loss_from_hidden, unwrap_model
+
+    if getattr(unwrap_model(model).config, "model_type", None) == "cgpt":
+        return lambda x, y: model(input_ids=x, shift_labels=y, use_cache=False).loss
+    return lambda x, y: causal_lm_loss_from_hidden(model, x, y, shift=False)
+
+
+def _context_length(config) -> int | None:
+    for key in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def evaluate_language_model(
+    model_dir: str,
+    dataset: str,
+    split: str = "validation",
+    text_column: str = "text",
+    seq_len: int = 0,
+    batch_size: int = 8,
+    max_windows: int = 0,
+    device: str = "auto",
+    cache_dir: str | None = None,
+    trust_remote_code: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Load ``model_dir`` (a folder or Hub id) and its tokenizer, score ``split`` of ``dataset``; see ``score_stream``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_cgpu  # noqa: F401  (registers the cgpt model type)
+
+    from ..data.text import BUILTIN, check_vocab, load_text_dataset, pack_dataset
+    from ..settings import SettingsError
+
+    if split not in ("train", "validation"):
+        raise SettingsError(f"--split {split!r}: choose train or validation")
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    path = Path(model_dir)
+    if not path.exists() and (model_dir.startswith((".", "/", "~")) or model_dir.count("/") != 1):
+        raise SettingsError(f"model folder {model_dir!r} not found; pass a trained run's output_dir or a Hub id")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise SettingsError(f"{model_dir} holds no config.json; pass a trained run's output_dir (or its best/ folder)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+    check_vocab(tokenizer, model.config.vocab_size)
+    model.to(dev).eval()
+    context = _context_length(model.config)
+    seq_len = seq_len or min(context or 1024, 2048)
+    if context and seq_len > context:
+        raise SettingsError(f"--seq_len {seq_len} exceeds the model's {context} positions; use --seq_len {context}")
+    ds = load_text_dataset(None if dataset == BUILTIN else dataset, text_column=text_column)
+    data = pack_dataset(ds[split], tokenizer, seq_len, cache_dir=cache_dir, text_column=text_column)
+    with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        scores = score_stream(causal_lm_target_loss(model), data, seq_len, batch_size, dev,
+                              max_windows=max_windows or None, progress=progress)
+    return {"model": model_dir, "dataset": dataset, "split": split, "seq_len": seq_len,
+            "documents": len(ds[split]), "characters": data.n_chars, **scores,
+            "whole_split": not max_windows or scores.get("tokens") == data.n_tokens - 1}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..settings import run_main
+
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    p = argparse.ArgumentParser(prog="hf-cgpu eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", help="a trained run's output_dir (or its best/ folder), any causal LM folder or Hub id")
+    p.add_argument("--dataset", required=True, help="text data as for training: a folder of parquet/json/txt, files, a Hub id or builtin")
+    p.add_argument("--split", default="validation", help="train or validation (a missing validation split is carved from train exactly as training does)")
+    p.add_argument("--text_column", default="text", help="column holding the documents")
+    p.add_argument("--seq_len", type=int, default=0, help="context per window (0 = the model's positions, at most 2048)")
+    p.add_argument("--batch_size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--max_windows", type=int, default=0, help="score only the first this many windows (0 = the whole split)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--cache_dir", default=None, help="packed-token cache (default: the training cache)")
+    p.add_argument("--trust_remote_code", action="store_true", help="allow the model's own code from its folder/repo")
+    p.add_argument("--output_json", default=None, help="also write the figures to this JSON file")
+    a = p.parse_args(argv)
+    out = evaluate_language_model(a.model_dir, a.dataset, a.split, a.text_column, a.seq_len, a.batch_size,
+                                  a.max_windows, a.device, a.cache_dir, a.trust_remote_code)
+    text = json.dumps(out, indent=2)
+    if a.output_json:
+        Path(a.output_json).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
