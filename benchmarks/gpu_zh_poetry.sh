@@ -7,7 +7,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export HF_CGPU_CACHE=/tmp/hfc PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch,transformers,accelerate,datasets;print('torch',torch.__version__,'transformers',transformers.__version__,'accelerate',accelerate.__version__,'datasets',datasets.__version__)"
-  timeout 60 python3 -m hf_cgpu.cli bench; } > $OUT/env.txt 2>&1
+  timeout 30 python3 -m hf_cgpu.cli bench; } > $OUT/env.txt 2>&1
 timeout 540 python3 recipes/train_gpt.py --preset zh-poetry --dataset .data/zh-poetry --output_dir /tmp/zh \
   --progress false "$@" > $OUT/train.log 2>&1
 cp /tmp/zh/all_results.json /tmp/zh/history.json /tmp/zh/training_curves.png $OUT/ 2>/dev/null
