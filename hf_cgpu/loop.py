@@ -422,6 +422,7 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
         bar = tqdm(total=s.max_steps, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
     first_step = state["step"]
     step = state["step"]
+    last_eval: tuple[int | None, dict[str, float]] = (None, {})
     deadline = time.monotonic() + 60 * s.max_minutes if s.max_minutes > 0 else math.inf
     try:
         while step < s.max_steps:
@@ -492,7 +493,7 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
                 (bar.write if bar is not None else log)(f"step {step}: {msg}")
                 window = {"loss": 0.0, "n": 0, "units": 0, "t0": time.perf_counter()}
             if s.eval_steps and step % s.eval_steps == 0 and step < s.max_steps:
-                _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, bar, best)
+                last_eval = (step, _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, bar, best))
                 if best.should_stop():
                     log(f"early stopping at step {step}: {best.metric} has not improved for {best.stale} evaluations "
                         f"(best {best.value:.4g} at step {best.step})")
@@ -519,8 +520,9 @@ def fit(task: Task, s: TrainSettings) -> dict[str, Any]:
 
     if step > last_saved:
         save_checkpoint(step)
-    final = _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, None, best)
-    final = {k.split("/")[-1]: v for k, v in final.items()}
+    if last_eval[0] != step:  # an early stop (or the deadline) right after an evaluation reuses it
+        last_eval = (step, _evaluate(task, model, ema, s, device, step, out_dir, accelerator, history, None, best))
+    final = {k.split("/")[-1]: v for k, v in last_eval[1].items()}
     use_best = bool(s.load_best_at_end and best.step is not None and best.step != step and best.folder.is_dir())
     if use_best:
         accelerator.wait_for_everyone()
