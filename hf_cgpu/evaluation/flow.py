@@ -337,8 +337,11 @@ def weight_variants(run_dir: Path) -> tuple[dict[str, Path | None], list[str]]:
 def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device):
     from safetensors.torch import load_file
 
+    from diffusers.utils import logging as diffusers_logging
+
     from ..flow.pipeline_flow_match import FlowMatchPipeline
 
+    diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
     pipe = FlowMatchPipeline.from_pretrained(run_dir)
     if raw_weights is not None:
         state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in load_file(str(raw_weights)).items()}
