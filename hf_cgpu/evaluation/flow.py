@@ -355,8 +355,8 @@ def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device)
 
 
 # ----------------------------------------------------------------------------- sweep outputs
-def write_sweep(rows: list[dict], out_dir: Path) -> list[Path]:
-    """sweep.json, sweep.md (a table) and sweep.png (FD against evaluations per image)."""
+def write_sweep(rows: list[dict], out_dir: Path, plot: bool = True) -> list[Path]:
+    """sweep.json, sweep.md (a table) and, with matplotlib installed, sweep.png (``plot_sweep``)."""
     keys = ["weights", "scheduler", "num_inference_steps", "guidance_scale", "nfe_per_image", "fd", "precision",
             "recall", "label_accuracy", "class_share_min", "class_share_max", "images_per_s"]
     (out_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
@@ -368,13 +368,23 @@ def write_sweep(rows: list[dict], out_dir: Path) -> list[Path]:
     lines += ["| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows]
     (out_dir / "sweep.md").write_text("\n".join(lines) + "\n")
     written = [out_dir / "sweep.json", out_dir / "sweep.md"]
+    if plot and plot_sweep(out_dir / "sweep.json") is not None:
+        written.append(out_dir / "sweep.png")
+    return written
+
+
+def plot_sweep(sweep_json: str | Path) -> Path | None:
+    """sweep.png beside ``sweep_json``: FD against network evaluations per image, a line per weights/sampler/guidance
+    (raw weights dashed). None when matplotlib is missing (plot later: ``plot_sweep("DIR/sweep.json")``)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return written
+        return None
+    sweep_json = Path(sweep_json)
+    rows = json.loads(sweep_json.read_text())
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lines_of: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -388,9 +398,10 @@ def write_sweep(rows: list[dict], out_dir: Path) -> list[Path]:
     ax.set_ylabel("Fréchet distance (classifier features)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(out_dir / "sweep.png", dpi=100)
+    path = sweep_json.with_name("sweep.png")
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return written + [out_dir / "sweep.png"]
+    return path
 
 
 # ----------------------------------------------------------------------------- command line
@@ -418,7 +429,7 @@ def _main(argv: list[str] | None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     classifier = load_classifier(s.classifier, device)
     variants, notes = weight_variants(run_dir)
-    if s.weights and not s.sweep:
+    if s.weights:
         if s.weights not in variants:
             raise SettingsError(f"--weights {s.weights}: this folder has {', '.join(variants)}; drop --weights or pick one")
         variants = {s.weights: variants[s.weights]}
@@ -462,12 +473,12 @@ def _main(argv: list[str] | None) -> int:
             row = evaluate_pipeline(pipe, classifier, real, s.num_images, sched, steps, scale, s.batch_size, s.seed,
                                     s.nearest_k, s.mixed_precision, s.progress,
                                     out_dir / f"grid_{name}_{sched}{steps}_w{scale:g}.png", s.grid_images)
-            rows.append({"weights": name, **row})
+            rows.append({**common, "weights": name, **row})
+            write_sweep(rows, out_dir, plot=False)  # a run cut short still leaves every finished row
             print(f"{name} {sched} {steps} steps w={scale:g}: FD {row['fd']:.3f} precision {row['precision']:.3f} "
                   f"recall {row['recall']:.3f} ({row['nfe_per_image']:g} evaluations/image)")
     if not conditional and any(scale != 1.0 for _, _, scale in s.grid):
         notes.append("unconditional model: guidance scales other than 1 left out")
-    rows = [{**common, **r} for r in rows]
     written = write_sweep(rows, out_dir)
     (out_dir / "sweep_notes.json").write_text(json.dumps({"notes": notes, "settings": asdict(s)}, indent=1, default=str))
     print(f"sweep of {len(rows)} settings: {', '.join(str(p) for p in written)}")
