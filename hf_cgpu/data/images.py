@@ -262,3 +262,22 @@ def augment_on_device(
     x = x_uint8.to(dtype) / 127.5 - 1.0  # (B, C, H, W) in [-1, 1]
     flip = torch.rand(x.shape[0], device=x.device, generator=generator) < 0.5  # (B,)
     return torch.where(flip[:, None, None, None], x.flip(3), x)
+
+
+def random_crop_on_device(
+    x: torch.Tensor, padding: int, generator: torch.Generator | None = None, mode: str = "reflect"
+) -> torch.Tensor:
+    """(B, C, H, W) float -> the same shape: pad by ``padding`` (reflect), crop back at a random offset per image.
+
+    One gather on ``x``'s device, no per-image Python loop. ``padding`` 0 returns ``x``.
+    """
+    if padding <= 0:
+        return x
+    b, c, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (padding,) * 4, mode=mode)  # (B, C, H + 2p, W + 2p)
+    dy, dx = torch.randint(0, 2 * padding + 1, (2, b, 1), device=x.device, generator=generator)  # (B, 1) each
+    rows = (dy + torch.arange(h, device=x.device))[:, None, :, None]  # (B, 1, H, 1)
+    cols = (dx + torch.arange(w, device=x.device))[:, None, None, :]  # (B, 1, 1, W)
+    batch = torch.arange(b, device=x.device)[:, None, None, None]
+    chans = torch.arange(c, device=x.device)[None, :, None, None]
+    return padded[batch, chans, rows, cols]  # (B, C, H, W)

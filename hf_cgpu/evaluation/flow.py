@@ -1,0 +1,492 @@
+"""``hf-cgpu eval RUN_DIR --classifier DIR``: score a saved FlowMatchPipeline in a CIFAR classifier's features.
+
+    hf-cgpu eval runs/flow --classifier runs/classifier --dataset ../shared/data/cifar10 --num_images 10000 \
+        --scheduler heun --num_inference_steps 10 --guidance_scale 1.5 --output_json runs/flow/eval.json
+    hf-cgpu eval runs/flow --classifier runs/classifier --dataset ../shared/data/cifar10 --sweep
+
+Reports the Fréchet distance (FD) and improved precision/recall (k-NN, Kynkäänniemi et al.) against the real images
+of ``--split`` (default test: images neither the classifier nor the generator trained on), the class histogram of
+the generated images, how often the classifier sees the requested class, the network evaluations per image
+(Euler N steps = N, Heun = 2N - 1, doubled under guidance, counted by a hook on the UNet) and images/s.
+Class labels are balanced (image i asks for class i mod K); image i's noise comes from its own generator seeded by
+(seed, i), so results do not depend on the batch size and every sampler setting of a sweep starts from the same
+noise. Real features are cached (classifier hash + data fingerprint), so a sweep computes them once.
+
+``--sweep`` evaluates schedulers x steps x guidance scales, for the EMA and the raw weights when the run folder holds
+both (a loop run with --ema_decay saves EMA weights and keeps the raw ones in its last checkpoint), and writes
+sweep.json, sweep.md and sweep.png (FD against evaluations per image, a line per weights/sampler/guidance).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..settings import SettingsError, build_parser
+from .images import (class_statistics, feature_statistics, frechet_distance, inception_fid, kth_neighbour_radii,
+                     precision_recall)
+
+SCHEDULERS = ("euler", "heun")
+
+
+@dataclass
+class ImageEvalSettings:
+    """What to generate, what to compare it with, and where to write the results."""
+
+    classifier: str = ""
+    """Folder with classifier.safetensors + classifier_config.json (recipes/train_classifier.py --preset cifar10)."""
+    dataset: str = "uoft-cs/cifar10"
+    """Real images: a folder with {split}.parquet (e.g. ../shared/data/cifar10), any folder datasets reads, a Hub id."""
+    split: str = "test"
+    """Split of the real images (test: seen by neither the classifier nor the generator in training)."""
+    image_column: str = "img"
+    """Column holding the real images."""
+    label_column: str = "label"
+    """Column holding the real labels (for the classifier's own accuracy on them)."""
+    real_limit: int = 0
+    """Use only the first this many real images (0 = the whole split)."""
+    num_images: int = 10000
+    """Images to generate per setting."""
+    scheduler: str = "heun"
+    """ODE solver: euler (N network calls for N steps) or heun (2N - 1)."""
+    num_inference_steps: int = 10
+    """Solver steps N."""
+    guidance_scale: float = 1.5
+    """Classifier-free guidance scale (1 = none, one network call per evaluation; unconditional models need 1)."""
+    weights: str = ""
+    """Which weights: empty = what the folder's pipeline holds (EMA when the run kept one), ema, or raw (the last
+    checkpoint's live weights)."""
+    batch_size: int = 500
+    """Images per sampling batch."""
+    seed: int = 0
+    """Seed of the noise (image i uses its own generator seeded from seed and i)."""
+    nearest_k: int = 3
+    """k of the k-nearest-neighbour balls of precision and recall."""
+    mixed_precision: str = "auto"
+    """UNet arithmetic: auto (bf16 autocast on a GPU that has it, else fp32), bf16 or no; the ODE state stays fp32."""
+    output_dir: str = ""
+    """Where grids, cached-feature pointers and sweep files go (default RUN_DIR/eval)."""
+    output_json: str = ""
+    """The JSON of a single evaluation (default OUTPUT_DIR/eval.json)."""
+    grid_images: int = 100
+    """Generated images in each sample grid PNG (one column per class for a class-conditional model)."""
+    sweep: bool = False
+    """Evaluate every combination of sweep_schedulers x sweep_steps x sweep_guidance (x EMA/raw weights)."""
+    sweep_schedulers: str = "euler,heun"
+    """Comma-separated schedulers of the sweep."""
+    sweep_steps: str = "4,8,16"
+    """Comma-separated solver steps of the sweep."""
+    sweep_guidance: str = "1,1.5,2,3"
+    """Comma-separated guidance scales of the sweep (only 1 for an unconditional model)."""
+    inception_weights: str = ""
+    """Inception-v3 weights file (torch-fidelity's .pth) for the standard FID, computed only with torchmetrics and
+    torch-fidelity installed; empty = skip with a note."""
+    cache_dir: str = ""
+    """Cache of real-image features (default $HF_CGPU_CACHE/features, else ~/.cache/hf_cgpu/features)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise SettingsError(f"scheduler={self.scheduler!r}; use euler or heun")
+        if self.weights not in ("", "ema", "raw"):
+            raise SettingsError(f"weights={self.weights!r}; use ema, raw or leave it empty")
+        if self.mixed_precision not in ("auto", "bf16", "no"):
+            raise SettingsError(f"mixed_precision={self.mixed_precision!r}; use auto, bf16 or no")
+        for name in ("num_images", "num_inference_steps", "batch_size", "nearest_k"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"--{name} must be >= 1 (got {getattr(self, name)})")
+        if self.num_images <= self.nearest_k:
+            raise SettingsError(f"--num_images {self.num_images} must exceed --nearest_k {self.nearest_k}")
+        self.grid = _sweep_grid(self)
+
+
+def _sweep_grid(s: ImageEvalSettings) -> list[tuple[str, int, float]]:
+    try:
+        schedulers = [x.strip() for x in s.sweep_schedulers.split(",") if x.strip()]
+        steps = [int(x) for x in s.sweep_steps.split(",") if x.strip()]
+        scales = [float(x) for x in s.sweep_guidance.split(",") if x.strip()]
+    except ValueError:
+        raise SettingsError("sweep lists are comma-separated, e.g. --sweep_steps 4,8,16 --sweep_guidance 1,1.5,2")
+    if not schedulers or not steps or not scales or set(schedulers) - set(SCHEDULERS) or min(steps) < 1:
+        raise SettingsError("--sweep_schedulers takes euler/heun, --sweep_steps positive integers, none empty")
+    return [(a, b, c) for a in schedulers for b in steps for c in scales]
+
+
+# ----------------------------------------------------------------------------- generation
+@contextmanager
+def _unet_hooks(unet, counter: list[int], fp32_output: bool):
+    """Count the rows every UNet call sees (a guided call has 2B rows) and, under autocast, return fp32 velocities
+    so the scheduler's ODE state is not rounded to bf16 each step."""
+
+    def count(module, args, kwargs):
+        sample = args[0] if args else kwargs["sample"]
+        counter[0] += sample.shape[0]
+
+    def upcast(module, args, output):
+        return type(output)(sample=output.sample.float())
+
+    handles = [unet.register_forward_pre_hook(count, with_kwargs=True)]
+    if fp32_output:
+        handles.append(unet.register_forward_hook(upcast))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _use_bf16(mixed_precision: str, device: torch.device) -> bool:
+    if mixed_precision == "no" or device.type != "cuda":
+        return False
+    return mixed_precision == "bf16" or torch.cuda.is_bf16_supported()
+
+
+@torch.no_grad()
+def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inference_steps: int = 10,
+                    guidance_scale: float = 1.0, batch_size: int = 500, seed: int = 0, mixed_precision: str = "no",
+                    progress: bool = True, desc: str = "") -> dict:
+    """Sample ``num_images`` (balanced class labels when the UNet is class-conditional) as (N, 3, H, W) uint8.
+
+    Returns images, labels (None for an unconditional UNet), nfe_per_image (UNet rows per image, measured),
+    seconds and images_per_s. ``pipe`` is not changed: the scheduler is swapped in a copy.
+    """
+    from tqdm.auto import tqdm
+
+    from ..flow.pipeline_flow_match import FlowMatchPipeline
+    from ..flow.scheduling_flow_match import FlowMatchEulerScheduler, FlowMatchHeunScheduler
+
+    sched_cls = FlowMatchHeunScheduler if scheduler == "heun" else FlowMatchEulerScheduler
+    sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=sched_cls.from_config(pipe.scheduler.config))
+    sampler.set_progress_bar_config(disable=True)
+    device = pipe.unet.device
+    num_classes = pipe.unet.config.num_classes
+    if not num_classes and guidance_scale != 1.0:
+        raise SettingsError("this pipeline is unconditional; pass --guidance_scale 1 (or --sweep_guidance 1)")
+    labels = torch.arange(num_images) % num_classes if num_classes else None
+    bf16 = _use_bf16(mixed_precision, device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else nullcontext()
+    rows, chunks = [0], []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    bar = tqdm(total=num_images, desc=desc or f"{scheduler} {num_inference_steps} w={guidance_scale:g}",
+               unit="img", disable=not progress, dynamic_ncols=True)
+    sync()
+    t0 = time.perf_counter()
+    with _unet_hooks(pipe.unet, rows, fp32_output=bf16), autocast:
+        for start in range(0, num_images, batch_size):
+            n = min(batch_size, num_images - start)
+            gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(start, start + n)]
+            out = sampler(batch_size=n, num_inference_steps=num_inference_steps, generator=gens,
+                          class_labels=labels[start : start + n] if labels is not None else None,
+                          guidance_scale=guidance_scale if labels is not None else 1.0, output_type="pt").images
+            chunks.append((out.float() * 255).round().to(torch.uint8).cpu())  # quantised like a saved PNG
+            bar.update(n)
+    sync()
+    seconds = time.perf_counter() - t0
+    bar.close()
+    return {"images": torch.cat(chunks), "labels": labels, "nfe_per_image": rows[0] / num_images,
+            "seconds": seconds, "images_per_s": num_images / seconds}
+
+
+def evaluate_pipeline(pipe, classifier, real: dict, num_images: int = 10000, scheduler: str = "heun",
+                      num_inference_steps: int = 10, guidance_scale: float = 1.5, batch_size: int = 500,
+                      seed: int = 0, nearest_k: int = 3, mixed_precision: str = "no", progress: bool = True,
+                      grid_path: str | Path | None = None, grid_images: int = 100, return_images: bool = False) -> dict:
+    """Generate with one sampler setting and score it against ``real`` (``real_reference``'s dict).
+
+    Returns fd, precision, recall, class_histogram, class_share_max/min/uniform, label_accuracy (None when
+    unconditional), nfe_per_image, images_per_s, seconds, grid (the PNG path) and the settings used.
+    """
+    from .images import image_features
+
+    gen = generate_images(pipe, num_images, scheduler, num_inference_steps, guidance_scale, batch_size, seed,
+                          mixed_precision, progress)
+    feats, logits = image_features(classifier, gen["images"], batch_size=batch_size)
+    device = next(classifier.parameters()).device
+    key = f"radii_{nearest_k}"
+    if key not in real:  # the real k-NN balls, once per process (a sweep reuses them)
+        real[key] = kth_neighbour_radii(real["features"].to(device, torch.float32), nearest_k)
+    precision, recall = precision_recall(real["features"], feats, k=nearest_k, device=device, real_radii=real[key])
+    out = {
+        "scheduler": scheduler, "num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale,
+        "num_images": num_images, "seed": seed,
+        "fd": frechet_distance(real["mu"], real["sigma"], *feature_statistics(feats)),
+        "precision": precision, "recall": recall, "nearest_k": nearest_k,
+        **class_statistics(logits.argmax(1), logits.shape[1], gen["labels"]),
+        "nfe_per_image": gen["nfe_per_image"], "images_per_s": gen["images_per_s"], "seconds": gen["seconds"],
+    }
+    if grid_path is not None:
+        out["grid"] = str(save_grid(gen["images"][:grid_images], grid_path, pipe.unet.config.num_classes))
+    if return_images:
+        out["images"] = gen["images"]
+    return out
+
+
+def save_grid(images_uint8: torch.Tensor, path: str | Path, num_classes: int | None) -> Path:
+    """(N, 3, H, W) uint8 -> PNG; with balanced labels and K columns each column is one class."""
+    from ..flow.sample import image_grid
+
+    n = len(images_uint8)
+    cols = num_classes or max(1, int(math.sqrt(n)))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image_grid(images_uint8.permute(0, 2, 3, 1).float().numpy() / 255.0, max(1, math.ceil(n / cols))).save(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- real reference
+def default_feature_cache() -> Path:
+    from ..data.images import default_cache_dir
+
+    return default_cache_dir().parent / "features"
+
+
+def _looks_local(source: str) -> bool:
+    return source.startswith((".", "/", "~")) or source.count("/") != 1
+
+
+def load_real_images(s: ImageEvalSettings):
+    """The real split as an ImageDataset (uint8), with one-line errors for a wrong path, split or column."""
+    from ..data.images import load_image_dataset
+
+    if _looks_local(s.dataset) and not Path(s.dataset).expanduser().exists():
+        raise SettingsError(f"dataset {s.dataset} not found; pass --dataset a folder holding {s.split}.parquet "
+                            "(e.g. ../shared/data/cifar10) or a Hub id such as uoft-cs/cifar10")
+    try:
+        return load_image_dataset(str(Path(s.dataset).expanduser()) if _looks_local(s.dataset) else s.dataset,
+                                  split=s.split, image_column=s.image_column, label_column=s.label_column,
+                                  limit=s.real_limit or None)
+    except (SettingsError, FileNotFoundError):
+        raise
+    except Exception as err:  # datasets' errors are long and varied; the user needs the first line and the fix
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise SettingsError(f"cannot read split {s.split!r} of {s.dataset} ({first}); check --dataset and --split")
+
+
+def real_reference(classifier, classifier_dir: str | Path, s: ImageEvalSettings, log=print) -> dict:
+    """Features, mean and covariance of the real split in the classifier's space, cached on disk.
+
+    The cache key is the classifier's file hash plus the decoded-image cache key of the split (source files'
+    sizes and mtimes, split, columns, limit), so new weights or edited data recompute it.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from ..data.images import cache_file, default_cache_dir
+    from .classifier import file_hash
+    from .images import image_features
+
+    source = str(Path(s.dataset).expanduser()) if _looks_local(s.dataset) else s.dataset
+    data_key = cache_file(source, s.split, s.image_column, s.label_column, 32, s.real_limit or None,
+                          default_cache_dir()).name
+    clf_hash = file_hash(classifier_dir)
+    digest = hashlib.sha256(f"{clf_hash}|{data_key}".encode()).hexdigest()[:16]
+    path = Path(s.cache_dir or default_feature_cache()) / f"{s.split}-{clf_hash}-{digest}.safetensors"
+    if path.is_file():
+        t = load_file(str(path))
+        meta = json.loads(path.with_suffix(".json").read_text())
+        log(f"real features: {path} (cached)")
+        return {**t, **meta, "cache": str(path), "cached": True}
+    data = load_real_images(s)
+    feats, logits = image_features(classifier, data.images, batch_size=s.batch_size)
+    mu, sigma = feature_statistics(feats)
+    accuracy = float((logits.argmax(1) == data.labels).double().mean()) if data.labels is not None else None
+    meta = {"num_real": len(feats), "classifier_accuracy": accuracy, "classifier_hash": clf_hash,
+            "data_key": data_key, "split": s.split}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.safetensors")
+    save_file({"features": feats.contiguous(), "mu": mu, "sigma": sigma}, str(tmp))
+    path.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+    tmp.replace(path)
+    log(f"real features: {len(feats)} images of {s.split}, classifier accuracy {accuracy}; cached in {path}")
+    return {"features": feats, "mu": mu, "sigma": sigma, **meta, "cache": str(path), "cached": False}
+
+
+# ----------------------------------------------------------------------------- weights in a run folder
+def weight_variants(run_dir: Path) -> tuple[dict[str, Path | None], list[str]]:
+    """{name: raw-weights file to load into the saved UNet, or None for the saved weights}, plus notes.
+
+    A loop run (all_results.json) with ema_decay > 0 saved its EMA weights; its last checkpoint's model.safetensors
+    holds the live weights of the same step. Without all_results.json (another script) the weights are "saved".
+    """
+    from ..checkpoint import list_checkpoints, read_trainer_state
+
+    results = run_dir / "all_results.json"
+    if not results.is_file():
+        return {"saved": None}, []
+    info = json.loads(results.read_text())
+    if not info.get("settings", {}).get("ema_decay", 0):
+        return {"raw": None}, []
+    variants: dict[str, Path | None] = {"ema": None}
+    ckpts = list_checkpoints(run_dir)
+    if not ckpts or not (ckpts[-1] / "model.safetensors").is_file():
+        return variants, ["raw weights unavailable: no checkpoint with model.safetensors in the run folder"]
+    step = read_trainer_state(ckpts[-1]).get("step")
+    if step != info.get("steps"):
+        return variants, [f"raw weights skipped: last checkpoint is step {step}, the saved model step {info.get('steps')}"]
+    variants["raw"] = ckpts[-1] / "model.safetensors"
+    return variants, []
+
+
+def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device):
+    from safetensors.torch import load_file
+
+    from diffusers.utils import logging as diffusers_logging
+
+    from ..flow.pipeline_flow_match import FlowMatchPipeline
+
+    diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
+    pipe = FlowMatchPipeline.from_pretrained(run_dir)
+    if raw_weights is not None:
+        state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in load_file(str(raw_weights)).items()}
+        pipe.unet.load_state_dict(state, strict=True)
+    pipe.to(device)
+    if device.type == "cuda":
+        pipe.unet.to(memory_format=torch.channels_last)
+    pipe.unet.eval()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# ----------------------------------------------------------------------------- sweep outputs
+def write_sweep(rows: list[dict], out_dir: Path, plot: bool = True) -> list[Path]:
+    """sweep.json, sweep.md (a table) and, with matplotlib installed, sweep.png (``plot_sweep``)."""
+    keys = ["weights", "scheduler", "num_inference_steps", "guidance_scale", "nfe_per_image", "fd", "precision",
+            "recall", "label_accuracy", "class_share_min", "class_share_max", "images_per_s"]
+    (out_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
+
+    def cell(v):
+        return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows]
+    (out_dir / "sweep.md").write_text("\n".join(lines) + "\n")
+    written = [out_dir / "sweep.json", out_dir / "sweep.md"]
+    if plot and plot_sweep(out_dir / "sweep.json") is not None:
+        written.append(out_dir / "sweep.png")
+    return written
+
+
+def plot_sweep(sweep_json: str | Path) -> Path | None:
+    """sweep.png beside ``sweep_json``: FD against network evaluations per image, a line per weights/sampler/guidance
+    (raw weights dashed). None when matplotlib is missing (plot later: ``plot_sweep("DIR/sweep.json")``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    sweep_json = Path(sweep_json)
+    rows = json.loads(sweep_json.read_text())
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines_of: dict[tuple, list[dict]] = {}
+    for r in rows:
+        lines_of.setdefault((r["weights"], r["scheduler"], r["guidance_scale"]), []).append(r)
+    for (weights, sched, scale), pts in sorted(lines_of.items()):
+        pts = sorted(pts, key=lambda r: r["nfe_per_image"])
+        ax.plot([p["nfe_per_image"] for p in pts], [p["fd"] for p in pts], marker="o",
+                linestyle="-" if weights != "raw" else "--", label=f"{weights} {sched} w={scale:g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("network evaluations per image")
+    ax.set_ylabel("Fréchet distance (classifier features)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = sweep_json.with_name("sweep.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- command line
+def parse(argv: list[str]) -> tuple[Path, ImageEvalSettings]:
+    parser = build_parser((ImageEvalSettings,), description=__doc__)
+    parser.prog = "hf-cgpu eval"
+    parser.add_argument("run_dir", help="folder of a saved FlowMatchPipeline (model_index.json)")
+    ns = vars(parser.parse_args(argv))
+    run_dir = Path(ns.pop("run_dir"))
+    return run_dir, ImageEvalSettings(**{k: v for k, v in ns.items() if v is not None})
+
+
+def _main(argv: list[str] | None) -> int:
+    from .classifier import load_classifier
+
+    run_dir, s = parse(list(argv or []))
+    if not (run_dir / "model_index.json").is_file():
+        raise SettingsError(f"{run_dir} holds no model_index.json; pass the output_dir of recipes/train_flow.py")
+    if not s.classifier:
+        raise SettingsError("pass --classifier DIR (train one: python recipes/train_classifier.py --preset cifar10)")
+    if s.inception_weights and not Path(s.inception_weights).is_file():
+        raise SettingsError(f"--inception_weights {s.inception_weights} does not exist; give the .pth file or drop it")
+    if _looks_local(s.dataset) and not Path(s.dataset).expanduser().exists():
+        load_real_images(s)  # raises the one-line error before anything slow runs
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    classifier = load_classifier(s.classifier, device)
+    variants, notes = weight_variants(run_dir)
+    if s.weights:
+        if s.weights not in variants:
+            raise SettingsError(f"--weights {s.weights}: this folder has {', '.join(variants)}; drop --weights or pick one")
+        variants = {s.weights: variants[s.weights]}
+    elif not s.sweep:
+        first = next(iter(variants))
+        variants = {first: variants[first]}
+    out_dir = Path(s.output_dir or run_dir / "eval")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    real = real_reference(classifier, s.classifier, s)
+    common = {"run_dir": str(run_dir), "classifier": s.classifier, "classifier_hash": real["classifier_hash"],
+              "split": s.split, "num_real": real["num_real"], "real_classifier_accuracy": real["classifier_accuracy"],
+              "real_features_cache": real["cache"]}
+
+    if not s.sweep:
+        (name, raw), = variants.items()
+        pipe = load_pipeline(run_dir, raw, device)
+        row = evaluate_pipeline(pipe, classifier, real, s.num_images, s.scheduler, s.num_inference_steps,
+                                s.guidance_scale, s.batch_size, s.seed, s.nearest_k, s.mixed_precision, s.progress,
+                                out_dir / f"grid_{name}_{s.scheduler}{s.num_inference_steps}_w{s.guidance_scale:g}.png",
+                                s.grid_images, return_images=bool(s.inception_weights))
+        images = row.pop("images", None)
+        fid, note = (inception_fid(load_real_images(s).images, images, s.inception_weights)
+                     if images is not None else inception_fid(None, None, ""))
+        result = {**common, "weights": name, **row, "inception_fid": fid, "notes": notes + [note]}
+        path = Path(s.output_json or out_dir / "eval.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+        acc = "-" if row["label_accuracy"] is None else f"{row['label_accuracy']:.3f}"
+        print(f"{name} {s.scheduler} {s.num_inference_steps} steps w={s.guidance_scale:g}: FD {row['fd']:.3f} "
+              f"precision {row['precision']:.3f} recall {row['recall']:.3f} label accuracy {acc} "
+              f"({row['nfe_per_image']:g} evaluations/image, {row['images_per_s']:.0f} img/s) -> {path}")
+        return 0
+
+    conditional = None
+    rows = []
+    for name, raw in variants.items():
+        pipe = load_pipeline(run_dir, raw, device)
+        conditional = bool(pipe.unet.config.num_classes)
+        grid = s.grid if conditional else sorted({(a, b, 1.0) for a, b, _ in s.grid})
+        for sched, steps, scale in grid:
+            row = evaluate_pipeline(pipe, classifier, real, s.num_images, sched, steps, scale, s.batch_size, s.seed,
+                                    s.nearest_k, s.mixed_precision, s.progress,
+                                    out_dir / f"grid_{name}_{sched}{steps}_w{scale:g}.png", s.grid_images)
+            rows.append({**common, "weights": name, **row})
+            write_sweep(rows, out_dir, plot=False)  # a run cut short still leaves every finished row
+            print(f"{name} {sched} {steps} steps w={scale:g}: FD {row['fd']:.3f} precision {row['precision']:.3f} "
+                  f"recall {row['recall']:.3f} ({row['nfe_per_image']:g} evaluations/image)")
+    if not conditional and any(scale != 1.0 for _, _, scale in s.grid):
+        notes.append("unconditional model: guidance scales other than 1 left out")
+    written = write_sweep(rows, out_dir)
+    (out_dir / "sweep_notes.json").write_text(json.dumps({"notes": notes, "settings": asdict(s)}, indent=1, default=str))
+    print(f"sweep of {len(rows)} settings: {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``hf-cgpu eval`` for pipeline folders; bad input ends in one line and exit code 2."""
+    from ..settings import run_main
+
+    return run_main(_main, argv)

@@ -1,0 +1,152 @@
+"""CIFAR-10 classifier task: the feature network of ``hf-cgpu eval`` for image generators, trained by the one loop.
+
+Data as in the flow task: the whole split decoded once to uint8 and kept on the training device; a micro-batch is
+an index gather, a horizontal flip, a reflect-padded random crop and a scale to [-1, 1], all on the device.
+``evaluate`` reports accuracy and cross-entropy over the whole test split (or its first ``test_limit`` images).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..loop import Task
+from ..settings import SettingsError, TrainSettings
+
+
+@dataclass
+class ClassifierSettings:
+    """Data, shape and augmentation of a classifier run."""
+
+    dataset: str = "uoft-cs/cifar10"
+    """Images: a Hub id (online), a directory of parquet files (train.parquet/test.parquet) or an imagefolder."""
+    image_column: str = "img"
+    """Column holding the images."""
+    label_column: str = "label"
+    """Column holding the class labels."""
+    limit: int = 0
+    """Use only the first this many training images (0 = all); for smoke tests."""
+    test_limit: int = 0
+    """Evaluate on only the first this many test images (0 = the whole test split)."""
+    widths: str = "64,128,256,512"
+    """Channels of the four stages of the ResNet-9-style net (64,128,256,512 -> 6.57M parameters)."""
+    label_smoothing: float = 0.2
+    """Label smoothing of the training cross-entropy (evaluation uses none)."""
+    crop_padding: int = 4
+    """Random crop after reflect-padding by this many pixels (0 = no crop)."""
+    flip: bool = True
+    """Random horizontal flips."""
+
+    def __post_init__(self) -> None:
+        try:
+            self.width_list = [int(w) for w in self.widths.split(",")]
+        except ValueError:
+            raise SettingsError(f"widths={self.widths!r}; give four comma-separated integers, e.g. 64,128,256,512")
+        if len(self.width_list) != 4:
+            raise SettingsError(f"widths={self.widths!r}; give four comma-separated integers, e.g. 64,128,256,512")
+        if not 0 <= self.label_smoothing < 1:
+            raise SettingsError("label_smoothing must be in [0, 1)")
+
+
+class ClassifierTask(Task):
+    unit = "img"
+
+    def __init__(self, cfg: ClassifierSettings):
+        self.cfg = cfg
+
+    def setup(self, settings: TrainSettings, accelerator) -> None:
+        from ..data.images import load_image_dataset
+        from ..evaluation.classifier import CifarResNet, ClassifierConfig
+
+        cfg = self.cfg
+        with accelerator.main_process_first():
+            train = load_image_dataset(cfg.dataset, split="train", image_column=cfg.image_column,
+                                       label_column=cfg.label_column, limit=cfg.limit or None)
+            test = load_image_dataset(cfg.dataset, split="test", image_column=cfg.image_column,
+                                      label_column=cfg.label_column, limit=cfg.test_limit or None)
+        if train.labels is None or test.labels is None:
+            raise SettingsError(f"no label column {cfg.label_column!r} in {cfg.dataset}; pass --label_column NAME")
+        device = accelerator.device
+        self.images, self.labels = train.images.to(device), train.labels.to(device)  # (N, 3, S, S) uint8, (N,)
+        self.test_images, self.test_labels = test.images.to(device), test.labels.to(device)
+        num_classes = train.num_classes
+        config = ClassifierConfig(num_classes=num_classes, widths=cfg.width_list, image_size=self.images.shape[-1],
+                                  class_names=train.class_names)
+        model = CifarResNet(config)
+        self.flops = _flops_per_image(model, config.image_size)
+        self.model = model.to(memory_format=torch.channels_last)
+        self.model.train()
+        params = sum(p.numel() for p in model.parameters())
+        effective = settings.micro_batch_size * settings.gradient_accumulation_steps * accelerator.num_processes
+        accelerator.print(
+            f"CifarResNet {cfg.widths}: {params / 1e6:.2f}M parameters, {num_classes} classes; "
+            f"{len(self.images):,} training images ({len(self.images) / effective:.1f} steps per epoch, "
+            f"{settings.max_steps * effective / len(self.images):.1f} epochs), {len(self.test_images):,} test images"
+        )
+
+    def num_train_samples(self) -> int:
+        return len(self.images)
+
+    def train_batch(self, indices, device, generator) -> dict:
+        from ..data.images import augment_on_device, random_crop_on_device
+
+        idx = indices.to(self.images.device)
+        x = self.images[idx]
+        if self.cfg.flip:
+            x = augment_on_device(x, generator=generator)  # flipped, in [-1, 1]
+        else:
+            x = x.float() / 127.5 - 1.0
+        x = random_crop_on_device(x, self.cfg.crop_padding, generator=generator)
+        return {"x": x.contiguous(memory_format=torch.channels_last), "labels": self.labels[idx]}
+
+    def loss(self, model, batch, generator) -> torch.Tensor:
+        logits = model(batch["x"])
+        return F.cross_entropy(logits.float(), batch["labels"], label_smoothing=self.cfg.label_smoothing)
+
+    def units(self, batch) -> int:
+        return batch["x"].shape[0]
+
+    def flops_per_unit(self) -> float:
+        return self.flops
+
+    def evaluate(self, model, settings, device) -> dict[str, float]:
+        """Accuracy and cross-entropy over every test image; the last batch is padded to the same shape (compile)."""
+        n, bs = len(self.test_images), settings.micro_batch_size
+        correct, loss_sum = 0, 0.0
+        for start in range(0, n, bs):
+            x = self.test_images[start : start + bs]
+            y = self.test_labels[start : start + bs]
+            real = len(x)
+            if real < bs:  # pad with copies of the first image; their outputs are dropped
+                x = torch.cat([x, x[:1].expand(bs - real, -1, -1, -1)])
+            x = (x.float() / 127.5 - 1.0).contiguous(memory_format=torch.channels_last)
+            logits = model(x)[:real].float()
+            correct += int((logits.argmax(1) == y).sum())
+            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+        return {"accuracy": correct / n, "val_loss": loss_sum / n}
+
+    def save_pretrained(self, model, output_dir: Path) -> None:
+        from ..evaluation.classifier import save_classifier
+
+        save_classifier(model, output_dir)
+
+    def fingerprint(self) -> dict[str, Any]:
+        c = self.cfg
+        return {"widths": c.widths, "dataset": c.dataset, "limit": c.limit}
+
+
+def _flops_per_image(model: torch.nn.Module, size: int) -> float:
+    """Training FLOPs per image = 3 x forward FLOPs (torch's FlopCounterMode on one image, eval-mode BatchNorm)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was = model.training
+    model.eval()
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(torch.zeros(1, 3, size, size))
+    model.train(was)
+    return 3.0 * counter.get_total_flops()

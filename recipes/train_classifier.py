@@ -1,0 +1,25 @@
+"""Train the CIFAR-10 classifier whose features `hf-cgpu eval` uses to score image generators (the one loop).
+
+    accelerate launch --config_file accelerate_config.yaml recipes/train_classifier.py --preset cifar10 \
+        --dataset ../shared/data/cifar10 --output_dir runs/classifier
+    python recipes/train_classifier.py --preset tiny --dataset ../shared/data/cifar10 --output_dir runs/clf_tiny  # CPU
+    hf-cgpu eval runs/flow --classifier runs/classifier --dataset ../shared/data/cifar10
+"""
+
+import json
+import sys
+
+from hf_cgpu.loop import fit
+from hf_cgpu.settings import TrainSettings, parse_settings, run_main
+from hf_cgpu.tasks.classifier import ClassifierSettings, ClassifierTask
+
+
+def main(argv=None):
+    clf, train = parse_settings((ClassifierSettings, TrainSettings), argv, family="classifier", description=__doc__)
+    results = fit(ClassifierTask(clf), train)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
