@@ -33,6 +33,7 @@ KINDS: dict[str, dict[str, str]] = {
 # huggingface_hub's (fnmatch, ``*`` crosses ``/``), so ``upload_file_list`` shows exactly what upload_folder sends.
 UPLOAD_IGNORE_PATTERNS = [
     "checkpoints/*",
+    "best/*",  # the best-by-validation copy; with load_best_at_end the top-level model is that copy
     "*/checkpoints/*",
     "__pycache__/*",
     "*/__pycache__/*",
@@ -262,7 +263,8 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
         dataset_name=_dataset_label(dataset),
         summary=_summary(results, n_params, kind),
         num_parameters=n_params,
-        results_rows=_rows(results, skip={"settings"}),
+        results_rows=_rows(results, skip={"settings", "samples"}),
+        samples=[str(x) for x in results.get("samples") or []],
         settings_rows=_rows(settings),
         config_rows=_rows(config, skip=_CONFIG_NOISE),
         base_model_name=base_model or "BASE_MODEL",

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from hf_cgpu.generate import continue_texts
+from hf_cgpu.hub import render_model_card
 from hf_cgpu.loop import fit
 from hf_cgpu.settings import TrainSettings, parse_settings, run_main
 from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
@@ -25,6 +26,7 @@ def main(argv=None):
         samples = continue_texts(model, task.tokenizer, task.sample_prompts(), gpt.max_new_tokens)
         saved = json.loads((out / "all_results.json").read_text())
         (out / "all_results.json").write_text(json.dumps({**saved, "samples": samples}, indent=2, ensure_ascii=False))
+        render_model_card("gpt", out)  # again, now with the continuations
         print("\n".join(f"--- sample {i + 1}\n{s}" for i, s in enumerate(samples)))
     print(json.dumps(results, indent=2))
     return 0

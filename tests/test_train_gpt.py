@@ -53,7 +53,10 @@ def test_recipe_writes_model_results_and_samples(trained):
     assert results["toks_seen"] == 30 * 8 * 64
     assert results["tok_per_s"] > 0 and results["val_loss"] > 0 and results["train_loss"] > 0
     assert len(results["samples"]) == 3 and "--- sample 1" in log
-    assert "hf_cgpu" in (out / "README.md").read_text()  # model card rendered
+    card = (out / "README.md").read_text()
+    assert "hf_cgpu" in card  # model card rendered, with the run's figures and its continuations
+    assert f"| `val_bpc` | {results['val_bpc']:.4g} |" in card and results["samples"][0] in card
+    assert results["val_tokens"] > 0 and results["best_step"] in (15, 30) and (out / "best" / "config.json").is_file()
     # loss went down from ~ln(512)
     hist = [h for h in json.loads((out / "history.json").read_text()) if "train/loss" in h]
     assert hist[0]["train/loss"] > hist[-1]["train/loss"] + 0.5
