@@ -131,7 +131,8 @@ class CausalLMTask(PackedTokensTask):
 
     def loss(self, model, batch, generator) -> torch.Tensor:
         block = batch["input_ids"]
-        return model(input_ids=block[:, :-1], shift_labels=block[:, 1:], use_cache=False).loss
+        # return_logits=False: validation (eval mode) needs only the loss, so the chunked loss builds no logits there either
+        return model(input_ids=block[:, :-1], shift_labels=block[:, 1:], use_cache=False, return_logits=False).loss
 
     def flops_per_unit(self) -> float:
         return training_flops_per_token(self.model.config, self.num_params)

@@ -5,9 +5,9 @@ its config): ``save_pretrained`` copies both files next to the weights so that
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` works where hf_cgpu is not installed.
 
 Follows the conventions of transformers' own decoders (GPT-2, Llama):
-- attention through ``ALL_ATTENTION_FUNCTIONS`` (``attn_implementation`` = "sdpa" (default), "eager", "flash_attention_2"
-  where installed, "flex_attention", or any registered backend); "eager" is the only one that returns weights, so a call
-  that asks for attentions runs eager for that call.
+- attention through ``ALL_ATTENTION_FUNCTIONS``: ``attn_implementation`` "sdpa" (default), "eager",
+  "flash_attention_2" where installed, "flex_attention", or any registered backend. Only "eager" returns weights, so a
+  call that asks for attentions runs eager for that call.
 - masks from ``create_causal_mask`` (padding, 4D masks, static caches, packed sequences given by ``position_ids``).
   Without any of those and with SDPA the mask stays None and SDPA runs ``is_causal=True`` (the training path).
 - ``hidden_states`` / ``attentions`` recorded by ``capture_outputs`` and ``_can_record_outputs``; ``return_dict=False``
@@ -18,8 +18,8 @@ Works on transformers 5.17 (forward argument ``past_key_values``) through 5.24+ 
 accepted and the returned output uses whichever field name the installed ``CausalLMOutputWithPast`` has.
 """
 
-from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -35,6 +35,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -50,6 +51,13 @@ logger = logging.get_logger(__name__)
 # transformers 5.24 renamed the output/input field ``past_key_values`` to ``cache``.
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 IGNORE_INDEX = -100
+
+
+def _past_key_values_is_deprecated(forward: Callable) -> Callable:
+    """Where ``cache`` is the name (5.24+), ``past_key_values`` warns like in transformers' models and is renamed."""
+    if _CACHE_FIELD == "cache":
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+    return forward  # transformers 5.17: ``past_key_values`` is the current name, generate passes it
 
 
 def _chunk_ce_sum(
@@ -137,10 +145,7 @@ class CgptAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, nh, past + T, hs), or the static cache's full length
 
-        implementation = self.config._attn_implementation
-        if output_attentions and implementation != "eager":
-            logger.warning_once(f"{implementation} attention returns no weights: output_attentions runs eager attention")
-            implementation = "eager"
+        implementation = "eager" if output_attentions else self.config._attn_implementation  # only eager has weights
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         y, attn_weights = attention_interface(
             self,
@@ -239,6 +244,7 @@ class CgptModel(CgptPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.wte = value
 
+    @_past_key_values_is_deprecated
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -278,21 +284,29 @@ class CgptModel(CgptPreTrainedModel):
                 "shorten the input (seq_len / max_new_tokens) or train a model with larger n_positions"
             )
 
-        if attention_mask is None and cache is None and position_ids is None and self.config._attn_implementation == "sdpa":
+        output_attentions = kwargs.pop("output_attentions", None)
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
+        mask_config = self.config
+        if output_attentions and self.config._attn_implementation != "eager":
+            # Only eager attention returns weights: this call runs it, with the mask eager expects.
+            logger.warning_once(f"{self.config._attn_implementation} attention returns no weights; "
+                                "output_attentions=True runs eager attention")
+            mask_config = copy.copy(self.config)
+            mask_config._attn_implementation = "eager"
+        plain_causal = attention_mask is None and cache is None and position_ids is None
+        if plain_causal and mask_config._attn_implementation == "sdpa":
             # Plain causal attention: SDPA's is_causal=True (flash kernel). create_causal_mask would give the same under
             # eager execution but, while compiling, transformers 5.17 materialises the full mask.
             causal_mask = None
         else:
-            causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
+            causal_mask = create_causal_mask(mask_config, inputs_embeds, attention_mask, cache, position_ids)
         if position_ids is None:
             if attention_mask is not None and attention_mask.ndim == 2:  # left padding: count real tokens only
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
             else:
                 position_ids = (torch.arange(T, device=inputs_embeds.device) + past)[None]
 
-        output_attentions = kwargs.pop("output_attentions", None)
-        if output_attentions is None:
-            output_attentions = self.config.output_attentions
         kwargs.pop("output_hidden_states", None)  # recorded by capture_outputs
         hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
         for block in self.h:
@@ -318,6 +332,7 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
+    @_past_key_values_is_deprecated
     @can_return_tuple
     def forward(
         self,
@@ -327,7 +342,6 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
-        shift_labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values: Cache | None = None,
@@ -337,7 +351,8 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
         r"""
         labels: (B, T) targets aligned with ``input_ids``; shifted by one inside (HF convention). -100 is ignored.
         shift_labels: (B, T) targets already shifted (position t predicts ``shift_labels[:, t]``), as produced by a
-            packer that cuts ``seq_len + 1`` token blocks. Give one of the two.
+            packer that cuts ``seq_len + 1`` token blocks; give this or ``labels``. A keyword argument (not in the
+            signature, as in transformers' models) because Trainer treats every ``*label*`` parameter as required.
         logits_to_keep: if an int > 0, only the last that many positions get logits (generation needs one); a 1D
             tensor keeps those sequence indices.
         return_logits: whether ``logits`` is returned next to a chunked loss. Default (None): in eval mode yes
@@ -345,9 +360,10 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
 
         With ``config.loss_chunk_size > 0`` the loss is computed from the hidden states chunk by chunk in fp32, so the
         full fp32 logits never exist, and in train mode no logits are built at all; logits returned next to that loss
-        cost one more head matmul. With ``loss_chunk_size = 0`` the full logits are built, used and returned. ``num_items_in_batch`` (Trainer, gradient accumulation) replaces
-        the count of target tokens in the mean.
+        cost one more head matmul. With ``loss_chunk_size = 0`` the full logits are built, used and returned.
+        ``num_items_in_batch`` (Trainer, gradient accumulation) replaces the count of target tokens in the mean.
         """
+        shift_labels = kwargs.pop("shift_labels", None)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         outputs: BaseModelOutputWithPast = self.transformer(
             input_ids=input_ids,
@@ -383,7 +399,7 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
                 logits=logits,
                 labels=None,
                 vocab_size=self.config.vocab_size,
-                shift_labels=shift_labels,
+                shift_labels=shift_labels.contiguous(),  # it views them flat; a packer's [:, 1:] slice is strided
                 num_items_in_batch=num_items_in_batch,
             )
             logits = logits[:, keep]
