@@ -372,6 +372,7 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
             cache=cache if cache is not None else past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,  # even with config.return_dict=False: can_return_tuple makes the tuple at the end
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state  # (B, T, C)
