@@ -19,6 +19,15 @@ from hf_cgpu.models.cgpt.modeling_cgpt import _CACHE_FIELD
 V, L, H, C = 97, 2, 4, 32
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: intra-op threads cost more than they save (and stall badly on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny(cls=CgptForCausalLM, seed=0, **kw):
     cfg = dict(vocab_size=V, n_positions=64, n_embd=C, n_layer=L, n_head=H, loss_chunk_size=7, pad_token_id=0)
     cfg.update(kw)

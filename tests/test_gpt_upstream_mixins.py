@@ -60,6 +60,8 @@ class CgptModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
+        cls._threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny model: intra-op threads cost more than they save
         # The mixin tells a base model from a causal LM (which gets labels in the training tests) by these name tables
         # of transformers' own models; list ours there for this class, as if it lived in the library.
         cls._name_tables = [
@@ -73,6 +75,7 @@ class CgptModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
     def tearDownClass(cls):
         for patch in cls._name_tables:
             patch.stop()
+        torch.set_num_threads(cls._threads)
 
     def setUp(self):
         self.model_tester = CgptModelTester(self)
