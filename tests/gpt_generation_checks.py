@@ -17,6 +17,10 @@ CACHE_NAME = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields_
 class GenerationChecks:
     max_new_tokens = 4
 
+    @property
+    def all_generative_model_classes(self):  # as ModelTesterMixin's, for use without it
+        return tuple(model_class for model_class in self.all_model_classes if model_class.can_generate())
+
     def _inputs(self, batch_size: int = 2):
         """config, left-padded input_ids (B, T) and attention_mask: the first row has two pad tokens in front."""
         config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
