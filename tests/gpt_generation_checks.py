@@ -48,13 +48,16 @@ class GenerationChecks:
 
     @staticmethod
     def _greedy_by_hand(model, input_ids, mask, steps):
-        """Argmax of full forwards (no cache, no generate), extending the mask by one real token per step."""
+        """Argmax of full forwards (no cache, no generate), extending the mask by one real token per step.
+        Returns the sequences and each step's last-position logits."""
+        all_logits = []
         with torch.no_grad():
             for _ in range(steps):
                 logits = model(input_ids, attention_mask=mask, use_cache=False).logits[:, -1]
+                all_logits.append(logits)
                 input_ids = torch.cat([input_ids, logits.argmax(-1, keepdim=True)], 1)
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-        return input_ids
+        return input_ids, all_logits
 
     def _check_dict_outputs(self, model, out, prompt_len, use_cache):
         B, N = out.sequences.shape[0], self.max_new_tokens
@@ -78,8 +81,11 @@ class GenerationChecks:
 
     def test_greedy_generate_equals_forward_loop(self):
         for model, input_ids, mask in self._models():
-            out = self._generate(model, input_ids, mask)
-            self.assertTrue(torch.equal(out, self._greedy_by_hand(model, input_ids, mask, self.max_new_tokens)))
+            out = self._generate(model, input_ids, mask, return_dict_in_generate=True, output_logits=True)
+            sequences, logits = self._greedy_by_hand(model, input_ids, mask, self.max_new_tokens)
+            self.assertTrue(torch.equal(out.sequences, sequences))
+            for got, want in zip(out.logits, logits):  # the values too: argmax alone hides small shifts
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
     def test_greedy_generate_cached_equals_uncached(self):
         for model, input_ids, mask in self._models():
