@@ -4,6 +4,7 @@ transformers' own ModelTesterMixin runs in test_gpt_upstream_mixins.py; these ar
 what keeps training fast (plain causal SDPA, one graph) and what the vendored mixins do not cover (export).
 """
 
+import functools
 import warnings
 from unittest import mock
 
@@ -51,14 +52,16 @@ class CountSDPA:
 
     def __init__(self):
         self.calls = []
-        self._sdpa = F.scaled_dot_product_attention
+        sdpa = F.scaled_dot_product_attention
 
-    def __call__(self, *args, **kwargs):
-        self.calls.append(kwargs)
-        return self._sdpa(*args, **kwargs)
+        @functools.wraps(sdpa)
+        def counting(*args, **kwargs):
+            self.calls.append(kwargs)
+            return sdpa(*args, **kwargs)
+
+        self._patch = mock.patch("torch.nn.functional.scaled_dot_product_attention", counting)
 
     def __enter__(self):
-        self._patch = mock.patch("torch.nn.functional.scaled_dot_product_attention", self)
         self._patch.start()
         return self
 
@@ -122,19 +125,19 @@ def test_return_dict_false_gives_tuples():
 
 
 # ---------------------------------------------------------------------------- attention backends
-@pytest.mark.parametrize("padded", [False, True])
-def test_eager_matches_sdpa(padded):
+@pytest.mark.parametrize("implementation, padded", [("eager", False), ("eager", True), ("flex_attention", True)])
+def test_other_backends_match_sdpa(implementation, padded):
     x, mask = left_padded() if padded else (ids(), None)
     sdpa = tiny()
-    eager = tiny(attn_implementation="eager")
+    other = tiny(attn_implementation=implementation)
     with torch.no_grad(), CountSDPA() as sdpa_calls:
         a = sdpa(x, attention_mask=mask).logits
         n_sdpa = len(sdpa_calls.calls)
-        b = eager(x, attention_mask=mask).logits
-    assert n_sdpa == L and len(sdpa_calls.calls) == L  # eager really runs without SDPA
+        b = other(x, attention_mask=mask).logits
+    assert n_sdpa == L and len(sdpa_calls.calls) == L  # the other backend really runs without SDPA
     keep = mask.bool() if padded else slice(None)
     torch.testing.assert_close(a[keep], b[keep], rtol=1e-5, atol=1e-5)
-    sdpa.set_attn_implementation("eager")  # switching at run time takes effect too
+    sdpa.set_attn_implementation(implementation)  # switching at run time takes effect too
     with torch.no_grad(), CountSDPA() as sdpa_calls:
         torch.testing.assert_close(sdpa(x, attention_mask=mask).logits[keep], b[keep])
     assert not sdpa_calls.calls
