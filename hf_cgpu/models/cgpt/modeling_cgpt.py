@@ -14,10 +14,12 @@ Follows the conventions of transformers' own decoders (GPT-2, Llama):
   returns tuples (``can_return_tuple``).
 - no Python branch on tensor values, so ``torch.export`` and ``torch.compile(fullgraph=True)`` trace it.
 
+Kept from before, better than upstream: the chunked fp32 loss (``loss_chunk_size``) that never builds all the logits.
+In eval mode a call with labels returns logits too (Trainer's evaluation reads them); training builds none.
+
 Works on transformers 5.17 (forward argument ``past_key_values``) through 5.24+ (renamed ``cache``): both names are
 accepted and the returned output uses whichever field name the installed ``CausalLMOutputWithPast`` has.
 """
-
 
 import copy
 import math
