@@ -1,6 +1,7 @@
 """Inference pipeline for our flow-matching UNet: noise at t = 0, integrate the predicted velocity to t = 1.
 
-Self-contained on purpose (imports only the standard library, numpy, torch and diffusers): ``save_for_remote_code``
+Self-contained on purpose (imports only the standard library, torch, diffusers and, for Hub ids, huggingface_hub, which
+diffusers depends on): ``save_for_remote_code``
 copies this file as ``pipeline.py`` into the saved folder, so without hf_cgpu installed it loads with
 
     DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)
