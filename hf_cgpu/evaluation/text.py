@@ -81,7 +81,7 @@ def causal_lm_target_loss(model) -> LossFn:
     from ..tiers import causal_lm_loss_from_hidden, unwrap_model
 
     if getattr(unwrap_model(model).config, "model_type", None) == "cgpt":
-        return lambda x, y: model(input_ids=x, shift_labels=y, use_cache=False).loss
+        return lambda x, y: model(input_ids=x, shift_labels=y, use_cache=False, return_logits=False).loss
     return lambda x, y: causal_lm_loss_from_hidden(model, x, y, shift=False)
 
 

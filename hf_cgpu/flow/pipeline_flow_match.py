@@ -1,6 +1,7 @@
 """Inference pipeline for our flow-matching UNet: noise at t = 0, integrate the predicted velocity to t = 1.
 
-Self-contained on purpose (imports only the standard library, numpy, torch and diffusers): ``save_for_remote_code``
+Self-contained on purpose (imports only the standard library, torch, diffusers and, for Hub ids, huggingface_hub, which
+diffusers depends on): ``save_for_remote_code``
 copies this file as ``pipeline.py`` into the saved folder, so without hf_cgpu installed it loads with
 
     DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)
@@ -25,13 +26,31 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
 
+# from_pretrained arguments that locate a Hub repo's files, and those a ModelMixin component's own loader takes.
+_HUB_ARGS = ("revision", "cache_dir", "local_files_only", "token", "force_download", "proxies")
+_MODEL_ARGS = ("use_safetensors", "low_cpu_mem_usage", "device_map", "max_memory", "offload_folder",
+               "offload_state_dict", "disable_mmap")
+
+
+def _is_flow_scheduler(scheduler: SchedulerMixin) -> bool:
+    """diffusers' flow-match schedulers (sigma = 1 noise, velocity noise - data), or a solver run with flow sigmas."""
+    config = scheduler.config
+    if config.get("use_flow_sigmas", False):
+        return config.get("prediction_type") == "flow_prediction"
+    return type(scheduler).__name__.startswith("FlowMatch") and hasattr(scheduler, "sigmas")
+
+
 class FlowMatchPipeline(DiffusionPipeline):
-    """Sample images from a velocity UNet (t = 0 noise -> t = 1 data) with a flow-match Euler/Heun scheduler.
+    """Sample images from a velocity UNet (t = 0 noise -> t = 1 data) with a flow-matching scheduler.
 
     Args:
         unet: called as ``unet(x, t, class_labels).sample`` with t in [0, 1] of shape (B,); a class-conditional
             UNet has ``config.num_classes`` and uses that index as the null class.
-        scheduler: FlowMatchEulerScheduler or FlowMatchHeunScheduler; its ``timesteps`` are our t values.
+        scheduler: ours (FlowMatchEulerScheduler, FlowMatchHeunScheduler: ``timesteps`` are our t values) or one of
+            diffusers' flow-matching schedulers: FlowMatchEulerDiscreteScheduler, FlowMatchHeunDiscreteScheduler, or a
+            multistep solver built with ``use_flow_sigmas=True, prediction_type="flow_prediction"``
+            (DPMSolverMultistepScheduler, UniPCMultistepScheduler, DEISMultistepScheduler, ...). Those walk sigma = 1
+            (noise) to 0: the UNet gets t = 1 - sigma and the scheduler gets the velocity in their sign, -(x1 - x0).
     """
 
     model_cpu_offload_seq = "unet"
@@ -48,36 +67,63 @@ class FlowMatchPipeline(DiffusionPipeline):
         runs such a file whenever it exists, so it would demand ``trust_remote_code=True`` even with hf_cgpu
         installed. Loading those components from the installed package and passing them in avoids running the
         folder's code. Only modules of this class's top-level package are imported, never other names from the file.
+
+        Every standard argument is honoured as diffusers does: a Hub repo id is resolved to its snapshot with
+        ``revision``, ``cache_dir``, ``local_files_only``, ``token``, ``force_download``, ``proxies``; our models get
+        ``dtype`` (one dtype, or a dict of component name -> dtype with an optional "default"), ``variant`` (where
+        their folder has such files), ``use_safetensors``, ``low_cpu_mem_usage``, ``device_map`` and the offload
+        arguments; everything else goes to ``DiffusionPipeline.from_pretrained``.
         """
         folder = os.fspath(pretrained_model_name_or_path)
         package = cls.__module__.split(".")[0]
-        index_path = os.path.join(folder, "model_index.json")
-        if package != "diffusers_modules" and os.path.isfile(index_path):
-            with open(index_path, encoding="utf-8") as f:
-                index = json.load(f)
-            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-            for name, spec in index.items():
-                if name.startswith("_") or name in kwargs or not isinstance(spec, list) or spec[0] is None:
-                    continue
-                library, class_name = spec
-                if library.split(".")[0] != package:
-                    continue
-                klass = getattr(importlib.import_module(library), class_name)
-                extra = {"dtype": dtype} if dtype is not None and issubclass(klass, ModelMixin) else {}
-                kwargs[name] = klass.from_pretrained(folder, subfolder=name, **extra)
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        if package == "diffusers_modules":  # loaded as remote code: diffusers runs the folder's component files
+            return super().from_pretrained(folder, **kwargs)
+        if not os.path.isdir(folder):
+            from huggingface_hub import snapshot_download
 
-    def _labels(self, class_labels, batch_size: int, device: torch.device) -> torch.Tensor | None:
-        """int / list / tensor -> (B,) int64 on device; None stays None (unconditional)."""
+            folder = snapshot_download(folder, **{k: kwargs[k] for k in _HUB_ARGS if k in kwargs})
+        index_path = os.path.join(folder, "model_index.json")
+        if not os.path.isfile(index_path):
+            raise ValueError(f"{folder} has no model_index.json; pass a folder written by save_pretrained")
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+        components = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list)]
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        if isinstance(dtype, dict) and set(dtype) - {*components, "default"}:
+            raise ValueError(f"dtype names {sorted(set(dtype) - set(components))}, which are not components of this "
+                             f"pipeline; use {components} or 'default'")
+        variant = kwargs.get("variant")
+        for name in components:
+            library, class_name = index[name]
+            if name in kwargs or library is None or library.split(".")[0] != package:
+                continue
+            klass = getattr(importlib.import_module(library), class_name)
+            extra = {}
+            if issubclass(klass, ModelMixin):
+                extra = {k: kwargs[k] for k in _MODEL_ARGS if k in kwargs}
+                component_dtype = dtype.get(name, dtype.get("default")) if isinstance(dtype, dict) else dtype
+                if component_dtype is not None:
+                    extra["dtype"] = component_dtype
+                if variant is not None and any(f".{variant}." in f for f in os.listdir(os.path.join(folder, name))):
+                    extra["variant"] = variant
+            kwargs[name] = klass.from_pretrained(folder, subfolder=name, **extra)
+        return super().from_pretrained(folder, **kwargs)
+
+    def _labels(self, class_labels, batch_size: int | None, device: torch.device) -> torch.Tensor | None:
+        """int / list / tensor -> (B,) int64 on device; None stays None (unconditional). B follows the labels unless
+        batch_size is given, where one label is repeated batch_size times."""
         if class_labels is None:
             return None
         if getattr(self.unet.config, "num_classes", None) is None:
             raise ValueError("class_labels given but the unet is unconditional; train it with num_classes set")
         labels = torch.as_tensor(class_labels, dtype=torch.long, device=device).reshape(-1)
+        if batch_size is None:
+            return labels
         if labels.numel() == 1:
             labels = labels.expand(batch_size)
         if labels.numel() != batch_size:
-            raise ValueError(f"{labels.numel()} class_labels for batch_size={batch_size}; pass one or batch_size")
+            raise ValueError(f"{labels.numel()} class_labels for batch_size={batch_size}; pass one label, one per "
+                             "image, or leave batch_size out")
         return labels
 
     def _velocity(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -93,7 +139,7 @@ class FlowMatchPipeline(DiffusionPipeline):
     @torch.no_grad()
     def __call__(
         self,
-        batch_size: int = 1,
+        batch_size: int | None = None,
         num_inference_steps: int = 50,
         generator: torch.Generator | list[torch.Generator] | None = None,
         class_labels: int | list[int] | torch.Tensor | None = None,
@@ -101,9 +147,10 @@ class FlowMatchPipeline(DiffusionPipeline):
         output_type: str = "pil",
         return_dict: bool = True,
     ) -> ImagePipelineOutput | tuple:
-        """Generate ``batch_size`` images.
+        """Generate images.
 
         Args:
+            batch_size: number of images; default: one per class label (as DiTPipeline), or 1 without labels.
             num_inference_steps: scheduler steps N (Euler: N model calls; Heun: 2N - 1, doubled again with guidance).
             class_labels: one label for all images, one per image, or None (null class / unconditional model).
             guidance_scale: classifier-free guidance w in v_u + w (v_c - v_u); 1.0 is the plain conditional model
@@ -112,8 +159,16 @@ class FlowMatchPipeline(DiffusionPipeline):
         """
         if output_type not in ("pil", "np", "pt"):
             raise ValueError(f"output_type={output_type!r}; use 'pil', 'np' or 'pt'")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}; use 1 or more, or leave it out to follow class_labels")
+        ours = getattr(self.scheduler, "timesteps_are_t", False)
+        if not ours and not _is_flow_scheduler(self.scheduler):
+            raise ValueError(f"{type(self.scheduler).__name__} is not a flow-matching scheduler; use ours, diffusers' "
+                             "FlowMatch*, or a solver with use_flow_sigmas=True, prediction_type='flow_prediction'")
         device = self._execution_device
         labels = self._labels(class_labels, batch_size, device)
+        if batch_size is None:
+            batch_size = 1 if labels is None else labels.numel()
         if labels is None and guidance_scale != 1.0:
             raise ValueError("guidance_scale != 1 needs class_labels (guidance contrasts a class with the null class)")
         cfg = self.unet.config
@@ -121,9 +176,13 @@ class FlowMatchPipeline(DiffusionPipeline):
         x = randn_tensor(shape, generator=generator, device=device, dtype=self.unet.dtype)  # x0 at t = 0
 
         self.scheduler.set_timesteps(num_inference_steps, device=device)
-        for t in self.progress_bar(self.scheduler.timesteps):
-            v = self._velocity(x, t, labels, guidance_scale)
-            x = self.scheduler.step(v, t, x).prev_sample
+        for i, timestep in enumerate(self.progress_bar(self.scheduler.timesteps)):
+            if ours:
+                v = self._velocity(x, timestep, labels, guidance_scale)
+            else:  # diffusers' convention: sigma = 1 - t, model output noise - data = -(x1 - x0)
+                t = (1.0 - self.scheduler.sigmas[i]).to(device=device, dtype=torch.float32)
+                v = -self._velocity(x, t, labels, guidance_scale)
+            x = self.scheduler.step(v, timestep, x).prev_sample
 
         image = (x.float() / 2 + 0.5).clamp(0, 1)  # [-1, 1] -> [0, 1], (B, C, H, W)
         if output_type == "pt":

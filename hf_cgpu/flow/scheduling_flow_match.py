@@ -60,11 +60,16 @@ def time_grid(num_inference_steps: int, spacing: str, shift: float, num_train_ti
 
 
 class _FlowMatchBase(SchedulerMixin, ConfigMixin):
-    """Shared grid and step-index bookkeeping. ``t_grid`` has N + 1 entries, ``timesteps`` the model-call times."""
+    """Shared grid and step-index bookkeeping. ``t_grid`` has N + 1 entries, ``timesteps`` the model-call times.
+
+    Usable right after construction, as diffusers' schedulers: the default grid has ``num_train_timesteps`` steps
+    until ``set_timesteps`` picks another.
+    """
 
     config_name = "scheduler_config.json"
     _compatibles: list = []
     order = 1
+    timesteps_are_t = True  # FlowMatchPipeline: timesteps are our t (0 = noise), not diffusers' sigma * 1000
 
     @register_to_config
     def __init__(
@@ -74,10 +79,9 @@ class _FlowMatchBase(SchedulerMixin, ConfigMixin):
             raise ValueError(f"timestep_spacing={timestep_spacing!r}; use 'uniform' or 'diffusers'")
         if shift <= 0:
             raise ValueError(f"shift={shift} must be > 0")
-        self.num_inference_steps: int | None = None
-        self.t_grid = torch.empty(0)
-        self.timesteps = torch.empty(0)
-        self._step_index: int | None = None
+        if num_train_timesteps < 1:
+            raise ValueError(f"num_train_timesteps={num_train_timesteps}; use 1 or more")
+        self.set_timesteps(num_train_timesteps)
 
     @property
     def step_index(self) -> int | None:

@@ -167,7 +167,8 @@ class CausalLMTask(PackedTokensTask):
         return tok
 
     def target_loss(self, model, inputs, targets) -> torch.Tensor:
-        return model(input_ids=inputs, shift_labels=targets, use_cache=False).loss
+        # return_logits=False: validation (eval mode) needs only the loss, so the chunked loss builds no logits there either
+        return model(input_ids=inputs, shift_labels=targets, use_cache=False, return_logits=False).loss
 
     def flops_per_unit(self) -> float:
         return training_flops_per_token(self.model.config, self.num_params)

@@ -1,16 +1,29 @@
 """hf_cgpu GPT: a GPT-2 style causal LM as a transformers ``PreTrainedModel`` + ``GenerationMixin``.
 
-Read leaf to root: attention, MLP, block, backbone, LM head. Self-contained on purpose (only a relative import of
+Read leaf to root: loss, attention, MLP, block, backbone, LM head. Self-contained on purpose (only a relative import of
 its config): ``save_pretrained`` copies both files next to the weights so that
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` works where hf_cgpu is not installed.
+
+Follows the conventions of transformers' own decoders (GPT-2, Llama):
+- attention through ``ALL_ATTENTION_FUNCTIONS``: ``attn_implementation`` "sdpa" (default), "eager",
+  "flash_attention_2" where installed, "flex_attention", or any registered backend. Only "eager" returns weights, so a
+  call that asks for attentions runs eager for that call.
+- masks from ``create_causal_mask`` (padding, 4D masks, static caches, packed sequences given by ``position_ids``).
+  Without any of those and with SDPA the mask stays None and SDPA runs ``is_causal=True`` (the training path).
+- ``hidden_states`` / ``attentions`` recorded by ``capture_outputs`` and ``_can_record_outputs``; ``return_dict=False``
+  returns tuples (``can_return_tuple``).
+- no Python branch on tensor values, so ``torch.export`` and ``torch.compile(fullgraph=True)`` trace it.
+
+Kept from before, better than upstream: the chunked fp32 loss (``loss_chunk_size``) that never builds all the logits.
+In eval mode a call with labels returns logits too (Trainer's evaluation reads them); training builds none.
 
 Works on transformers 5.17 (forward argument ``past_key_values``) through 5.24+ (renamed ``cache``): both names are
 accepted and the returned output uses whichever field name the installed ``CausalLMOutputWithPast`` has.
 """
 
-from __future__ import annotations
-
+import copy
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +31,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_cgpt import CgptConfig
 
@@ -28,9 +48,18 @@ try:  # transformers >= 5: init functions that leave weights loaded from a check
 except ImportError:  # pragma: no cover - older transformers
     from torch.nn import init
 
+logger = logging.get_logger(__name__)
+
 # transformers 5.24 renamed the output/input field ``past_key_values`` to ``cache``.
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 IGNORE_INDEX = -100
+
+
+def _past_key_values_is_deprecated(forward: Callable) -> Callable:
+    """Where ``cache`` is the name (5.24+), ``past_key_values`` warns like in transformers' models and is renamed."""
+    if _CACHE_FIELD == "cache":
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+    return forward  # transformers 5.17: ``past_key_values`` is the current name, generate passes it
 
 
 def _chunk_ce_sum(
@@ -69,31 +98,69 @@ def chunked_cross_entropy(
     return total / denominator
 
 
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scaling + mask) v in plain torch ops; also returns the weights. q, k, v (B, nh, T, hs)."""
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, nh, T, S)
+    if attention_mask is not None:  # additive float mask from create_causal_mask, (B|1, 1, T, S)
+        attn_weights = attn_weights + attention_mask
+    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = F.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()  # (B, T, nh, hs)
+    return attn_output, attn_weights
+
+
 class CgptAttention(nn.Module):
     def __init__(self, config: CgptConfig, layer_idx: int):
         super().__init__()
+        self.config = config
         self.n_head = config.n_head
         self.head_dim = config.n_embd // config.n_head
+        self.scaling = self.head_dim**-0.5
         self.layer_idx = layer_idx
+        self.is_causal = True  # read by the sdpa / flash backends
         self.dropout = config.dropout
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.proj.is_residual_projection = True  # read by _init_weights (a flag: parents are not visited)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: Cache | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        output_attentions: bool = False,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, C = hidden_states.shape
+        q, k, v = self.qkv(hidden_states).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)  # (B, nh, past + T, hs)
-        # Causal without a mask only when queries and keys start together; otherwise the caller built a mask.
-        is_causal = attn_mask is None and T > 1 and k.shape[2] == T
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
-        )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, C)
-        return self.resid_dropout(self.proj(y))
+            k, v = cache.update(k, v, self.layer_idx)  # (B, nh, past + T, hs), or the static cache's full length
+
+        implementation = "eager" if output_attentions else self.config._attn_implementation  # only eager has weights
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        y, attn_weights = attention_interface(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=self.dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )  # y (B, T, nh, hs)
+        y = y.reshape(B, T, C)
+        return self.resid_dropout(self.proj(y)), attn_weights
 
 
 class CgptMLP(nn.Module):
@@ -119,8 +186,15 @@ class CgptBlock(GradientCheckpointingLayer):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
         self.mlp = CgptMLP(config)
 
-    def forward(self, hidden_states: torch.Tensor, attn_mask=None, cache: Cache | None = None) -> torch.Tensor:
-        hidden_states = hidden_states + self.attn(self.ln_1(hidden_states), cache, attn_mask)
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        attn_output, _ = self.attn(self.ln_1(hidden_states), attention_mask, cache=cache, **kwargs)
+        hidden_states = hidden_states + attn_output
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
 
@@ -131,6 +205,14 @@ class CgptPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["CgptBlock"]
     _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {
+        "hidden_states": CgptBlock,
+        "attentions": OutputRecorder(CgptAttention, index=1),
+    }
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -147,22 +229,6 @@ class CgptPreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
 
 
-def _attention_mask(
-    attention_mask: torch.Tensor | None, past: int, T: int, device: torch.device
-) -> torch.Tensor | None:
-    """Boolean (B|1, 1, T, past + T) mask, or None when plain causal SDPA (or no mask at all) is exact."""
-    if attention_mask is None and (past == 0 or T == 1):
-        return None
-    q_pos = torch.arange(past, past + T, device=device)[:, None]
-    k_pos = torch.arange(past + T, device=device)[None, :]
-    mask = (k_pos <= q_pos)[None, None]  # (1, 1, T, past + T)
-    if attention_mask is not None:
-        keys = attention_mask[:, None, None, : past + T].bool()  # (B, 1, 1, past + T)
-        # A padded query would see no key at all (NaN softmax); let every query see itself.
-        mask = (mask & keys) | (k_pos == q_pos)[None, None]
-    return mask
-
-
 class CgptModel(CgptPreTrainedModel):
     def __init__(self, config: CgptConfig):
         super().__init__(config)
@@ -171,6 +237,7 @@ class CgptModel(CgptPreTrainedModel):
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList([CgptBlock(config, i) for i in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.gradient_checkpointing = False
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -179,6 +246,9 @@ class CgptModel(CgptPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.wte = value
 
+    @_past_key_values_is_deprecated
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -188,40 +258,65 @@ class CgptModel(CgptPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         past_key_values: Cache | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
+        r"""
+        attention_mask: (B, past + T) with 1 for tokens and 0 for padding, or a prepared 4D mask.
+        position_ids: (B|1, T). Default: positions counted over the real tokens of ``attention_mask`` (left padding),
+            else ``past .. past + T - 1``. Given explicitly without a mask, restarts mark packed sequences.
+        cache / past_key_values: a transformers ``Cache`` (both names accepted; 5.24 renamed the argument).
+        output_hidden_states / output_attentions / return_dict: as in every transformers model.
+        """
         cache = cache if cache is not None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)  # (B, T, C)
-        B, T, _ = inputs_embeds.shape
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        T = inputs_embeds.shape[1]
         if self.training and torch.is_grad_enabled():
             use_cache = False  # training never reads a cache; checkpointed layers would write it twice
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         if not use_cache:
             cache = None
-        past = cache.get_seq_length() if cache is not None else 0
-        if past + T > self.config.n_positions:
+        past = cache.get_seq_length() if cache is not None else 0  # an int, or a tensor for a static cache
+        if isinstance(past, int) and past + T > self.config.n_positions:
             raise ValueError(
                 f"sequence of {past + T} tokens is longer than n_positions={self.config.n_positions}; "
                 "shorten the input (seq_len / max_new_tokens) or train a model with larger n_positions"
             )
-        if attention_mask is not None and bool(attention_mask.all()):
-            attention_mask = None  # no padding: keep the fast causal path
+
+        output_attentions = kwargs.pop("output_attentions", None)
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
+        mask_config = self.config
+        if output_attentions and self.config._attn_implementation != "eager":
+            # Only eager attention returns weights: this call runs it, with the mask eager expects.
+            logger.warning_once(f"{self.config._attn_implementation} attention returns no weights; "
+                                "output_attentions=True runs eager attention")
+            mask_config = copy.copy(self.config)
+            mask_config._attn_implementation = "eager"
+        plain_causal = attention_mask is None and cache is None and position_ids is None
+        if plain_causal and mask_config._attn_implementation == "sdpa":
+            # Plain causal attention: SDPA's is_causal=True (flash kernel). create_causal_mask would give the same under
+            # eager execution but, while compiling, transformers 5.17 materialises the full mask.
+            causal_mask = None
+        else:
+            causal_mask = create_causal_mask(mask_config, inputs_embeds, attention_mask, cache, position_ids)
         if position_ids is None:
-            if attention_mask is not None:  # left padding: count real tokens only
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past : past + T]
+            if attention_mask is not None and attention_mask.ndim == 2:  # left padding: count real tokens only
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
             else:
-                position_ids = torch.arange(past, past + T, device=inputs_embeds.device)[None]
-        mask = _attention_mask(attention_mask, past, T, inputs_embeds.device)
-        x = self.drop(inputs_embeds + self.wpe(position_ids))
+                position_ids = (torch.arange(T, device=inputs_embeds.device) + past)[None]
+
+        kwargs.pop("output_hidden_states", None)  # recorded by capture_outputs
+        hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
         for block in self.h:
-            x = block(x, mask, cache=cache)
-        x = self.ln_f(x)
-        return BaseModelOutputWithPast(last_hidden_state=x, **{_CACHE_FIELD: cache})
+            hidden_states = block(
+                hidden_states, causal_mask, cache=cache, output_attentions=output_attentions, **kwargs
+            )
+        hidden_states = self.ln_f(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache})
 
 
 class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
@@ -239,6 +334,8 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
+    @_past_key_values_is_deprecated
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -247,46 +344,78 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
-        shift_labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         past_key_values: Cache | None = None,
-        **kwargs,
+        return_logits: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         r"""
         labels: (B, T) targets aligned with ``input_ids``; shifted by one inside (HF convention). -100 is ignored.
         shift_labels: (B, T) targets already shifted (position t predicts ``shift_labels[:, t]``), as produced by a
-            packer that cuts ``seq_len + 1`` token blocks. Give one of the two.
-        logits_to_keep: if > 0, only the last that many positions get logits (generation needs one).
+            packer that cuts ``seq_len + 1`` token blocks; give this or ``labels``. A keyword argument (not in the
+            signature, as in transformers' models) because Trainer treats every ``*label*`` parameter as required.
+        logits_to_keep: if an int > 0, only the last that many positions get logits (generation needs one); a 1D
+            tensor keeps those sequence indices.
+        return_logits: whether ``logits`` is returned next to a chunked loss. Default (None): in eval mode yes
+            (Trainer's prediction_step and metrics read them), in train mode no.
 
-        With a loss requested and ``config.loss_chunk_size > 0`` the logits are not materialised and ``logits`` is
-        None: the loss comes from the hidden states chunk by chunk, in fp32.
+        With ``config.loss_chunk_size > 0`` the loss is computed from the hidden states chunk by chunk in fp32, so the
+        full fp32 logits never exist, and in train mode no logits are built at all; logits returned next to that loss
+        cost one more head matmul. With ``loss_chunk_size = 0`` the full logits are built, used and returned.
+        ``num_items_in_batch`` (Trainer, gradient accumulation) replaces the count of target tokens in the mean.
         """
-        out = self.transformer(
+        shift_labels = kwargs.pop("shift_labels", None)
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        outputs: BaseModelOutputWithPast = self.transformer(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache if cache is not None else past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,  # even with config.return_dict=False: can_return_tuple makes the tuple at the end
+            **kwargs,
         )
-        hidden = out.last_hidden_state  # (B, T, C)
+        hidden_states = outputs.last_hidden_state  # (B, T, C)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         if labels is not None and shift_labels is None:
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        if return_logits is None:
+            return_logits = not self.training
+
         loss, logits = None, None
         chunk = self.config.loss_chunk_size
         if shift_labels is not None and chunk > 0:
             loss = chunked_cross_entropy(
-                hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, shift_labels.reshape(-1), chunk
+                hidden_states.reshape(-1, hidden_states.shape[-1]),
+                self.lm_head.weight,
+                shift_labels.reshape(-1),
+                chunk,
+                denominator=num_items_in_batch,
             )
+            if return_logits:
+                logits = self.lm_head(hidden_states[:, keep])
+        elif shift_labels is not None:  # loss_chunk_size = 0: the full logits, the standard transformers loss
+            logits = self.lm_head(hidden_states)  # (B, T, V)
+            loss = self.loss_function(
+                logits=logits,
+                labels=None,
+                vocab_size=self.config.vocab_size,
+                shift_labels=shift_labels.contiguous(),  # it views them flat; a packer's [:, 1:] slice is strided
+                num_items_in_batch=num_items_in_batch,
+            )
+            logits = logits[:, keep]
         else:
-            keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
-            logits = self.lm_head(hidden[:, keep])  # (B, T', V)
-            if shift_labels is not None:
-                loss = F.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX
-                )
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+            logits = self.lm_head(hidden_states[:, keep])  # (B, T', V)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
+        )
 
 
 __all__ = ["CgptForCausalLM", "CgptModel", "CgptPreTrainedModel", "chunked_cross_entropy"]

@@ -1,0 +1,99 @@
+"""transformers' own ModelTesterMixin (vendored from the 5.24.0 release, tests/upstream/) on a tiny CgptForCausalLM.
+
+GenerationTesterMixin is hf_cgpu's stand-in (tests/gpt_generation_checks.py): the release's tests/generation/ is not
+in the sdist. With another transformers (the GPU machine's 5.17) the vendored module may not import: then only the
+generation checks run and test_upstream_model_tester_mixin_runs says why.
+"""
+
+import unittest
+from unittest import mock
+
+import pytest
+import torch
+
+from gpt_generation_checks import GenerationChecks
+
+try:
+    import parameterized  # noqa: F401  (transformers' test mixins need it: pip install -e .[test])
+    from upstream.transformers.test_modeling_common import ModelTesterMixin
+    from upstream.transformers.generation.test_utils import GenerationTesterMixin
+
+    UPSTREAM_MISSING = None
+except ImportError as err:  # the vendored sources follow the installed transformers' internals
+    import transformers
+
+    if not (err.name or "").startswith(("transformers", "parameterized")):
+        raise
+    # Without them the generation checks still run (they are ours); the ModelTesterMixin checks are skipped.
+    class ModelTesterMixin:  # nothing to run
+        pass
+
+    GenerationTesterMixin = GenerationChecks
+    UPSTREAM_MISSING = (f"tests/upstream holds transformers 5.24.0's test sources, which do not import with "
+                        f"transformers {transformers.__version__} ({err}): refresh them (tests/upstream/README.md)")
+
+from transformers.models.auto import modeling_auto
+
+from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM, CgptModel
+
+
+class CgptModelTester:
+    """Tiny shapes, as transformers' CausalLMModelTester: batch 3 x 7 tokens, 2 layers of width 32, 4 heads."""
+
+    def __init__(self, parent, batch_size=3, seq_length=7, vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, is_training=True, loss_chunk_size=5):
+        self.parent = parent
+        self.batch_size = batch_size
+        self.seq_length = seq_length
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.is_training = is_training
+        self.loss_chunk_size = loss_chunk_size  # < batch * seq: the chunked loss really chunks
+
+    def get_config(self) -> CgptConfig:
+        return CgptConfig(vocab_size=self.vocab_size, n_positions=64, n_embd=self.hidden_size,
+                          n_layer=self.num_hidden_layers, n_head=self.num_attention_heads,
+                          loss_chunk_size=self.loss_chunk_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+    def prepare_config_and_inputs_for_common(self):
+        """Random ids and a random padding mask whose last column is 1, as transformers' ids_tensor and
+        random_attention_mask make them."""
+        shape = (self.batch_size, self.seq_length)
+        input_ids = torch.randint(0, self.vocab_size, shape)
+        attention_mask = torch.randint(0, 2, shape)
+        attention_mask[:, -1] = 1
+        return self.get_config(), {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+class CgptModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+    all_model_classes = (CgptModel, CgptForCausalLM)
+    test_can_init_all_missing_weights_before_2023 = True  # our _init_weights covers every weight: check it
+
+    @classmethod
+    def setUpClass(cls):
+        cls._threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny model: intra-op threads cost more than they save
+        # The mixin tells a base model from a causal LM (which gets labels in the training tests) by these name tables
+        # of transformers' own models; list ours there for this class, as if it lived in the library.
+        cls._name_tables = [
+            mock.patch.dict(modeling_auto.MODEL_MAPPING_NAMES, {"cgpt": "CgptModel"}),
+            mock.patch.dict(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, {"cgpt": "CgptForCausalLM"}),
+        ]
+        for patch in cls._name_tables:
+            patch.start()
+
+    @classmethod
+    def tearDownClass(cls):
+        for patch in cls._name_tables:
+            patch.stop()
+        torch.set_num_threads(cls._threads)
+
+    def setUp(self):
+        self.model_tester = CgptModelTester(self)
+
+    def test_upstream_model_tester_mixin_runs(self):
+        if UPSTREAM_MISSING:
+            self.skipTest(UPSTREAM_MISSING)
+        self.assertTrue(hasattr(self, "test_attention_outputs"))  # a ModelTesterMixin check
