@@ -18,7 +18,7 @@ from torch import nn
 
 from .tiers import default_target_modules
 
-__all__ = ["save_adapter", "merge_and_save", "format_instruction_example", "default_target_modules"]
+__all__ = ["save_adapter", "merge_and_save", "format_instruction_example", "default_target_modules", "resolve_base"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -70,6 +70,53 @@ def merge_and_save(
         if src.is_file():
             shutil.copy2(src, output_dir / name)
     return output_dir
+
+
+def resolve_base(model: str, gguf_file: str = "", cache_dir: str | Path | None = None) -> tuple[str, dict[str, Any]]:
+    """Where to load the base from, and what to record about it.
+
+    A GGUF checkpoint (``model`` a ``.gguf`` file, or a folder/Hub id plus ``gguf_file``) is de-quantised once by
+    transformers (``from_pretrained(..., gguf_file=)``, needs the ``gguf`` package) into safetensors + tokenizer
+    under the cache (``$HF_CGPU_CACHE/gguf/<name>-<size>``), so every tier (LoRA, QLoRA's nf4, full) loads it the
+    usual way and ``merge``/``PeftModel.from_pretrained`` have a real base folder. Anything else is returned as is.
+    """
+    path = Path(model).expanduser()
+    if not gguf_file and path.suffix.lower() == ".gguf":
+        path, gguf_file = path.parent, path.name
+    if not gguf_file:
+        return model, {}
+    source = path / gguf_file
+    if path.exists() and not source.is_file():
+        raise FileNotFoundError(f"GGUF file {source} not found; check --model / --gguf_file")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ValueError("loading a GGUF checkpoint needs the gguf package: pip install gguf") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .data.text import default_cache_dir
+
+    size = source.stat().st_size if source.is_file() else 0
+    root = Path(cache_dir) if cache_dir else default_cache_dir().parent / "gguf"
+    folder = root / f"{Path(gguf_file).stem}-{size}"
+    info = {"gguf_file": str(source), "dequantized_to": str(folder)}
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return str(folder), info
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"de-quantising {source} to {folder} (once)")
+    tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else model, gguf_file=gguf_file)
+    base = AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else model, gguf_file=gguf_file,
+                                                dtype=torch.float32)
+    # the weights are plain fp32 now; transformers only keeps a GGUF marker that refuses serialisation
+    base.hf_quantizer = None
+    if hasattr(base.config, "quantization_config"):
+        del base.config.quantization_config
+    base.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.replace(folder)
+    return str(folder), info
 
 
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"

@@ -240,7 +240,12 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
     n_params = fields.pop("num_parameters", None) or count_parameters(d)
     repo_id = fields.pop("repo_id", None)
     dataset = fields.pop("dataset", None) or settings.get("dataset") or config.get("dataset")
-    base_model = fields.pop("base_model", None) or (config.get("base_model_name_or_path") if kind == "lora" else None)
+    recorded = _read_json(d / "base_model.json")  # written by the fine-tuning task: the Hub id, the GGUF it came from
+    base_model = fields.pop("base_model", None) or (
+        (recorded.get("base_model") or config.get("base_model_name_or_path")) if kind == "lora" else None)
+    if recorded.get("gguf_file") and "description" not in fields:
+        fields["description"] = (f"The base was de-quantised from the GGUF checkpoint `{Path(recorded['gguf_file']).name}` "
+                                 "(`from_pretrained(..., gguf_file=...)`); load it that way before the adapter.")
     extra_tags = list(fields.pop("tags", None) or [])
     card_data = ModelCardData(
         license=fields.pop("license", "apache-2.0"),

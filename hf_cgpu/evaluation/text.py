@@ -46,28 +46,62 @@ def score_stream(
     if not plan:
         return {}
     window = seq_len + 1
-    total, count = 0.0, 0
-    batches = range(0, len(plan), batch_size)
+
+    def batches():
+        for first in range(0, len(plan), batch_size):
+            chunk = plan[first : first + batch_size]
+            starts = [s for s, _ in chunk]
+            ids = data.windows(starts + [starts[0]] * (batch_size - len(chunk)), window)  # padded to a fixed shape
+            targets = ids.clone()
+            for row, (_, skip) in enumerate(chunk):
+                targets[row, : skip + 1] = -100  # position 0 is context; ``skip`` were scored by the last window
+            targets[len(chunk) :] = -100  # padding rows
+            yield ids, targets
+
+    total, count = _score(loss_fn, batches(), device, -(-len(plan) // batch_size), progress)
+    chars = data.n_chars * count / max(1, data.n_tokens - 1) if getattr(data, "n_chars", None) else None
+    return _figures(total, count, chars, prefix)
+
+
+def score_rows(loss_fn: LossFn, rows, batch_size: int, device, prefix: str = "", progress: bool = False) -> dict:
+    """Score fixed-length examples (``hf_cgpu.data.instruct.InstructionRows``) on their target tokens only."""
+    n = len(rows)
+
+    def batches():
+        for first in range(0, n, batch_size):
+            take = torch.arange(first, first + batch_size).clamp(max=n - 1)  # padded to a fixed shape
+            targets = rows.targets[take].clone()
+            targets[min(batch_size, n - first) :] = -100
+            yield rows.ids[take], targets
+
+    total, count = _score(loss_fn, batches(), device, -(-n // batch_size), progress)
+    return _figures(total, count, rows.n_chars or None, prefix)
+
+
+def _score(loss_fn: LossFn, batches, device, n_batches: int, progress: bool) -> tuple[float, int]:
+    """Summed nats and count of scored targets; ``batches`` yields (ids, targets) of ``seq_len + 1`` columns."""
     if progress:
         from tqdm.auto import tqdm
 
-        batches = tqdm(batches, desc="evaluating", unit="batch")
-    for first in batches:
-        chunk = plan[first : first + batch_size]
-        starts = [s for s, _ in chunk]
-        ids = data.windows(starts + [starts[0]] * (batch_size - len(chunk)), window)  # padded to a fixed shape
-        targets = ids[:, 1:].clone()
-        for row, (_, skip) in enumerate(chunk):
-            targets[row, :skip] = -100  # already scored by the previous window
-        targets[len(chunk) :] = -100  # padding rows
+        batches = tqdm(batches, total=n_batches, desc="evaluating", unit="batch")
+    total, count = 0.0, 0
+    for ids, targets in batches:
+        targets = targets[:, 1:]
         n = int((targets != -100).sum())
+        if n == 0:
+            continue
         loss = loss_fn(ids[:, :-1].to(device), targets.to(device))
         total += float(loss.double()) * n
         count += n
+    return total, count
+
+
+def _figures(total: float, count: int, chars: float | None, prefix: str) -> dict[str, float]:
+    if count == 0:
+        return {}
     mean = total / count
     out = {f"{prefix}loss": mean, f"{prefix}perplexity": math.exp(min(mean, 50.0)), f"{prefix}tokens": count}
-    if getattr(data, "n_chars", None):
-        chars = data.n_chars * count / max(1, data.n_tokens - 1)
+    if chars:
         out[f"{prefix}bpc"] = total / math.log(2) / chars
     return out
 

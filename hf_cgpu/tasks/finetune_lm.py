@@ -21,23 +21,39 @@ class FinetuneSettings:
     """Base model and data of a fine-tuning run."""
 
     model: str = "EleutherAI/pythia-1.4b"
-    """Base causal LM: a Hub id (needs network once) or a local directory (our own GPT works too)."""
+    """Base causal LM: a Hub id (needs network once), a local directory (our own GPT works too) or a .gguf file."""
+    gguf_file: str = ""
+    """GGUF file inside --model (a folder or Hub id); de-quantised once into the cache, then loaded per tier."""
+    base_model_name: str = ""
+    """Hub id of the base recorded in the card's base_model (e.g. HuggingFaceTB/SmolLM2-135M-Instruct for its GGUF);
+    empty = --model."""
     dataset: str = "builtin"
     """Text or instruction data: a directory/files of parquet/json/txt, a Hub id, or 'builtin'."""
+    data_format: str = "auto"
+    """auto (instruction columns -> instruct, else text), instruct (messages, instruction/input/output or
+    prompt/response rows in the base's chat template, loss on the responses only) or text (plain text, packed)."""
     text_column: str = "text"
-    """Column with plain text; instruction sets (instruction/input/output or prompt/response) are formatted."""
+    """Column with plain text (data_format text)."""
     seq_len: int = 1024
     """Tokens per training sequence."""
     loss_chunk_size: int = 1024
     """Tokens per chunk of the fp32 loss (the full logits are never materialised)."""
     merge: bool = False
-    """Also write the adapter merged into a bf16 copy of the base (output_dir/merged)."""
+    """Also write the adapter merged into a copy of the base (output_dir/merged, with the tokenizer)."""
+    merge_dtype: str = "bfloat16"
+    """Weights of the merged copy: bfloat16 (half the size) or float32 (the adapter's outputs to float precision)."""
     trust_remote_code: bool = False
     """Allow the base model's own code from its repository."""
     num_proc: int = 0
     """Processes for tokenisation (0 = automatic)."""
     cache_dir: str = ""
     """Where packed token files are cached (empty = default cache)."""
+
+    def __post_init__(self) -> None:
+        if self.merge_dtype not in ("bfloat16", "float32", "float16"):
+            raise SettingsError(f"merge_dtype={self.merge_dtype!r}; choose bfloat16, float16 or float32")
+        if self.data_format not in ("auto", "instruct", "text"):
+            raise SettingsError(f"data_format={self.data_format!r}; choose auto, instruct or text")
 
 
 class FinetuneTask(PackedTokensTask):
@@ -52,28 +68,80 @@ class FinetuneTask(PackedTokensTask):
         from ..data.text import load_text_dataset, pack_dataset
         from ..tiers import count_parameters, load_base_model
 
+        from ..finetune import resolve_base
+
         cfg = self.cfg
         self.settings, self.accelerator = settings, accelerator
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        with accelerator.main_process_first():
+            self.base, self.base_info = resolve_base(cfg.model, cfg.gguf_file)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.base, trust_remote_code=cfg.trust_remote_code)
         if self.tokenizer.eos_token_id is None:
             raise SettingsError(f"tokenizer of {cfg.model} has no eos token; documents could not be separated")
         device_map = {"": accelerator.device} if settings.tier == "qlora" and accelerator.device.type == "cuda" else None
-        self.model = load_base_model(cfg.model, settings.tier, device_map=device_map,
+        self.model = load_base_model(self.base, settings.tier, device_map=device_map,
                                      trust_remote_code=cfg.trust_remote_code)
         limit = getattr(self.model.config, "max_position_embeddings", None) or getattr(self.model.config, "n_positions", None)
         if limit and cfg.seq_len > limit:
             raise SettingsError(f"--seq_len {cfg.seq_len} exceeds the model's {limit} positions; use --seq_len {limit}")
-        ds = load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column)
+        self.instruct = self._load_data(accelerator)
+        _, total = count_parameters(self.model)
+        self.num_params = total
+        self.expected_initial_loss = None  # a pretrained base starts well below ln(vocab)
+        if self.instruct:
+            data = (f"{len(self.train_rows):,} instruction examples ({self.fmt} rows, chat template: "
+                    f"{'yes' if getattr(self.tokenizer, 'chat_template', None) else 'no'}), "
+                    f"{self.train_rows.n_truncated} cut at {cfg.seq_len} tokens; loss on the responses only")
+        else:
+            data = f"{self.train_data.n_tokens:,} tokens of text, windows of {cfg.seq_len}"
+        accelerator.print(f"{cfg.model}: {total / 1e6:.0f}M parameters, tier {settings.tier}; train {data}")
+
+    def _load_data(self, accelerator) -> bool:
+        """Instruction rows (True) or a packed text stream (False), by ``data_format`` and the columns."""
+        from ..data.instruct import build_rows, detect_format, load_instruction_splits
+        from ..data.text import _load_splits, load_text_dataset, pack_dataset
+
+        cfg = self.cfg
+        source = None if cfg.dataset == "builtin" else cfg.dataset
+        fmt = None
+        if cfg.data_format != "text" and source is not None:
+            fmt = detect_format(_load_splits(source, cfg.text_column)["train"].column_names)
+            if fmt is None and cfg.data_format == "instruct":
+                raise SettingsError(f"--data_format instruct: {cfg.dataset} has no messages, instruction/output or "
+                                    "prompt/response columns; use --data_format text")
+        if fmt is not None:
+            splits, self.fmt = load_instruction_splits(source)
+            self.train_rows = build_rows(splits["train"], self.tokenizer, cfg.seq_len, self.fmt)
+            self.val_rows = build_rows(splits["validation"], self.tokenizer, cfg.seq_len, self.fmt)
+            return True
+        ds = load_text_dataset(source, text_column=cfg.text_column)
         with accelerator.main_process_first():
             kw = dict(seq_len=cfg.seq_len, cache_dir=cfg.cache_dir or None, num_proc=cfg.num_proc or None,
                       text_column=cfg.text_column)
             self.train_data = pack_dataset(ds["train"], self.tokenizer, **kw)
             self.val_data = pack_dataset(ds["validation"], self.tokenizer, **kw)
-        _, total = count_parameters(self.model)
-        self.num_params = total
-        self.expected_initial_loss = None  # a pretrained base starts well below ln(vocab)
-        accelerator.print(f"{cfg.model}: {total / 1e6:.0f}M parameters, tier {settings.tier}; train "
-                          f"{self.train_data.n_tokens:,} tokens, windows of {cfg.seq_len}")
+        return False
+
+    # ---- instruction rows: one example per row, targets only on the responses
+    def sample_order(self, seed: int):
+        if not self.instruct:
+            return super().sample_order(seed)
+        from ..loop import SampleOrder
+
+        return SampleOrder(len(self.train_rows), seed)
+
+    def train_batch(self, indices, device, generator) -> dict:
+        if not self.instruct:
+            return super().train_batch(indices, device, generator)
+        return {"input_ids": self.train_rows.ids[indices].to(device, non_blocking=True),
+                "targets": self.train_rows.targets[indices].to(device, non_blocking=True)}
+
+    def evaluate(self, model, settings, device) -> dict[str, float]:
+        if not self.instruct:
+            return super().evaluate(model, settings, device)
+        from ..evaluation.text import score_rows
+
+        return score_rows(lambda x, y: self.target_loss(model, x, y), self.val_rows, settings.micro_batch_size,
+                          device, prefix="val_")
 
     @property
     def card_kind(self) -> str | None:
@@ -95,12 +163,28 @@ class FinetuneTask(PackedTokensTask):
 
         if self.settings.tier in ("lora", "qlora"):
             save_adapter(model, output_dir)
+            self._record_base(output_dir)
+            self.tokenizer.save_pretrained(str(output_dir))  # before merging: merged/ gets a copy
             if self.cfg.merge:
-                merge_and_save(self.cfg.model, output_dir, output_dir / "merged",
+                merge_and_save(self.base, output_dir, output_dir / "merged", dtype=getattr(torch, self.cfg.merge_dtype),
                                trust_remote_code=self.cfg.trust_remote_code)
+                self.tokenizer.save_pretrained(str(output_dir / "merged"))
         else:
             model.save_pretrained(str(output_dir))
-        self.tokenizer.save_pretrained(str(output_dir))
+            self.tokenizer.save_pretrained(str(output_dir))
+
+    def _record_base(self, folder: Path) -> None:
+        """adapter_config.json names the folder the base loads from (the de-quantised GGUF, say), and the card
+        reads ``base_model`` (the Hub id given, else --model) from ``base_model.json``."""
+        import json
+
+        path = folder / "adapter_config.json"
+        config = json.loads(path.read_text())
+        config["base_model_name_or_path"] = self.base
+        path.write_text(json.dumps(config, indent=2))
+        (folder / "base_model.json").write_text(json.dumps(
+            {"base_model": self.cfg.base_model_name or self.cfg.model, "load_from": self.base, **self.base_info},
+            indent=2))
 
     def save_best(self, model, folder: Path) -> None:
         """The adapter (or model) and tokenizer, never the merged copy: the best weights are saved often."""
@@ -108,6 +192,7 @@ class FinetuneTask(PackedTokensTask):
 
         if self.settings.tier in ("lora", "qlora"):
             save_adapter(model, folder)
+            self._record_base(folder)
         else:
             model.save_pretrained(str(folder))
         self.tokenizer.save_pretrained(str(folder))
@@ -119,6 +204,6 @@ class FinetuneTask(PackedTokensTask):
 
     def fingerprint(self) -> dict[str, Any]:
         s = self.settings
-        return {"model": self.cfg.model, "tier": s.tier, "lora_r": s.lora_r, "seq_len": self.cfg.seq_len,
-                "dataset": self.cfg.dataset}
+        return {"model": self.cfg.model, "gguf_file": self.cfg.gguf_file, "tier": s.tier, "lora_r": s.lora_r,
+                "seq_len": self.cfg.seq_len, "dataset": self.cfg.dataset, "data_format": self.cfg.data_format}
 

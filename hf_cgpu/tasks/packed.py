@@ -39,7 +39,8 @@ class PackedTokensTask(Task):
 
     def loss(self, model, batch, generator) -> torch.Tensor:
         block = batch["input_ids"]  # (B, S + 1): position t predicts token t + 1
-        return self.target_loss(model, block[:, :-1], block[:, 1:])
+        targets = batch.get("targets", block)  # -100 where nothing is scored (prompts, padding)
+        return self.target_loss(model, block[:, :-1], targets[:, 1:])
 
     def evaluate(self, model, settings, device) -> dict[str, float]:
         from ..evaluation.text import score_stream

@@ -1,0 +1,138 @@
+"""Instruction data for fine-tuning: rows -> chat messages -> token rows whose loss covers the responses only.
+
+Accepted rows: chat ``messages`` (a list of ``{"role", "content"}``), Alpaca-style ``instruction``/``input``/
+``output``, or ``prompt``/``response``. With a chat template (the base tokenizer's), each row is rendered by it and
+the targets are the characters of every assistant turn, its end-of-turn marker included (found by rendering the
+conversation up to and after each assistant turn), mapped to tokens through the tokenizer's offsets. Without one,
+``### Instruction / ### Response`` prompts are used and the response plus EOS is the target. Each example becomes
+one fixed-length row (``seq_len + 1`` tokens, padded, longer ones cut and counted): the loss never reads a
+prompt token, padding, or another example's text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+
+IGNORE = -100
+FORMATS = ("messages", "instruction", "prompt")
+
+
+def detect_format(columns: list[str]) -> str | None:
+    """``messages``, ``instruction`` or ``prompt`` by the columns a dataset has; None = plain text."""
+    cols = set(columns)
+    if "messages" in cols:
+        return "messages"
+    if {"instruction", "output"} <= cols:
+        return "instruction"
+    if {"prompt", "response"} <= cols:
+        return "prompt"
+    return None
+
+
+def to_messages(row: dict[str, Any], fmt: str) -> list[dict[str, str]]:
+    """One row as a chat: a user turn (instruction + input, or prompt) and the assistant's answer."""
+    if fmt == "messages":
+        msgs = row["messages"]
+        if not msgs or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in msgs):
+            raise ValueError(f"a 'messages' row must be a non-empty list of {{role, content}} dicts, got {msgs!r:.80}")
+        return [{"role": str(m["role"]), "content": str(m["content"])} for m in msgs]
+    if fmt == "instruction":
+        extra = str(row.get("input") or "").strip()
+        user = str(row["instruction"]).strip() + (f"\n\n{extra}" if extra else "")
+        return [{"role": "user", "content": user}, {"role": "assistant", "content": str(row["output"]).strip()}]
+    return [{"role": "user", "content": str(row["prompt"]).strip()},
+            {"role": "assistant", "content": str(row["response"]).strip()}]
+
+
+def render(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text and the character spans the loss covers (the assistant turns)."""
+    if getattr(tokenizer, "chat_template", None):
+        def text(msgs, gen):
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+        full, spans = text(messages, False), []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before, upto = text(messages[:i], True) if i else "", text(messages[: i + 1], False)
+            if not (full.startswith(upto) and upto.startswith(before)):
+                raise ValueError("the chat template does not render a conversation as a prefix of its continuation; "
+                                 "pass plain text (--text_column) or a tokenizer with another template")
+            spans.append((len(before), len(upto)))
+        return full, spans
+    from ..finetune import PROMPT_TEMPLATE
+
+    prompt = "".join(PROMPT_TEMPLATE.format(instruction=m["content"]) for m in messages if m["role"] != "assistant")
+    answer = "\n\n".join(m["content"] for m in messages if m["role"] == "assistant")
+    eos = tokenizer.eos_token or ""
+    return prompt + answer + eos, [(len(prompt), len(prompt) + len(answer) + len(eos))]
+
+
+def encode(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[bool], int]:
+    """Token ids, a target flag per token (its characters start inside an assistant span), and the characters of
+    the answers (their content; end-of-turn markers are scored but not counted as characters)."""
+    full, spans = render(tokenizer, messages)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    flags = [any(a <= start < b for a, b in spans) and end > start for start, end in enc["offset_mapping"]]
+    return enc["input_ids"], flags, sum(len(m["content"]) for m in messages if m["role"] == "assistant")
+
+
+@dataclass
+class InstructionRows:
+    """Fixed-length examples: ``ids`` (N, seq_len + 1) and ``targets`` (same shape, IGNORE off the responses)."""
+
+    ids: torch.Tensor
+    targets: torch.Tensor
+    n_chars: int  # characters of the responses (bits per character of what the loss scores)
+    n_truncated: int
+    seq_len: int
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+
+def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str) -> InstructionRows:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = seq_len + 1
+    ids = np.full((len(ds), width), pad, dtype=np.int64)
+    targets = np.full((len(ds), width), IGNORE, dtype=np.int64)
+    chars, truncated = 0.0, 0
+    for i, row in enumerate(ds):
+        tok, flags, n_chars = encode(tokenizer, to_messages(row, fmt))
+        n_targets = max(1, sum(flags))
+        if len(tok) > width:  # cut: the characters scored are taken in proportion to the target tokens kept
+            truncated += 1
+            tok, flags = tok[:width], flags[:width]
+        ids[i, : len(tok)] = tok
+        kept = np.asarray(flags, dtype=bool)
+        targets[i, : len(tok)][kept] = np.asarray(tok)[kept]
+        chars += n_chars * sum(flags[1:]) / n_targets  # position 0 is never predicted
+    if not (targets[:, 1:] != IGNORE).any():
+        raise ValueError("no response token is left to train on; raise --seq_len or check the data's columns")
+    return InstructionRows(torch.from_numpy(ids), torch.from_numpy(targets), round(chars), truncated, seq_len)
+
+
+def load_instruction_splits(source: str, validation_fraction: float = 0.05, seed: int = 0) -> tuple[dict, str]:
+    """``({"train": ds, "validation": ds}, format)`` of an instruction dataset (a validation split carved from
+    train when it has none: ``validation_fraction`` of the rows, at least 1)."""
+    from .text import _load_splits
+
+    splits = _load_splits(source, "text")
+    fmt = detect_format(splits["train"].column_names)
+    if fmt is None:
+        raise ValueError(
+            f"{source!r} has columns {', '.join(splits['train'].column_names)}: no messages, instruction/output or "
+            "prompt/response; use --data_format text for plain text"
+        )
+    if "validation" not in splits:
+        n = len(splits["train"])
+        if n < 2:
+            raise ValueError(f"{source!r} has {n} example(s); need at least 2 to carve a validation split")
+        cut = splits["train"].train_test_split(test_size=max(1, round(validation_fraction * n)), seed=seed)
+        splits = {"train": cut["train"], "validation": cut["test"]}
+    return splits, fmt

