@@ -95,7 +95,7 @@ def main() -> None:
     for tier in a.tiers.split(","):
         run = out / tier
         cfg = FinetuneSettings(model=str(gguf), dataset=str(data), seq_len=a.seq_len, loss_chunk_size=256,
-                               merge=tier == "lora", base_model_name="HuggingFaceTB/SmolLM2-135M-Instruct")
+                               merge=tier == "lora", merge_dtype="float32", base_model_name="HuggingFaceTB/SmolLM2-135M-Instruct")
         s = TrainSettings(output_dir=str(run), tier=tier, max_steps=a.steps, micro_batch_size=4,
                           gradient_accumulation_steps=2, learning_rate=lr[tier], warmup_steps=3, weight_decay=0.0,
                           eval_steps=0, checkpointing_steps=0, log_steps=5, progress=False, mixed_precision="no",
