@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_cgpu import FlowMatchPipeline
-from hf_cgpu.checkpoint import list_checkpoints
+from hf_cgpu.train.checkpoint import list_checkpoints
 
 CIFAR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
 pytestmark = pytest.mark.skipif(not CIFAR.is_dir(), reason="../shared/data/cifar10 is not beside the repository")
