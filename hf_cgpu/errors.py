@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 USER_ERROR_EXIT = 2
 
@@ -37,6 +38,12 @@ class CheckpointError(UserError, RuntimeError):
 
 class TrainingStopped(UserError, RuntimeError):
     """The run stopped on purpose (diverged, out of memory at micro-batch 1, SIGTERM); a checkpoint was saved first."""
+
+
+def require_model(spec: str, what: str = "model folder") -> None:
+    """A ``spec`` that looks like a local path must exist; an ``owner/name`` Hub id is left to the loader."""
+    if not Path(spec).expanduser().exists() and (spec.startswith((".", "/", "~")) or spec.count("/") != 1):
+        raise MissingPathError(f"{what} {spec!r} not found; pass a trained run's output_dir or a Hub id")
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..errors import SettingsError
+from ..errors import SettingsError, require_model
 
 
 def image_grid(images: np.ndarray, rows: int) -> Image.Image:
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="", help="default: MODEL_DIR/samples_cli")
     a = p.parse_args(argv)
+    require_model(a.model_dir, "pipeline folder")
     pipe = FlowMatchPipeline.from_pretrained(a.model_dir)
     sched_cls = FlowMatchHeunScheduler if a.scheduler == "heun" else FlowMatchEulerScheduler
     pipe.scheduler = sched_cls.from_config(pipe.scheduler.config)
