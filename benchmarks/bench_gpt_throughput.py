@@ -16,7 +16,7 @@ import torch
 
 from hf_cgpu.bench import measure_matmul
 from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
-from hf_cgpu.tasks.causal_lm import training_flops_per_token
+from hf_cgpu.budget import ModelShape, TrainSetup, flops_per_token
 
 
 VARIANTS = {  # name: (model, compile scope, loss chunk)
@@ -79,7 +79,7 @@ def run(variant: str, args, peak: float) -> dict:
         times.append(time.perf_counter() - t0)
     dt = statistics.median(times)
     tok_s = args.batch * args.seq / dt
-    flops = training_flops_per_token(shape, n_params)  # 6N (N without the position table) + attention
+    flops = flops_per_token(ModelShape.from_config(shape), TrainSetup(seq_len=args.seq))  # 6N + 12 L T d, as the trainer
     return {
         "model": variant, "params_M": round(n_params / 1e6, 1), "tok_per_s": round(tok_s),
         "mfu": round(flops * tok_s / (peak * 1e12), 3),

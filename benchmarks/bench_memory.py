@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hf_cgpu import budget
+from hf_cgpu.budget.cli import preset_shape
 from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 from hf_cgpu.settings import load_preset
 from hf_cgpu.tiers import apply_tiers, build_optimizer, causal_lm_loss_from_hidden, load_base_model
@@ -110,7 +111,7 @@ def build(model_name: str, tier: str, recompute: bool, device, root: Path, dry: 
     else:
         model = apply_tiers(gpt_model(model_name, dry).to(device), tier, recompute=recompute, compile=False)
         kind = "gpt"
-        shape = budget.ModelShape.from_preset(model_name) if not dry else None
+        shape = preset_shape(model_name) if not dry else None
     return model, build_optimizer(model, tier, lr=1e-4), kind, shape
 
 
@@ -157,9 +158,10 @@ def measure(name, model_name, tier, recompute, mb, args, device, root) -> dict:
         row["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / GiB, 2)
         row["context_GiB"] = round((total - free - torch.cuda.memory_reserved()) / GiB, 2)
     if shape is not None:
-        setup = budget.TrainSetup(seq_len=seq, micro_batch_size=mb, accumulation_steps=args.accumulation,
+        setup = budget.TrainSetup(seq_len=seq, micro_batch_size=mb, gradient_accumulation_steps=args.accumulation,
                                   tier=tier.replace("stock-", ""), recompute=recompute,
-                                  stock_peft=tier.startswith("stock-"), loss_chunk=0 if tier.startswith("stock-") else 1024)
+                                  stock_peft=tier.startswith("stock-"),
+                                  loss_chunk_size=0 if tier.startswith("stock-") else 1024)
         led = budget.ledger(shape, setup)
         row["ledger_alloc_GiB"] = round(led.allocated / GiB, 2)
         row["ledger_total_GiB"] = round(led.total / GiB, 2)

@@ -12,7 +12,7 @@ _LAZY = {
     "FlowUNet2DModel": "hf_cgpu.flow.unet",
     "FlowMatchEulerScheduler": "hf_cgpu.flow.scheduling_flow_match",
     "FlowMatchHeunScheduler": "hf_cgpu.flow.scheduling_flow_match",
-    "fit": "hf_cgpu.loop",
+    "fit": "hf_cgpu.train",
     "TrainSettings": "hf_cgpu.settings",
 }
 

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import SettingsError, UserError
+
 COPY_BYTES = 256 * 1024**2
 """Size of the copied tensor: large enough to defeat the L2 cache (64-96 MB on current cards)."""
 MATMUL_SIZES = (2048, 4096, 8192)
@@ -29,7 +31,6 @@ ITERS = 20
 """Calls per timed repeat: long enough that launch overhead is negligible for the small sizes."""
 REPEATS = 5
 """Timed repeats; the median is reported (robust to a clock-boost or a background process)."""
-NO_CUDA_EXIT = 2
 
 
 def cache_dir() -> Path:
@@ -194,18 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``hf-cgpu bench``: exit code 2 with one line when there is no CUDA device."""
+    """``hf-cgpu bench``; without a CUDA device a ``UserError`` (one line, exit 2 via ``run_main``)."""
     args = build_parser().parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
-        print("hf-cgpu bench: no CUDA device visible (torch.cuda.is_available() is False): run it on the machine "
-              "with the GPU, with a CUDA build of torch", file=sys.stderr)
-        return NO_CUDA_EXIT
+        raise UserError("no CUDA device visible (torch.cuda.is_available() is False): run `hf-cgpu bench` on the "
+                        "machine with the GPU, with a CUDA build of torch")
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError:
-        raise SystemExit(f"hf-cgpu bench: error: --sizes {args.sizes!r} must be integers, e.g. 2048,4096,8192")
+        raise SettingsError(f"--sizes {args.sizes!r} must be integers, e.g. 2048,4096,8192") from None
     major, minor = torch.cuda.get_device_capability(0)
     arch = f"sm_{major}{minor}"
     if arch not in torch.cuda.get_arch_list():
@@ -219,4 +219,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .errors import run_main
+
+    sys.exit(run_main(main))

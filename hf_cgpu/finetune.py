@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import MissingPathError, SettingsError
 from .tiers import default_target_modules
 
 __all__ = ["save_adapter", "merge_and_save", "format_instruction_example", "default_target_modules", "resolve_base"]
@@ -87,11 +88,11 @@ def resolve_base(model: str, gguf_file: str = "", cache_dir: str | Path | None =
         return model, {}
     source = path / gguf_file
     if path.exists() and not source.is_file():
-        raise FileNotFoundError(f"GGUF file {source} not found; check --model / --gguf_file")
+        raise MissingPathError(f"GGUF file {source} not found; check --model / --gguf_file")
     try:
         import gguf  # noqa: F401
     except ImportError:
-        raise ValueError("loading a GGUF checkpoint needs the gguf package: pip install gguf") from None
+        raise SettingsError("loading a GGUF checkpoint needs the gguf package: pip install gguf") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .data.text import default_cache_dir

@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    from .errors import require_model
+
+    require_model(a.model_dir)
     tok = AutoTokenizer.from_pretrained(a.model_dir)
     model = AutoModelForCausalLM.from_pretrained(a.model_dir)
     from .data.text import check_vocab

@@ -24,6 +24,8 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
+from .errors import UserError
+
 KINDS: dict[str, dict[str, str]] = {
     "gpt": {"library_name": "transformers", "pipeline_tag": "text-generation"},
     "flow": {"library_name": "diffusers", "pipeline_tag": "unconditional-image-generation"},
@@ -47,7 +49,7 @@ UPLOAD_IGNORE_PATTERNS = [
 _CONFIG_NOISE = {"architectures", "auto_map", "transformers_version", "_name_or_path", "dtype", "torch_dtype"}
 
 
-class HubError(RuntimeError):
+class HubError(UserError, RuntimeError):
     """A push or card problem, with a one-line message naming the fix."""
 
 
@@ -354,19 +356,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit_message", default="Upload model trained with hf_cgpu")
     parser.add_argument("--render_card", action="store_true", help="re-render README.md even if it exists")
     args = parser.parse_args(argv)
-    try:
-        if args.render_card:
-            render_model_card(detect_kind(args.output_dir), args.output_dir, repo_id=args.repo_id)
-        url = push_to_hub(args.output_dir, args.repo_id, args.private, args.token, args.commit_message)
-    except HubError as e:
-        print(f"hf-cgpu push: {e}", file=sys.stderr)
-        return 1
-    print(url)
+    if args.render_card:
+        render_model_card(detect_kind(args.output_dir), args.output_dir, repo_id=args.repo_id)
+    print(push_to_hub(args.output_dir, args.repo_id, args.private, args.token, args.commit_message))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .errors import run_main
+
+    sys.exit(run_main(main))
 
 
 __all__ = [

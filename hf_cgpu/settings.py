@@ -17,17 +17,15 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from .errors import SettingsError
+from .tiers import TIERS
+
 PRESET_ROOT = Path(__file__).parent / "presets"
-TIERS = ("full", "adamw8bit", "lora", "qlora")
 
 
-class SettingsError(ValueError):
-    """A bad setting; the message is one line that names the fix."""
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """What the one training loop needs, whatever the model."""
+    """What the one training loop needs, whatever the model. Frozen: a change (autofit) is a new object."""
 
     output_dir: str = "outputs/run"
     """Where checkpoints, logs, the final model and all_results.json go."""
@@ -128,6 +126,10 @@ class TrainSettings:
         if (self.load_best_at_end or self.early_stopping_patience) and not self.eval_steps:
             raise SettingsError("load_best_at_end/early_stopping_patience need evaluations: set --eval_steps N")
 
+    def samples_per_step(self, processes: int = 1) -> int:
+        """Samples per optimizer step over ``processes`` data-parallel processes (the effective batch)."""
+        return self.micro_batch_size * self.gradient_accumulation_steps * processes
+
 
 # ---------------------------------------------------------------- parsing
 
@@ -184,8 +186,11 @@ def load_preset(name: str, family: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def build_parser(classes: tuple[type, ...], description: str = "", family: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser(
+    classes: tuple[type, ...], description: str = "", family: str | None = None, prog: str | None = None
+) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     if family:
         parser.add_argument("--preset", default=None, help=f"preset name ({', '.join(list_presets(family))}) or JSON")
     seen: set[str] = set()
@@ -208,10 +213,11 @@ def list_presets(family: str) -> list[str]:
 
 
 def parse_settings(
-    classes: tuple[type, ...], argv: list[str] | None = None, family: str | None = None, description: str = ""
+    classes: tuple[type, ...], argv: list[str] | None = None, family: str | None = None, description: str = "",
+    prog: str | None = None,
 ) -> tuple:
     """Parse ``argv`` into one instance per dataclass, with preset values under the command line."""
-    parser = build_parser(classes, description, family)
+    parser = build_parser(classes, description, family, prog)
     ns = vars(parser.parse_args(argv))
     preset = load_preset(ns.pop("preset"), family) if family and ns.get("preset") else {}
     known = {f.name for cls in classes for f in dataclasses.fields(cls)}
@@ -224,26 +230,6 @@ def parse_settings(
         names = {f.name for f in dataclasses.fields(cls)}
         out.append(cls(**{k: v for k, v in values.items() if k in names}))
     return tuple(out)
-
-
-def run_main(main, argv: list[str] | None = None) -> int:
-    """Run a recipe's ``main``; bad input (settings, data, checkpoints, a stopped run) ends in one line, exit 2.
-
-    Set ``HF_CGPU_DEBUG=1`` for the full traceback.
-    """
-    import os
-    import sys
-
-    from .checkpoint import CheckpointError
-    from .loop import TrainingStopped
-
-    try:
-        return int(main(argv) or 0)
-    except (SettingsError, CheckpointError, TrainingStopped, FileNotFoundError, ValueError) as err:
-        if os.environ.get("HF_CGPU_DEBUG"):
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        return 2
 
 
 def to_dict(*settings) -> dict[str, Any]:

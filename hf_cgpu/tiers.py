@@ -63,9 +63,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import SettingsError
 from .models.cgpt.modeling_cgpt import chunked_cross_entropy
 
 TIERS = ("full", "adamw8bit", "lora", "qlora")
+"""Every memory tier, least saving first: the one list the settings, the ladder and the loop read."""
 TRAIN_MODES = ("pretrain", "finetune")
 ADAPTER_TIERS = ("lora", "qlora")
 
@@ -95,18 +97,18 @@ def validate_tier(tier: str, recompute: bool, train_mode: str) -> None:
     on a frozen random base learn nothing useful, so the adapter tiers are fine-tuning only.
     """
     if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
+        raise SettingsError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
     if train_mode not in TRAIN_MODES:
-        raise ValueError(f"unknown train_mode {train_mode!r}: choose one of {', '.join(TRAIN_MODES)}")
+        raise SettingsError(f"unknown train_mode {train_mode!r}: choose one of {', '.join(TRAIN_MODES)}")
     if not isinstance(recompute, bool):
-        raise ValueError(f"recompute must be True or False, got {recompute!r}")
+        raise SettingsError(f"recompute must be True or False, got {recompute!r}")
     if train_mode == "pretrain" and tier == "qlora":
-        raise ValueError(
+        raise SettingsError(
             "qlora is a fine-tuning tier: it trains LoRA adapters on a frozen 4-bit base; "
             "use --tier full or --tier adamw8bit for pretraining"
         )
     if train_mode == "pretrain" and tier == "lora":
-        raise ValueError(
+        raise SettingsError(
             "lora is a fine-tuning tier: it trains adapters on a frozen pretrained base, and a frozen random "
             "base learns nothing; use --tier full or --tier adamw8bit for pretraining"
         )
@@ -135,7 +137,7 @@ def load_base_model(
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
+        raise SettingsError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
     if dtype is None:
         dtype = torch.bfloat16 if tier in ADAPTER_TIERS else torch.float32
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
@@ -213,12 +215,12 @@ def apply_recompute(model: nn.Module) -> nn.Module:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     elif hasattr(model, "gradient_checkpointing_enable"):
         if not getattr(model, "supports_gradient_checkpointing", True):
-            raise ValueError(f"{type(model).__name__} does not support activation checkpointing: use recompute=False")
+            raise SettingsError(f"{type(model).__name__} does not support activation checkpointing: use recompute=False")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     else:
-        raise ValueError(f"{type(model).__name__} has no checkpointing hook: use recompute=False")
+        raise SettingsError(f"{type(model).__name__} has no checkpointing hook: use recompute=False")
     config = getattr(model, "config", None)
     if config is not None:
         config.use_cache = False
@@ -308,12 +310,12 @@ def build_optimizer(
     `fused=None` turns on the fused torch kernel when every parameter is on CUDA.
     """
     if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
+        raise SettingsError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
     use_8bit = tier == "adamw8bit" if optim_8bit is None else optim_8bit
     named = _trainable_parameters(model)
     if not named:
         kind = "an 8-bit optimizer" if use_8bit else "the optimizer"
-        raise ValueError(
+        raise SettingsError(
             f"{kind} got no trainable parameters (all requires_grad=False): "
             "apply LoRA (apply_tiers/apply_lora) for adapter tiers or unfreeze the model for full/adamw8bit"
         )
@@ -330,7 +332,7 @@ def build_optimizer(
         cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
         return cls(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if paged:
-        raise ValueError("paged=True needs an 8-bit optimizer: use tier adamw8bit or optim_8bit=True")
+        raise SettingsError("paged=True needs an 8-bit optimizer: use tier adamw8bit or optim_8bit=True")
     if fused is None:
         fused = all(p.is_cuda for _, p in named)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
@@ -352,9 +354,9 @@ def apply_tiers(
     The returned model is what the loop must use (it is a `PeftModel` for adapter tiers).
     """
     if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
+        raise SettingsError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
     if tier == "qlora" and not _is_4bit(model):
-        raise ValueError("tier qlora needs a 4-bit base: load it with load_base_model(name, tier='qlora')")
+        raise SettingsError("tier qlora needs a 4-bit base: load it with load_base_model(name, tier='qlora')")
     if tier in ADAPTER_TIERS:
         model = apply_lora(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout, target_modules=target_modules)
     if recompute:

@@ -9,9 +9,10 @@ Writes adapter_config.json + adapter_model.safetensors (+ merged/ with --merge),
 import json
 import sys
 
-from hf_cgpu.loop import fit
-from hf_cgpu.settings import TrainSettings, parse_settings, run_main
+from hf_cgpu.errors import run_main
+from hf_cgpu.settings import TrainSettings, parse_settings
 from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
+from hf_cgpu.train import fit
 
 
 def main(argv=None):

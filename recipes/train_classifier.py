@@ -9,9 +9,10 @@
 import json
 import sys
 
-from hf_cgpu.loop import fit
-from hf_cgpu.settings import TrainSettings, parse_settings, run_main
+from hf_cgpu.errors import run_main
+from hf_cgpu.settings import TrainSettings, parse_settings
 from hf_cgpu.tasks.classifier import ClassifierSettings, ClassifierTask
+from hf_cgpu.train import fit
 
 
 def main(argv=None):

@@ -9,11 +9,15 @@ import json
 import sys
 from pathlib import Path
 
+from accelerate import PartialState
+from transformers import AutoModelForCausalLM
+
+from hf_cgpu.errors import run_main
 from hf_cgpu.generate import continue_texts
 from hf_cgpu.hub import render_model_card
-from hf_cgpu.loop import fit
-from hf_cgpu.settings import TrainSettings, parse_settings, run_main
+from hf_cgpu.settings import TrainSettings, parse_settings
 from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
+from hf_cgpu.train import fit
 
 
 def main(argv=None):
@@ -21,8 +25,10 @@ def main(argv=None):
     task = CausalLMTask(gpt)
     results = fit(task, train)
     out = Path(train.output_dir)
-    if task.tokenizer is not None and results is not None:
-        model = task.model.module if hasattr(task.model, "module") else task.model
+    state = PartialState()
+    state.wait_for_everyone()  # the main process has written the model
+    if state.is_main_process:  # continue the prompts with the saved model (the weights the card describes)
+        model = AutoModelForCausalLM.from_pretrained(out).to(state.device)
         samples = continue_texts(model, task.tokenizer, task.sample_prompts(), gpt.max_new_tokens)
         saved = json.loads((out / "all_results.json").read_text())
         (out / "all_results.json").write_text(json.dumps({**saved, "samples": samples}, indent=2, ensure_ascii=False))

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from hf_cgpu import bench, budget
+from hf_cgpu import bench
+from hf_cgpu.cli import main as cli_main
 
 
 @pytest.fixture
@@ -25,10 +26,12 @@ def fake_result() -> bench.BenchResult:
 
 
 def test_no_cuda_exits_2_with_one_line(monkeypatch, capsys):
+    from hf_cgpu.cli import main
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench.main([]) == bench.NO_CUDA_EXIT == 2
+    assert main(["bench"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("hf-cgpu bench: no CUDA device") and "\n" not in err
+    assert err.startswith("error: no CUDA device") and "hf-cgpu bench" in err and "\n" not in err
 
 
 def test_save_and_load_round_trip(cache):
@@ -58,13 +61,13 @@ def test_explicit_path_wins(tmp_path):
 
 def test_budget_uses_the_measured_peak(cache, capsys):
     bench.save_result(fake_result())
-    budget.main(["--preset", "124m", "--micro_batch_size", "8"])
+    assert cli_main(["budget", "--preset", "124m", "--micro_batch_size", "8"]) == 0
     out = capsys.readouterr().out
     assert "bf16 peak 162 TFLOP/s from hf-cgpu bench" in out
 
 
 def test_budget_without_bench_says_the_peak_is_assumed(cache, capsys):
-    budget.main(["--preset", "124m"])
+    assert cli_main(["budget", "--preset", "124m"]) == 0
     assert "run `hf-cgpu bench`" in capsys.readouterr().out
 
 

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from hf_cgpu import budget
+from hf_cgpu.budget.cli import preset_shape
 from hf_cgpu.budget import (
     GiB,
     LADDER,
-    BudgetError,
     ModelShape,
     TrainSetup,
     autofit,
@@ -24,6 +25,8 @@ from hf_cgpu.budget import (
     seed_model_state_bytes,
     training_hours,
 )
+from hf_cgpu.cli import main as cli_main
+from hf_cgpu.errors import SettingsError
 
 GPT_PRESETS = ("tiny", "30m", "124m", "350m", "770m")
 
@@ -41,15 +44,13 @@ def test_seed_16_bytes_per_param(params, gib):
     assert round(seed_model_state_bytes(params) / GiB, 1) == gib
 
 
-@pytest.mark.parametrize("precision", ["amp", "bf16-master"])
-def test_full_tier_states_are_16_bytes_per_param(precision):
-    shape = ModelShape.from_preset("124m")
-    st = budget.model_state_bytes(shape, TrainSetup(precision=precision))
+def test_full_tier_states_are_16_bytes_per_param():
+    shape = preset_shape("124m")
+    st = budget.model_state_bytes(shape, TrainSetup())
     assert st.weights + st.gradients + st.master + st.optimizer == 16 * shape.n_params
-    if precision == "amp":  # fp32 weights 4 + fp32 grads 4 + Adam 8, plus bf16 autocast copies of matmul weights
-        assert st.autocast_copies == 2 * shape.n_matmul_params
-    else:  # the seed's split
-        assert (st.weights, st.gradients, st.master) == (2 * shape.n_params, 2 * shape.n_params, 4 * shape.n_params)
+    # fp32 weights 4 + fp32 grads 4 + Adam 8, plus bf16 autocast copies of matmul weights
+    assert (st.weights, st.gradients, st.master) == (4 * shape.n_params, 4 * shape.n_params, 0)
+    assert st.autocast_copies == 2 * shape.n_matmul_params
 
 
 @pytest.mark.parametrize(
@@ -75,40 +76,52 @@ def test_seed_time_table(params, tflops, hours):
 
 @pytest.mark.parametrize("name", GPT_PRESETS)
 def test_gpt_preset_count_closed_form(name):
-    s = ModelShape.from_preset(name)
+    s = preset_shape(name)
     d, L, V, P = s.d_model, s.n_layer, s.vocab_size, s.n_positions
     # tied embeddings, learned positions, no biases, 4d MLP: per block 12 d^2 weights + two LayerNorm gains
     assert s.n_params == V * d + P * d + L * (12 * d * d + 2 * d) + d
 
 
 @pytest.mark.parametrize("name", GPT_PRESETS)
-def test_preset_files_agree_with_builtin_table(name):
-    assert ModelShape.from_preset(name).n_params == budget._builtin_presets()[name].n_params
+def test_preset_shape_is_the_model_training_builds(name):
+    from hf_cgpu.models.cgpt import CgptForCausalLM
+    from hf_cgpu.settings import load_preset
+    from hf_cgpu.tasks.causal_lm import GPTSettings
+
+    preset = load_preset(name, "gpt")
+    gpt = GPTSettings(**{k: v for k, v in preset.items() if k in GPTSettings.__dataclass_fields__})
+    config = gpt.model_config(gpt.vocab_size, eos_token_id=0)
+    with torch.device("meta"):
+        model = CgptForCausalLM(config)
+    shape = preset_shape(name)
+    assert shape == ModelShape.from_config(config, name) and shape.n_params == count_params(model)
+    assert (shape.n_layer, shape.d_model, shape.n_head, shape.vocab_size) == (
+        preset["n_layer"], preset["n_embd"], preset["n_head"], preset["vocab_size"])
 
 
 def test_tiny_matches_transformers_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    tiny = ModelShape.from_preset("tiny")
+    tiny = preset_shape("tiny")
     cfg = GPT2Config(n_layer=tiny.n_layer, n_embd=tiny.d_model, n_head=tiny.n_head, vocab_size=tiny.vocab_size,
                      n_positions=tiny.n_positions)
     with torch.device("meta"):
         model = GPT2LMHeadModel(cfg)
     biases = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".bias"))
     assert tiny.n_params == count_params(model) - biases  # GPT-2 has biases in every linear and LayerNorm
-    with_bias = ModelShape.from_config_dict(cfg.to_dict())
+    with_bias = ModelShape.from_config(cfg.to_dict())
     assert with_bias.bias and with_bias.n_params == count_params(model)
 
 
 def test_tiny_matches_hf_cgpu_gpt():
     cgpt = pytest.importorskip("hf_cgpu.models.cgpt")
-    tiny = ModelShape.from_preset("tiny")
+    tiny = preset_shape("tiny")
     cfg = cgpt.CgptConfig(n_layer=tiny.n_layer, n_embd=tiny.d_model, n_head=tiny.n_head, vocab_size=tiny.vocab_size,
                           n_positions=tiny.n_positions)
     with torch.device("meta"):
         model = cgpt.CgptForCausalLM(cfg)
     assert tiny.n_params == count_params(model)
-    assert ModelShape.from_config_dict(cfg.to_dict()).n_params == count_params(model)
+    assert ModelShape.from_config(cfg.to_dict()).n_params == count_params(model)
 
 
 def _neox_config(**kw):
@@ -125,8 +138,8 @@ def test_pythia_shape_matches_gptneox_on_meta():
     cfg = _neox_config()
     with torch.device("meta"):
         model = GPTNeoXForCausalLM(cfg)
-    shape = ModelShape.from_preset("pythia-1.4b")
-    assert shape.n_params == count_params(model) == ModelShape.from_config_dict(cfg.to_dict()).n_params
+    shape = preset_shape("pythia-1.4b")
+    assert shape.n_params == count_params(model) == ModelShape.from_config(cfg.to_dict()).n_params
     assert 1.40e9 < shape.n_params < 1.42e9
 
 
@@ -138,7 +151,7 @@ def test_llama_config_with_gqa_matches_transformers(head_dim, kv_dim):
                       intermediate_size=688, vocab_size=1000, head_dim=head_dim)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    shape = ModelShape.from_config_dict(cfg.to_dict())
+    shape = ModelShape.from_config(cfg.to_dict())
     assert (shape.family, shape.kv_dim) == ("llama", kv_dim)
     assert shape.n_params == count_params(model)
 
@@ -154,7 +167,7 @@ def test_lora_count_matches_peft_gptneox(targets):
     cfg = _neox_config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
                        vocab_size=512)
     model = get_peft_model(GPTNeoXForCausalLM(cfg), LoraConfig(r=16, target_modules=targets, task_type="CAUSAL_LM"))
-    shape = ModelShape.from_config_dict(cfg.to_dict())
+    shape = ModelShape.from_config(cfg.to_dict())
     names = (targets,) if isinstance(targets, str) else tuple(targets)
     assert lora_trainable_params(shape, 16, names) == model.get_nb_trainable_parameters()[0]
 
@@ -166,20 +179,22 @@ def test_lora_count_matches_peft_llama():
     cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=176, vocab_size=256)
     model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"))
-    shape = ModelShape.from_config_dict(cfg.to_dict())
+    shape = ModelShape.from_config(cfg.to_dict())
     assert lora_trainable_params(shape, 8) == model.get_nb_trainable_parameters()[0]
 
 
 def test_lora_and_qlora_states():
-    shape = ModelShape.from_preset("pythia-1.4b")
+    shape = preset_shape("pythia-1.4b")
     n_lora = lora_trainable_params(shape, 16)
     assert n_lora == 24 * 16 * ((2048 + 3 * 2048) + (2048 + 2048) + 2 * (2048 + 8192))  # 12.6M
     lora = budget.model_state_bytes(shape, TrainSetup(tier="lora"))
     assert lora.weights == 2 * shape.n_params + 4 * n_lora  # frozen bf16 base + fp32 adapters
     assert (lora.gradients, lora.optimizer, lora.master) == (4 * n_lora, 8 * n_lora, 0)
     q = shape.n_block_linear_params
-    qlora = budget.model_state_bytes(shape, TrainSetup(tier="qlora", nf4_double_quant=False))
-    assert qlora.weights == pytest.approx((0.5 + 4 / 64) * q + 2 * (shape.n_params - q) + 4 * n_lora)
+    qlora = budget.model_state_bytes(shape, TrainSetup(tier="qlora"))
+    # nf4 codes 0.5 B + double-quantized scales (8 bits per 64 weights + fp32 per 256 blocks), as the tier loads it
+    assert qlora.weights == pytest.approx((0.5 + 1 / 64 + 4 / (64 * 256)) * q + 2 * (shape.n_params - q) + 4 * n_lora)
+    assert budget.memory.nf4_bytes_per_param(False) == 0.5 + 4 / 64
 
 
 def test_adamw8bit_keeps_small_tensors_in_32_bit():
@@ -191,15 +206,13 @@ def test_adamw8bit_keeps_small_tensors_in_32_bit():
 
 
 def test_structural_activations_per_layer():
-    s = ModelShape.from_preset("350m")
+    s = preset_shape("350m")
     d, H = s.d_model, s.n_head
     lse = 4 * H
     # AMP (fp32 residual): LayerNorm inputs 8 + linear inputs 12 + q, k, v, out 8 + GELU input 8 = 36 d
     assert layer_activation_bytes_per_token(s, TrainSetup()) == 36 * d + lse
-    # all bf16 without dropout masks: 32 d (the seed's 34 d counts two dropout masks)
-    assert layer_activation_bytes_per_token(s, TrainSetup(precision="bf16-master")) == 32 * d + lse
     # eager attention saves the fp32 softmax and its bf16 copy per head and key
-    eager = layer_activation_bytes_per_token(s, TrainSetup(attention="eager", seq_len=1024))
+    eager = layer_activation_bytes_per_token(dataclasses.replace(s, attention="eager"), TrainSetup(seq_len=1024))
     assert eager - (36 * d + lse) == 6 * H * 1024 - lse
 
 
@@ -213,7 +226,7 @@ def test_mlp_width_scales_activations():
 
 
 def test_recompute_keeps_block_inputs_and_one_block():
-    s = ModelShape.from_preset("350m")
+    s = preset_shape("350m")
     tokens = 8 * 1024
     led = ledger(s, micro_batch_size=8, recompute=True)
     outside = budget.outside_blocks_bytes_per_token(s, led.setup) * tokens
@@ -223,18 +236,18 @@ def test_recompute_keeps_block_inputs_and_one_block():
 
 
 def test_chunked_loss_holds_one_chunk():
-    s = ModelShape.from_preset("124m")
-    chunked = ledger(s, micro_batch_size=8, loss_chunk=1024).row("logits")
-    full = ledger(s, micro_batch_size=8, loss_chunk=0).row("logits")
+    s = preset_shape("124m")
+    chunked = ledger(s, micro_batch_size=8, loss_chunk_size=1024).row("logits")
+    full = ledger(s, micro_batch_size=8, loss_chunk_size=0).row("logits")
     assert chunked == budget.LOGITS_CHUNK_BYTES * 1024 * 32000
     assert full == budget.LOGITS_EAGER_BYTES * 8 * 1024 * 32000  # model(...).loss: the output object is dropped
     assert chunked <= full / 6  # 16 B x 1024 tokens vs 12 B x 8192 tokens
 
 
 def test_held_logits_add_their_dtype(monkeypatch):
-    s = ModelShape.from_preset("124m")
-    monkeypatch.setattr(budget, "LOGITS_HELD", True)
-    held = ledger(s, micro_batch_size=8, loss_chunk=0).row("logits")
+    s = preset_shape("124m")
+    monkeypatch.setattr(budget.memory, "LOGITS_HELD", True)
+    held = ledger(s, micro_batch_size=8, loss_chunk_size=0).row("logits")
     assert held == (budget.LOGITS_EAGER_BYTES + 2) * 8 * 1024 * 32000  # + the bf16 logits a kept output holds
 
 
@@ -242,19 +255,19 @@ def test_held_logits_add_their_dtype(monkeypatch):
 
 
 def test_rows_add_up_to_the_peak():
-    s = ModelShape.from_preset("350m")
-    led = ledger(s, micro_batch_size=8, accumulation_steps=4, memory_cap=16 * GiB)
+    s = preset_shape("350m")
+    led = ledger(s, micro_batch_size=8, gradient_accumulation_steps=4, memory_cap=16 * GiB)
     assert led.peak_phase == "backward start"
     assert led.allocated == pytest.approx(sum(r.bytes for r in led.rows))
     assert led.total == pytest.approx(led.allocated * (1 + budget.FRAGMENTATION_FRACTION) + budget.CUDA_CONTEXT_BYTES)
     assert led.row("gradients") == 4 * s.n_params  # accumulation keeps them alive through forward and backward
-    assert ledger(s, micro_batch_size=8, accumulation_steps=1).row("gradients") == 0
+    assert ledger(s, micro_batch_size=8, gradient_accumulation_steps=1).row("gradients") == 0
     d = led.as_dict()
     assert {"weights", "activations", "logits", "allocated", "reserved", "total"} <= set(d)
 
 
 def test_small_micro_batch_peaks_at_the_optimizer_step():
-    led = ledger(ModelShape.from_preset("770m"), micro_batch_size=1, seq_len=256, recompute=True)
+    led = ledger(preset_shape("770m"), micro_batch_size=1, seq_len=256, recompute=True)
     st = budget.model_state_bytes(led.shape, led.setup)
     assert led.peak_phase == "optimizer step"
     assert led.allocated == st.weights + st.gradients + st.optimizer + budget.WORKSPACE_BYTES
@@ -263,23 +276,23 @@ def test_small_micro_batch_peaks_at_the_optimizer_step():
 @pytest.mark.parametrize(
     "name, measured, kw",
     [  # H200 anchors (docs/gpu.md): the constants must keep reproducing them within 10%
-        ("350m", 12.8, dict(micro_batch_size=8, loss_chunk=0, compiled_loss=True)),
-        ("770m", 15.6, dict(micro_batch_size=4, loss_chunk=0, compiled_loss=True)),
-        ("pythia-1.4b", 20.9, dict(tier="adamw8bit", micro_batch_size=4, loss_chunk=0)),
+        ("350m", 12.8, dict(micro_batch_size=8, loss_chunk_size=0, compiled_loss=True)),
+        ("770m", 15.6, dict(micro_batch_size=4, loss_chunk_size=0, compiled_loss=True)),
+        ("pythia-1.4b", 20.9, dict(tier="adamw8bit", micro_batch_size=4, loss_chunk_size=0)),
     ],
 )
 def test_h200_anchors_within_10_percent(name, measured, kw):
-    led = ledger(ModelShape.from_preset(name), **kw)
+    led = ledger(preset_shape(name), **kw)
     assert led.allocated / GiB == pytest.approx(measured, rel=0.10)
 
 
 def test_770m_reserved_anchor():
-    led = ledger(ModelShape.from_preset("770m"), micro_batch_size=4, loss_chunk=0, compiled_loss=True)
+    led = ledger(preset_shape("770m"), micro_batch_size=4, loss_chunk_size=0, compiled_loss=True)
     assert led.reserved / GiB == pytest.approx(16.2, rel=0.10)
 
 
 def test_flops_per_token_matches_the_trainer():
-    s = ModelShape.from_preset("124m")
+    s = preset_shape("124m")
     setup = TrainSetup()
     assert flops_per_token(s, setup) == 6 * s.n_matmul_params + 12 * s.n_layer * 1024 * s.d_model
     lora = TrainSetup(tier="lora", recompute=True)
@@ -288,10 +301,19 @@ def test_flops_per_token_matches_the_trainer():
         4 * s.n_matmul_params + 6 * n_lora + 12 * s.n_layer * 1024 * s.d_model  # no weight grads for a frozen base
         + 2 * (s.n_matmul_params + n_lora) + 4 * s.n_layer * 1024 * s.d_model  # the recompute forward
     )
-    causal_lm = pytest.importorskip("hf_cgpu.tasks.causal_lm")
-    cfg = causal_lm.CgptConfig(n_layer=12, n_embd=768, n_head=12, vocab_size=32000, n_positions=1024)
-    trainer = causal_lm.training_flops_per_token(cfg, s.n_params)
-    assert flops_per_token(s, setup) == pytest.approx(trainer, rel=1e-3)  # they differ by the LayerNorm gains
+    # the trainer's MFU counts the same FLOPs, without the recompute forward
+    from hf_cgpu.settings import TrainSettings
+    from hf_cgpu.tasks.causal_lm import GPTSettings
+    from hf_cgpu.train.prepare import Run
+    from hf_cgpu.train.task import TaskPlan
+
+    shape = GPTSettings().run_shape()
+    assert dataclasses.replace(shape.model, name=s.name) == s and shape.seq_len == 1024
+    for settings, expected in ((TrainSettings(), flops_per_token(s, setup)),
+                               (TrainSettings(recompute=True), flops_per_token(s, setup))):
+        run = Run(settings, None, TaskPlan(torch.nn.Linear(1, 1), shape=shape), None, None, None, None)
+        assert run.flops_per_unit == expected
+    assert flops_per_token(s, TrainSetup(recompute=True), count_recompute=False) == flops_per_token(s, setup)
 
 
 # ---- autofit --------------------------------------------------------------------------------------------------------
@@ -306,8 +328,8 @@ def _rung(reason: str) -> int:
 
 @pytest.mark.parametrize("min_micro_batch", [1, 4])
 def test_autofit_770m_fits_16gb_in_ladder_order(min_micro_batch):
-    shape, cap = ModelShape.from_preset("770m"), parse_memory("16GB")
-    plan = autofit(shape, cap, seq_len=1024, micro_batch_size=8, accumulation_steps=16,
+    shape, cap = preset_shape("770m"), parse_memory("16GB")
+    plan = autofit(shape, cap, seq_len=1024, micro_batch_size=8, gradient_accumulation_steps=16,
                    min_micro_batch=min_micro_batch)
     assert plan.fits and ledger(shape, plan.setup, cap).fits
     assert plan.setup.tokens_per_step >= 8 * 16 * 1024
@@ -320,12 +342,13 @@ def test_autofit_770m_fits_16gb_in_ladder_order(min_micro_batch):
 
 
 def test_autofit_reaches_lora_for_1_4b_and_reports_failure():
-    shape = ModelShape.from_preset("pythia-1.4b")
-    plan = autofit(shape, parse_memory("16GB"), seq_len=1024, micro_batch_size=4, accumulation_steps=8)
+    shape = preset_shape("pythia-1.4b")
+    plan = autofit(shape, parse_memory("16GB"), seq_len=1024, micro_batch_size=4, gradient_accumulation_steps=8)
     assert plan.fits and plan.setup.tier == "lora"
     steps = [_rung(r) for r in plan.reasons[:-1]]
     assert steps == sorted(steps)
-    stuck = autofit(shape, parse_memory("4GB"), seq_len=1024, micro_batch_size=4, allow_lora=False)
+    stuck = autofit(shape, parse_memory("4GB"), seq_len=1024, micro_batch_size=4,
+                    rungs=("micro-batch", "recompute", "sequence", "adamw8bit"))
     assert not stuck.fits and "nothing on the ladder fits" in stuck.reasons[-1]
 
 
@@ -339,8 +362,8 @@ def test_parse_memory():
 
 
 def test_cli_prints_ledger_and_verdict(capsys):
-    assert budget.main(["--preset", "350m", "--seq_len", "1024", "--micro_batch_size", "8", "--memory_cap", "16GB",
-                        "--peak_tflops", "160"]) == 0
+    assert cli_main(["budget", "--preset", "350m", "--seq_len", "1024", "--micro_batch_size", "8", "--memory_cap",
+                     "16GB", "--peak_tflops", "160"]) == 0
     out = capsys.readouterr().out
     for text in ("350m", "weights", "activations", "logits + loss", "CUDA context", "verdict vs 16.00 GiB cap: FITS",
                  "Chinchilla", "160 TFLOP/s"):
@@ -348,11 +371,12 @@ def test_cli_prints_ledger_and_verdict(capsys):
 
 
 def test_cli_next_rung_and_autofit(capsys):
-    budget.main(["--preset", "770m", "--tier", "full", "--no_recompute", "--micro_batch_size", "8",
-                 "--peak_tflops", "160"])
+    assert cli_main(["budget", "--preset", "770m", "--tier", "full", "--no_recompute", "--micro_batch_size", "8",
+                     "--peak_tflops", "160"]) == 0
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "next rung (seed's order): micro-batch 8 -> 4" in out
-    budget.main(["--preset", "770m", "--tier", "full", "--no_recompute", "--autofit", "--peak_tflops", "160"])
+    assert cli_main(["budget", "--preset", "770m", "--tier", "full", "--no_recompute", "--autofit",
+                     "--peak_tflops", "160"]) == 0
     out = capsys.readouterr().out
     assert "autofit" in out and "FITS" in out
 
@@ -360,8 +384,8 @@ def test_cli_next_rung_and_autofit(capsys):
 def test_cli_reads_a_config_json(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_neox_config().to_dict()))
-    budget.main(["--config", str(path), "--tier", "lora", "--recompute", "--micro_batch_size", "4",
-                 "--peak_tflops", "160"])
+    assert cli_main(["budget", "--config", str(path), "--tier", "lora", "--recompute", "--micro_batch_size", "4",
+                     "--peak_tflops", "160"]) == 0
     out = capsys.readouterr().out
     assert "gptneox, 24 x 2048" in out and "lora r=16" in out and "FITS" in out
 
@@ -373,14 +397,14 @@ def test_cli_reads_a_config_json(tmp_path, capsys):
         (["--preset", "350m", "--tier", "turbo"], "choose one of full, adamw8bit, lora, qlora"),
         (["--preset", "350m", "--memory_cap", "16XB"], "e.g. 16GB"),
         (["--config", "/nonexistent/config.json"], "pass the file or the model directory"),
-        (["--preset", "350m", "--micro_batch_size", "0"], "positive integer"),
+        (["--preset", "350m", "--micro_batch_size", "0"], "micro_batch_size must be >= 1"),
+        (["--preset", "350m", "--config", "x.json"], "give one of --preset, --config or --model"),
     ],
 )
-def test_cli_errors_are_one_line_naming_the_fix(argv, fix):
-    with pytest.raises(SystemExit) as exc:
-        budget.main(argv)
-    msg = str(exc.value.code)
-    assert msg.startswith("hf-cgpu budget: error:") and fix in msg and "\n" not in msg
+def test_cli_errors_are_one_line_naming_the_fix(argv, fix, capsys):
+    assert cli_main(["budget", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and fix in err and err.count("\n") == 1
 
 
 def test_hub_id_offline_is_a_clear_error(monkeypatch):
@@ -390,7 +414,7 @@ def test_hub_id_offline_is_a_clear_error(monkeypatch):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
-    with pytest.raises(BudgetError, match="download its config.json and pass --config PATH"):
+    with pytest.raises(SettingsError, match="download its config.json and pass --config PATH"):
         ModelShape.from_hub("EleutherAI/pythia-1.4b")
 
 
@@ -414,13 +438,13 @@ H200_MEASURED = [
 ]
 def _bench_setup(tier: str, recompute: bool, mb: int, stock: bool) -> TrainSetup:
     """Exactly what bench_memory.measure passes to the ledger."""
-    return TrainSetup(seq_len=1024, micro_batch_size=mb, accumulation_steps=2, tier=tier, recompute=recompute,
-                      stock_peft=stock, loss_chunk=0 if stock else 1024)
+    return TrainSetup(seq_len=1024, micro_batch_size=mb, gradient_accumulation_steps=2, tier=tier,
+                      recompute=recompute, stock_peft=stock, loss_chunk_size=0 if stock else 1024)
 
 
 @pytest.mark.parametrize("row", H200_MEASURED, ids=[r[0] for r in H200_MEASURED])
 def test_ledger_within_10pct_of_h200(row):
     name, model, tier, recompute, mb, stock, measured = row
-    shape = ModelShape.from_preset(model)
+    shape = preset_shape(model)
     predicted = ledger(shape, _bench_setup(tier, recompute, mb, stock)).allocated
     assert abs(predicted / GiB - measured) / measured < 0.10, f"{name}: {predicted / GiB:.2f} vs {measured}"

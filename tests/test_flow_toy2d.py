@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_cgpu.flow.toy2d import Toy2DSettings, mode_centres, mode_stats, run_flow2d
+from hf_cgpu.flow.toy2d import mode_centres, mode_stats
+from hf_cgpu.settings import TrainSettings, load_preset
+from hf_cgpu.tasks.flow_toy2d import Toy2DSettings, run_flow2d
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,8 +32,11 @@ def test_settings_errors():
 
 
 def test_smoke_run_writes_table_json_and_plot(tmp_path, capsys):
-    s = Toy2DSettings(train_steps=30, batch_size=64, num_samples=200, nfe_budgets="2,3", output_dir=str(tmp_path))
-    results = run_flow2d(s)
+    toy = Toy2DSettings(num_samples=200, nfe_budgets="2,3")
+    preset = {k: v for k, v in load_preset("toy", "flow2d").items() if k != "description"}
+    train = TrainSettings(**{**preset, "max_steps": 30, "micro_batch_size": 64, "output_dir": str(tmp_path),
+                             "progress": False})
+    results = run_flow2d(toy, train)
     assert "euler" in capsys.readouterr().out
     saved = json.loads((tmp_path / "all_results.json").read_text())
     assert [(r["method"], r["nfe"]) for r in saved["rows"]] == [("euler", 2), ("euler", 3), ("heun", 1), ("heun", 3)]

@@ -118,8 +118,11 @@ def test_push_without_token_fails_at_once_with_one_line(tmp_path, monkeypatch, c
     with pytest.raises(hub.HubError) as e:
         hub.push_to_hub(d, "someone/tiny-model")
     assert "hf auth login" in str(e.value) and "\n" not in str(e.value)
-    assert hub.main([str(d), "someone/tiny-model", "--private"]) == 1
-    assert "hf auth login" in capsys.readouterr().err
+    from hf_cgpu.cli import main
+
+    assert main(["push", str(d), "someone/tiny-model", "--private"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "hf auth login" in err and err.count("\n") == 1
 
 
 def test_push_without_network_fails_with_one_line_after_rendering_the_card(tmp_path, monkeypatch):

@@ -23,46 +23,6 @@ from hf_cgpu.evaluation.images import (class_statistics, feature_statistics, fre
 
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR = ROOT.parent / "shared" / "data" / "cifar10"
-COLOURS = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48),
-           (145, 30, 180), (70, 240, 240), (240, 50, 230), (128, 128, 0), (255, 255, 255)]
-
-
-# ----------------------------------------------------------------------------- fixtures
-def _synthetic_images(n: int, seed: int) -> tuple[list[Image.Image], list[int]]:
-    """Class k = a 32x32 image of colour k, a darker square at a random place, and pixel noise."""
-    rng = np.random.default_rng(seed)
-    images, labels = [], []
-    for i in range(n):
-        k = i % 10
-        arr = np.array(COLOURS[k], dtype=np.float64)[None, None, :].repeat(32, 0).repeat(32, 1)
-        y, x = rng.integers(0, 20, 2)
-        arr[y : y + 12, x : x + 12] *= 0.5
-        arr += rng.normal(0, 20, arr.shape)
-        images.append(Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)))
-        labels.append(k)
-    return images, labels
-
-
-@pytest.fixture(scope="module")
-def synthetic_data(tmp_path_factory) -> Path:
-    from datasets import ClassLabel, Dataset, Features
-    from datasets import Image as ImageFeature
-
-    folder = tmp_path_factory.mktemp("synthetic")
-    features = Features({"img": ImageFeature(), "label": ClassLabel(names=[f"c{k}" for k in range(10)])})
-    for split, n, seed in (("train", 300, 0), ("test", 105, 1)):
-        images, labels = _synthetic_images(n, seed)
-        Dataset.from_dict({"img": images, "label": labels}, features=features).to_parquet(folder / f"{split}.parquet")
-    return folder
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _image_cache(tmp_path_factory):
-    """Decoded-image and feature caches in a temporary folder, not the user's ~/.cache."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_CGPU_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield
-    mp.undo()
 
 
 def _run_recipe(name: str, argv: list[str]) -> None:

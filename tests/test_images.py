@@ -129,6 +129,27 @@ def test_parquet_folder_decode_and_cache(tmp_path, monkeypatch):
         load_image_dataset(str(data), cache_dir=cache, limit=2)
 
 
+def test_cache_key_follows_every_file_size_and_mtime(tmp_path):
+    """An edited dataset gets a new key even when the edit keeps the mtime (copies, restores) or the size."""
+    import os
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_parquet(data)
+    (data / "extra.txt").write_bytes(b"12345")
+    key = lambda: images_mod.cache_file(str(data), "train", "img", "label", 32, None, tmp_path / "c")  # noqa: E731
+    before = key()
+    assert key() == before  # deterministic
+    stat = (data / "extra.txt").stat()
+    (data / "extra.txt").write_bytes(b"123456")  # one byte more, same mtime
+    os.utime(data / "extra.txt", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    grown = key()
+    assert grown != before
+    (data / "extra.txt").write_bytes(b"654321")  # same size, another mtime
+    os.utime(data / "extra.txt", ns=(stat.st_atime_ns, stat.st_mtime_ns + 5 * 10**9))
+    assert key() not in (before, grown)
+
+
 def test_missing_image_column_names_the_columns_and_the_setting(tmp_path):
     _write_parquet(tmp_path)
     with pytest.raises(ValueError) as info:

@@ -7,15 +7,19 @@ import shutil
 import pytest
 import torch
 
-from hf_cgpu import checkpoint as ckpt_io
-from hf_cgpu.loop import SampleOrder, Task, TrainingStopped, fit, lr_at
-from hf_cgpu.settings import SettingsError, TrainSettings
+from hf_cgpu.budget.cli import preset_shape
+from hf_cgpu.errors import SettingsError, TrainingStopped
+from hf_cgpu.settings import TrainSettings
+from hf_cgpu.train import SampleOrder, Task, TaskPlan, fit, lr_at
+from hf_cgpu.train import checkpoint as ckpt_io
 
 
 class ToyTask(Task):
     """Noisy linear regression; optional NaN injection at chosen steps (counted by calls to loss)."""
 
     unit = "sample"
+    expected_initial_loss = None
+    run_shape = None
 
     def __init__(self, nan_calls=(), width=8):
         self.nan_calls = set(nan_calls)
@@ -27,7 +31,8 @@ class ToyTask(Task):
         self.x = torch.randn(50, self.width, generator=g)
         self.y = self.x @ torch.randn(self.width, 1, generator=g)
         torch.manual_seed(settings.seed)
-        self.model = torch.nn.Sequential(torch.nn.Linear(self.width, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+        model = torch.nn.Sequential(torch.nn.Linear(self.width, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+        return TaskPlan(model, expected_initial_loss=self.expected_initial_loss, shape=self.run_shape)
 
     def num_train_samples(self):
         return 50
@@ -242,7 +247,7 @@ def test_grad_norm_spike_warns(tmp_path, capsys):
 
 
 def test_ema_warmup_closed_form():
-    from hf_cgpu.loop import EMA
+    from hf_cgpu.train import EMA
 
     ema = EMA(torch.nn.Linear(2, 2), decay=0.9999)
     assert ema.decay_at(0) == pytest.approx(0.1)
@@ -252,38 +257,26 @@ def test_ema_warmup_closed_form():
 
 def test_autofit_makes_770m_fit_a_16gb_card_keeping_the_effective_batch(capsys):
     from hf_cgpu import budget
-    from hf_cgpu.loop import apply_autofit
 
-    class Shape770(ToyTask):
-        def budget_shape(self):
-            return budget.ModelShape.from_preset("770m"), 1024, 1024
-
+    shape = budget.RunShape(preset_shape("770m"), seq_len=1024, loss_chunk_size=1024)
     s = TrainSettings(micro_batch_size=16, gradient_accumulation_steps=8, memory_cap="16GB")
-    before = budget.ledger(budget.ModelShape.from_preset("770m"), budget.TrainSetup(micro_batch_size=16,
-                                                                                  accumulation_steps=8))
-    assert before.total > 16 * 2**30  # the request does not fit as given
-    apply_autofit(Shape770(), s, torch.device("cpu"), log=print)
-    assert s.micro_batch_size * s.gradient_accumulation_steps == 128
-    after = budget.ledger(budget.ModelShape.from_preset("770m"), budget.TrainSetup(
-        micro_batch_size=s.micro_batch_size, accumulation_steps=s.gradient_accumulation_steps, tier=s.tier,
-        recompute=s.recompute))
-    assert after.total <= 16 * 2**30
+    assert budget.ledger(shape.model, shape.setup(s)).total > 16 * 2**30  # the request does not fit as given
+    fitted = budget.autofit_settings(s, shape, None, log=print)
+    assert (s.micro_batch_size, s.gradient_accumulation_steps) == (16, 8)  # a new object; the given one is frozen
+    assert fitted.micro_batch_size * fitted.gradient_accumulation_steps == 128
+    assert budget.ledger(shape.model, shape.setup(fitted)).total <= 16 * 2**30
     out = capsys.readouterr().out
     assert "autofit: micro-batch 16 -> 8" in out and "autofit: fits" in out
 
 
 def test_autofit_refuses_without_cap_on_cpu():
     from hf_cgpu import budget
-    from hf_cgpu.loop import apply_autofit
 
-    class Shape(ToyTask):
-        def budget_shape(self):
-            return budget.ModelShape.from_preset("124m"), 1024, 1024
-
+    shape = budget.RunShape(preset_shape("124m"), seq_len=1024, loss_chunk_size=1024)
     with pytest.raises(SettingsError, match="--memory_cap"):
-        apply_autofit(Shape(), TrainSettings(), torch.device("cpu"))
+        budget.autofit_settings(TrainSettings(), shape, None)
     with pytest.raises(SettingsError, match="language-model task"):
-        apply_autofit(ToyTask(), TrainSettings(memory_cap="16GB"), torch.device("cpu"))
+        budget.autofit_settings(TrainSettings(memory_cap="16GB"), None, None)
 
 
 class _Evil:

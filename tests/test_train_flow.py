@@ -1,4 +1,5 @@
-"""recipes/train_flow.py on a 256-image slice of CIFAR-10 (CPU): a loadable pipeline, and exact resume."""
+"""recipes/train_flow.py on the synthetic CIFAR-shaped set (CPU, no ../shared): a loadable pipeline saved with the
+EMA weights, the EMA sample grid, and exact resume."""
 
 import json
 import shutil
@@ -6,20 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from hf_cgpu import FlowMatchPipeline
-from hf_cgpu.checkpoint import list_checkpoints
-
-CIFAR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10"
-pytestmark = pytest.mark.skipif(not CIFAR.is_dir(), reason="../shared/data/cifar10 is not beside the repository")
+from hf_cgpu.train.checkpoint import list_checkpoints
 
 
-def run(out: Path, *extra: str) -> None:
+def run(out: Path, data: Path, *extra: str) -> None:
     import runpy
     import sys
 
-    argv = ["train_flow.py", "--preset", "tiny", "--dataset", str(CIFAR), "--output_dir", str(out),
+    argv = ["train_flow.py", "--preset", "tiny", "--dataset", str(data), "--output_dir", str(out),
             "--max_steps", "12", "--checkpointing_steps", "6", "--log_steps", "1", "--progress", "false", *extra]
     old, sys.argv = sys.argv, argv
     try:
@@ -31,9 +30,9 @@ def run(out: Path, *extra: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def flow_run(tmp_path_factory):
+def flow_run(tmp_path_factory, synthetic_data):
     root = tmp_path_factory.mktemp("flow")
-    run(root / "full")
+    run(root / "full", synthetic_data)
     return root
 
 
@@ -47,9 +46,23 @@ def test_tiny_run_writes_loadable_pipeline(flow_run):
     images = pipe(batch_size=2, num_inference_steps=3, class_labels=[1, 2], guidance_scale=2.0,
                   generator=torch.Generator().manual_seed(0), output_type="np").images
     assert images.shape == (2, 32, 32, 3) and 0 <= images.min() and images.max() <= 1
+    grid = Image.open(out / "samples" / "step_0000012.png")  # the final evaluation's grid: 10 classes x 8
+    assert grid.size == (8 * 34 + 2, 10 * 34 + 2)
 
 
-def test_resume_from_mid_run_checkpoint_matches(flow_run, tmp_path):
+def test_pipeline_holds_the_ema_weights(flow_run):
+    """The saved UNet is the EMA of the weights (tiny preset: ema_decay 0.99), not the last live weights."""
+    out = flow_run / "full"
+    saved = load_file(str(out / "unet" / "diffusion_pytorch_model.safetensors"))
+    last = list_checkpoints(out)[-1]
+    ema = load_file(str(last / "ema.safetensors"))
+    live = load_file(str(last / "model.safetensors"))
+    assert ema.keys() <= saved.keys()
+    assert all(torch.equal(saved[k], ema[k]) for k in ema)
+    assert any(not torch.equal(saved[k], live[k]) for k in ema)
+
+
+def test_resume_from_mid_run_checkpoint_matches(flow_run, synthetic_data, tmp_path):
     full = flow_run / "full"
     cut = tmp_path / "cut"
     shutil.copytree(full, cut)
@@ -57,7 +70,7 @@ def test_resume_from_mid_run_checkpoint_matches(flow_run, tmp_path):
         shutil.rmtree(p)  # keep only step 6: as if the run had died after it
     for name in ("all_results.json", "history.json", "diffusion_pytorch_model.safetensors"):
         (cut / name).unlink(missing_ok=True)
-    run(cut, "--resume_from_checkpoint", "latest")
+    run(cut, synthetic_data, "--resume_from_checkpoint", "latest")
     a = {h["step"]: h["train/loss"] for h in json.loads((full / "history.json").read_text()) if "train/loss" in h}
     b = {h["step"]: h["train/loss"] for h in json.loads((cut / "history.json").read_text()) if "train/loss" in h}
     assert sorted(b) == list(range(7, 13))

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..errors import DataError
+
 CACHE_VERSION = 1
 _16BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
@@ -67,7 +69,7 @@ class ImageDataset:
 def preprocess_image(image: Image.Image, image_size: int = 32) -> np.ndarray:
     """Any PIL image -> (3, S, S) uint8: RGB, centre-cropped to a square, resized to ``image_size``."""
     if image.width == 0 or image.height == 0:
-        raise ValueError(f"empty image of size {image.size}; remove it from the dataset")
+        raise DataError(f"empty image of size {image.size}; remove it from the dataset")
     rgb = _to_rgb(image)
     side = min(rgb.size)
     if rgb.width != rgb.height:
@@ -84,7 +86,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         return _convert(image)
     except ValueError as err:
         message = f"cannot convert image mode {image.mode!r} to RGB ({err}); convert those images first"
-        raise ValueError(message) from None
+        raise DataError(message) from None
 
 
 def _convert(image: Image.Image) -> Image.Image:
@@ -124,14 +126,19 @@ def _open_dataset(source: str | Sequence[str], split: str):
     path = Path(source)
     if path.is_file():
         if path.suffix != ".parquet":
-            raise ValueError(f"{source} is not a .parquet file; pass a parquet file, a folder or a Hub id")
+            raise DataError(f"{source} is not a .parquet file; pass a parquet file, a folder or a Hub id")
         return load_dataset("parquet", data_files={split: str(path)}, split=split)
     if path.is_dir():
         named = path / f"{split}.parquet"
         if named.is_file():
             return load_dataset("parquet", data_files={split: str(named)}, split=split)
         return load_dataset(str(path), split=split)  # datasets infers parquet shards or an imagefolder
-    return load_dataset(source, split=split)
+    try:
+        return load_dataset(source, split=split)
+    except Exception as err:  # no such path or Hub id, offline, no such split: one line naming the fix
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DataError(f"cannot load split {split!r} of {source!r} ({type(err).__name__}: {first[:160]}); "
+                        "pass an existing folder of parquet files, a .parquet file or a Hub dataset id") from err
 
 
 def _file_fingerprint(source: str | Sequence[str]) -> list:
@@ -208,7 +215,7 @@ def _decode_dataset(source, split, image_column, label_column, limit, image_size
 
     ds = _open_dataset(source, split)
     if image_column not in ds.column_names:
-        raise ValueError(
+        raise DataError(
             f"no image column {image_column!r} in {source} (columns: {', '.join(ds.column_names)});"
             " set --image_column to one of them"
         )

@@ -18,6 +18,8 @@ import datasets
 import numpy as np
 import torch
 
+from ..errors import DataError
+
 IGNORE = -100
 FORMATS = ("messages", "instruction", "prompt")
 
@@ -39,7 +41,7 @@ def to_messages(row: dict[str, Any], fmt: str) -> list[dict[str, str]]:
     if fmt == "messages":
         msgs = row["messages"]
         if not msgs or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in msgs):
-            raise ValueError(f"a 'messages' row must be a non-empty list of {{role, content}} dicts, got {msgs!r:.80}")
+            raise DataError(f"a 'messages' row must be a non-empty list of {{role, content}} dicts, got {msgs!r:.80}")
         return [{"role": str(m["role"]), "content": str(m["content"])} for m in msgs]
     if fmt == "instruction":
         extra = str(row.get("input") or "").strip()
@@ -61,7 +63,7 @@ def render(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[i
                 continue
             before, upto = text(messages[:i], True) if i else "", text(messages[: i + 1], False)
             if not (full.startswith(upto) and upto.startswith(before)):
-                raise ValueError("the chat template does not render a conversation as a prefix of its continuation; "
+                raise DataError("the chat template does not render a conversation as a prefix of its continuation; "
                                  "pass plain text (--text_column) or a tokenizer with another template")
             spans.append((len(before), len(upto)))
         return full, spans
@@ -113,7 +115,7 @@ def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str) -> Instr
         targets[i, : len(tok)][kept] = np.asarray(tok)[kept]
         chars += n_chars * sum(flags[1:]) / n_targets  # position 0 is never predicted
     if not (targets[:, 1:] != IGNORE).any():
-        raise ValueError("no response token is left to train on; raise --seq_len or check the data's columns")
+        raise DataError("no response token is left to train on; raise --seq_len or check the data's columns")
     return InstructionRows(torch.from_numpy(ids), torch.from_numpy(targets), round(chars), truncated, seq_len)
 
 
@@ -125,14 +127,14 @@ def load_instruction_splits(source: str, validation_fraction: float = 0.05, seed
     splits = _load_splits(source, "text")
     fmt = detect_format(splits["train"].column_names)
     if fmt is None:
-        raise ValueError(
+        raise DataError(
             f"{source!r} has columns {', '.join(splits['train'].column_names)}: no messages, instruction/output or "
             "prompt/response; use --data_format text for plain text"
         )
     if "validation" not in splits:
         n = len(splits["train"])
         if n < 2:
-            raise ValueError(f"{source!r} has {n} example(s); need at least 2 to carve a validation split")
+            raise DataError(f"{source!r} has {n} example(s); need at least 2 to carve a validation split")
         cut = splits["train"].train_test_split(test_size=max(1, round(validation_fraction * n)), seed=seed)
         splits = {"train": cut["train"], "validation": cut["test"]}
     return splits, fmt

@@ -24,6 +24,8 @@ import pyarrow.compute as pc
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import DataError, MissingPathError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -88,18 +90,18 @@ def load_text_dataset(
     runs and tests, before the validation split is carved.
     """
     if not 0.0 < validation_fraction < 1.0:
-        raise ValueError(f"validation_fraction={validation_fraction} must be in (0, 1); e.g. 0.005")
+        raise DataError(f"validation_fraction={validation_fraction} must be in (0, 1); e.g. 0.005")
     splits = _load_splits(source, text_column)
     name = source or BUILTIN
     for split, ds in splits.items():
         if text_column not in ds.column_names:
-            raise ValueError(
+            raise DataError(
                 f"dataset {name!r} ({split}) has no column {text_column!r} (columns: "
                 f"{', '.join(ds.column_names)}); set --text_column to the column holding the text"
             )
         dtype = ds.features[text_column]
         if not (isinstance(dtype, datasets.Value) and dtype.dtype in ("string", "large_string")):
-            raise ValueError(
+            raise DataError(
                 f"column {text_column!r} of dataset {name!r} holds {dtype}, not text; set --text_column to a "
                 f"string column (columns: {', '.join(ds.column_names)})"
             )
@@ -113,7 +115,7 @@ def load_text_dataset(
     else:
         train, validation = carve_validation(train, text_column, validation_fraction, seed, name)
     if len(train) == 0 or len(validation) == 0:
-        raise ValueError(f"dataset {name!r} has an empty train or validation split after dropping empty documents")
+        raise DataError(f"dataset {name!r} has an empty train or validation split after dropping empty documents")
     return datasets.DatasetDict(train=train, validation=validation)
 
 
@@ -128,7 +130,7 @@ def carve_validation(
     documents, some of 200 characters) still yields a few evaluation blocks; never more than half the corpus."""
     n = len(ds)
     if n < 2:
-        raise ValueError(
+        raise DataError(
             f"dataset {name!r} has {n} non-empty document(s); need at least 2 to carve a validation split "
             f"(add data, raise --limit, or provide a validation file)"
         )
@@ -158,7 +160,7 @@ def _load_splits(source: str | None, text_column: str) -> dict[str, datasets.Dat
         files = sorted(p for p in paths[0].rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
         files = [f for f in files if not any(part.startswith(".") for part in f.relative_to(paths[0]).parts)]
         if not files:
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"no {'/'.join(sorted(_BUILDERS))} files in directory {paths[0]}; point --dataset at a directory "
                 f"or files with text"
             )
@@ -167,9 +169,9 @@ def _load_splits(source: str | None, text_column: str) -> dict[str, datasets.Dat
         return _load_files(paths, text_column)
     missing = [str(p) for p in paths if not p.exists()]
     if len(paths) > 1 and not missing:
-        raise ValueError(f"{source!r} mixes directories and files; pass one directory, or files separated by commas")
+        raise DataError(f"{source!r} mixes directories and files; pass one directory, or files separated by commas")
     if len(paths) > 1 or source.startswith((".", "/", "~")) or Path(source).suffix.lower() in _BUILDERS:
-        raise FileNotFoundError(f"dataset path(s) not found: {', '.join(missing)}; check --dataset")
+        raise MissingPathError(f"dataset path(s) not found: {', '.join(missing)}; check --dataset")
     return _load_hub(source)
 
 
@@ -191,9 +193,9 @@ def _load_files(files: Sequence[Path], text_column: str, root: Path | None = Non
     builders = {_BUILDERS.get(f.suffix.lower()) for f in files}
     if None in builders:
         bad = [str(f) for f in files if f.suffix.lower() not in _BUILDERS]
-        raise ValueError(f"unsupported file type: {', '.join(bad)}; use {'/'.join(sorted(_BUILDERS))} files")
+        raise DataError(f"unsupported file type: {', '.join(bad)}; use {'/'.join(sorted(_BUILDERS))} files")
     if len(builders) > 1:
-        raise ValueError(
+        raise DataError(
             f"files of several types ({', '.join(sorted({f.suffix for f in files}))}); point --dataset at files "
             f"of one type"
         )
@@ -206,7 +208,7 @@ def _load_files(files: Sequence[Path], text_column: str, root: Path | None = Non
         by_split.setdefault(_split_of(f, root) or "train", []).append(str(f))
     by_split.pop("test", None)
     if "train" not in by_split:
-        raise ValueError(
+        raise DataError(
             f"no training files among {', '.join(map(str, files))}; name them train*.{builder} or pass them "
             f"explicitly"
         )
@@ -224,7 +226,7 @@ def _load_hub(repo_id: str) -> dict[str, datasets.Dataset]:
         loaded = datasets.load_dataset(repo_id)
     except Exception as e:  # network, auth, unknown id: one line naming what to do
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise RuntimeError(
+        raise DataError(
             f"{repo_id!r} is no local path, and loading it from the Hub failed ({type(e).__name__}: {first}); "
             f"pass an existing directory or file, or --dataset builtin"
         ) from e
@@ -236,7 +238,7 @@ def _load_hub(repo_id: str) -> dict[str, datasets.Dataset]:
         if canonical in ("train", "validation") and canonical not in out:
             out[canonical] = ds
     if "train" not in out:
-        raise ValueError(f"dataset {repo_id!r} has no train split (splits: {', '.join(loaded)}); pick another")
+        raise DataError(f"dataset {repo_id!r} has no train split (splits: {', '.join(loaded)}); pick another")
     return out
 
 
@@ -249,7 +251,7 @@ def _check_utf8(path: Path, chunk_bytes: int = 1 << 20) -> None:
             try:
                 decoder.decode(chunk)
             except UnicodeDecodeError as e:
-                raise ValueError(
+                raise DataError(
                     f"{path} is not UTF-8 (byte {offset + e.start}); convert it, e.g. "
                     f"`iconv -f GB18030 -t UTF-8 {path.name} > {path.stem}.utf8{path.suffix}`"
                 ) from None
@@ -257,7 +259,7 @@ def _check_utf8(path: Path, chunk_bytes: int = 1 << 20) -> None:
         try:
             decoder.decode(b"", final=True)
         except UnicodeDecodeError:
-            raise ValueError(f"{path} is not UTF-8 (truncated character at its end); convert or repair it") from None
+            raise DataError(f"{path} is not UTF-8 (truncated character at its end); convert or repair it") from None
 
 
 def _is_nonempty(batch: dict[str, list], text_column: str) -> list[bool]:
@@ -298,7 +300,7 @@ def train_tokenizer(
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 257:
-        raise ValueError(f"vocab_size={vocab_size} is below 257 (256 bytes + {EOS_TOKEN}); use e.g. 8000 or 32000")
+        raise DataError(f"vocab_size={vocab_size} is below 257 (256 bytes + {EOS_TOKEN}); use e.g. 8000 or 32000")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -332,7 +334,7 @@ def check_vocab(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
     opaque device-side assert. A larger table (padded to a multiple of 64 for speed) is fine."""
     n = len(tokenizer)
     if n > vocab_size:
-        raise ValueError(
+        raise DataError(
             f"tokenizer has {n} tokens but the model's vocab_size is {vocab_size}; set --vocab_size {n} (or more) "
             f"or train the tokenizer with vocab_size {vocab_size}"
         )
@@ -416,9 +418,9 @@ class WindowOrder:
 
     def __init__(self, n_tokens: int, window: int, seed: int, mode: str = "shifted"):
         if mode not in DATA_ORDERS:
-            raise ValueError(f"data_order={mode!r}; choose one of {', '.join(DATA_ORDERS)}")
+            raise DataError(f"data_order={mode!r}; choose one of {', '.join(DATA_ORDERS)}")
         if n_tokens < window:
-            raise ValueError(f"the training stream has {n_tokens} tokens, fewer than one window of {window}; "
+            raise DataError(f"the training stream has {n_tokens} tokens, fewer than one window of {window}; "
                              "lower --seq_len or add data")
         self.n, self.window, self.seed, self.mode = n_tokens, window, seed, mode
         self.max_offset = 0 if mode == "fixed" else min(window - 1, n_tokens - window)
@@ -522,14 +524,14 @@ def pack_dataset(
     ``default_cache_dir()``.
     """
     if seq_len < 1:
-        raise ValueError(f"seq_len={seq_len} must be >= 1")
+        raise DataError(f"seq_len={seq_len} must be >= 1")
     if text_column not in ds.column_names:
-        raise ValueError(
+        raise DataError(
             f"dataset has no column {text_column!r} (columns: {', '.join(ds.column_names)}); set --text_column"
         )
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError("tokenizer has no eos_token; set one (tokenizer.eos_token = '<|endoftext|>') before packing")
+        raise DataError("tokenizer has no eos_token; set one (tokenizer.eos_token = '<|endoftext|>') before packing")
     vocab_size = len(tokenizer)
     dtype = np.uint16 if vocab_size <= 65535 else np.uint32
     key_fields = {
@@ -603,7 +605,7 @@ def _write_blocks(tokenized: datasets.Dataset, bin_path: Path, seq_len: int, dty
     block = seq_len + 1
     num_blocks = n_total // block
     if num_blocks == 0:
-        raise ValueError(
+        raise DataError(
             f"only {n_total} tokens, fewer than seq_len + 1 = {block}; lower --seq_len or add data"
         )
     tmp_path = bin_path.with_suffix(".bin.tmp")

@@ -122,9 +122,11 @@ def load_classifier(folder: str | Path, device: torch.device | str = "cpu") -> C
     """The classifier saved in ``folder``, in eval mode on ``device``; a one-line FileNotFoundError if absent."""
     from safetensors.torch import load_model
 
+    from ..errors import MissingPathError
+
     folder = Path(folder)
     if not (folder / WEIGHTS_NAME).is_file() or not (folder / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"no {WEIGHTS_NAME} + {CONFIG_NAME} in {folder}; train one with "
+        raise MissingPathError(f"no {WEIGHTS_NAME} + {CONFIG_NAME} in {folder}; train one with "
                                 f"`python recipes/train_classifier.py --preset cifar10 --output_dir {folder}`")
     config = ClassifierConfig(**json.loads((folder / CONFIG_NAME).read_text()))
     model = CifarResNet(config)

@@ -315,7 +315,7 @@ def weight_variants(run_dir: Path) -> tuple[dict[str, Path | None], list[str]]:
     A loop run (all_results.json) with ema_decay > 0 saved its EMA weights; its last checkpoint's model.safetensors
     holds the live weights of the same step. Without all_results.json (another script) the weights are "saved".
     """
-    from ..checkpoint import list_checkpoints, read_trainer_state
+    from ..train.checkpoint import list_checkpoints, read_trainer_state
 
     results = run_dir / "all_results.json"
     if not results.is_file():
@@ -487,6 +487,6 @@ def _main(argv: list[str] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hf-cgpu eval`` for pipeline folders; bad input ends in one line and exit code 2."""
-    from ..settings import run_main
+    from ..errors import run_main
 
     return run_main(_main, argv)

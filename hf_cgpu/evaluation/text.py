@@ -176,7 +176,7 @@ def evaluate_language_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..settings import run_main
+    from ..errors import run_main
 
     return run_main(_main, argv)
 

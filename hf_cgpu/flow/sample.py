@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..errors import SettingsError, require_model
+
 
 def image_grid(images: np.ndarray, rows: int) -> Image.Image:
     """(N, H, W, C) floats in [0, 1] -> one PIL image with ``rows`` rows and a 2-pixel white gutter."""
@@ -27,7 +29,7 @@ def parse_labels(text: str, class_names: list[str], num_classes: int | None) -> 
     if not text:
         return None
     if not num_classes:
-        raise SystemExit("this pipeline is unconditional; drop --class_labels")
+        raise SettingsError("this pipeline is unconditional; drop --class_labels")
     out = []
     for item in text.split(","):
         item = item.strip()
@@ -36,7 +38,7 @@ def parse_labels(text: str, class_names: list[str], num_classes: int | None) -> 
         elif item in class_names:
             out.append(class_names.index(item))
         else:
-            raise SystemExit(f"unknown class {item!r}; use 0..{num_classes - 1} or one of {class_names}")
+            raise SettingsError(f"unknown class {item!r}; use 0..{num_classes - 1} or one of {class_names}")
     return out
 
 
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="", help="default: MODEL_DIR/samples_cli")
     a = p.parse_args(argv)
+    require_model(a.model_dir, "pipeline folder")
     pipe = FlowMatchPipeline.from_pretrained(a.model_dir)
     sched_cls = FlowMatchHeunScheduler if a.scheduler == "heun" else FlowMatchEulerScheduler
     pipe.scheduler = sched_cls.from_config(pipe.scheduler.config)

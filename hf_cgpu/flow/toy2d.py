@@ -1,11 +1,14 @@
 """2D flow-matching toy on CPU: 8 Gaussians on a circle, learned in seconds, sampled with our schedulers.
 
-Same loss and the same Euler/Heun scheduler classes as the image model, so it tests the whole idea cheaply.
-Quality measure (the seed chapter's): fraction of 2000 samples within 0.3 of a mode centre, and how many samples
-land nearest to each mode (250 each is perfect coverage, no mode collapse).
+The data, the velocity MLP and the evaluation; the one loop trains it as ``hf_cgpu.tasks.flow_toy2d.Toy2DTask``
+(``python recipes/flow2d.py``). Same loss and the same Euler/Heun scheduler classes as the image model, so it tests
+the whole idea cheaply. Quality measure (the seed chapter's): fraction of 2000 samples within 0.3 of a mode centre,
+and how many samples land nearest to each mode (250 each is perfect coverage, no mode collapse).
 
-What beat the seed's 81% (MLP on raw (x, t), 100 Euler steps), measured as the best row at <= 20 network
-evaluations, one CPU thread, defaults unless named (seeds 0/1/2 of the defaults: 96.8 / 97.0 / 96.6%):
+Best row at <= 20 network evaluations with the preset (``presets/flow2d/toy.json``), one CPU thread, trained by
+the one loop, seeds 0-7: 96.1 / 96.1 / 97.0 / 96.8 / 96.0 / 96.4 / 95.2 / 97.1% (mean 96.3%; the earlier
+stand-alone loop: 96.8 / 97.0 / 96.6 / 97.2 / 96.2 / 95.5 / 96.1 / 95.9%, mean 96.4%). What beat the seed's 81%
+(MLP on raw (x, t), 100 Euler steps), measured with that stand-alone loop, seed 0:
     - a sinusoidal embedding of t: the biggest lever. Without it the defaults drop to 85.7%; added alone to the
       seed's own network and schedule it lifts 83.6% to 92.2%. The field sharpens as t -> 1 and raw t is a poor
       input for a small MLP to resolve that.
@@ -17,86 +20,13 @@ logit-normal t (96.9%). They stay as settings because the image model wants EMA.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import time
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
-from tqdm.auto import tqdm
 
-from .matching import FlowMatcher
 from .scheduling_flow_match import FlowMatchEulerScheduler, FlowMatchHeunScheduler, sample_ode
-
-
-@dataclass
-class Toy2DSettings:
-    """Settings for ``run_flow2d``; defaults meet >= 90% within 0.3 at <= 20 network evaluations in < 60 s."""
-
-    num_modes: int = 8
-    """Gaussians on the circle."""
-    radius: float = 2.0
-    """Circle radius."""
-    mode_std: float = 0.08
-    """Standard deviation of each Gaussian."""
-    hidden: int = 64
-    """MLP width."""
-    depth: int = 3
-    """Hidden layers of the MLP."""
-    time_embed_dim: int = 32
-    """Sinusoidal features of t fed to the MLP; 0 feeds raw t like the seed."""
-    train_steps: int = 2000
-    """Optimizer steps."""
-    batch_size: int = 512
-    """Points per step; large batches average out the irreducible noise of the regression target."""
-    lr: float = 5e-3
-    """Peak AdamW learning rate."""
-    warmup_steps: int = 100
-    """Linear warmup, then cosine decay to lr / 100; 0 with cosine=False is the seed's constant lr."""
-    cosine: bool = True
-    """Cosine decay after warmup (False: constant lr)."""
-    ema_decay: float = 0.995
-    """EMA of the weights used for sampling; 0 samples from the raw weights."""
-    time_sampling: str = "uniform"
-    """'uniform' or 'logit_normal' (see FlowMatcher)."""
-    logit_mean: float = 0.0
-    """Logit-normal mean (> 0 trains more near the data end)."""
-    logit_std: float = 1.0
-    """Logit-normal spread."""
-    num_samples: int = 2000
-    """Samples drawn for each evaluation row."""
-    nfe_budgets: str = "2,5,10,20,100"
-    """Comma-separated network-evaluation budgets; Heun takes N = (budget + 1) // 2 steps, 2N - 1 <= budget calls."""
-    hit_radius: float = 0.3
-    """A sample counts as on a mode when this close to its centre."""
-    seed: int = 0
-    """Seed for data, noise and initialisation."""
-    output_dir: str = "outputs/flow2d"
-    """Where all_results.json and the scatter plot go."""
-    threads: int = 1
-    """torch CPU threads. 1 on purpose: for matrices this small a second OpenMP thread gains little on an idle
-    machine and, on a shared one, spin-waiting makes a step 10x slower (measured 22 ms vs 359 ms)."""
-
-    def __post_init__(self) -> None:
-        if self.train_steps < 1 or self.batch_size < 1:
-            raise ValueError("train_steps and batch_size must be >= 1")
-        if not 0 <= self.ema_decay < 1:
-            raise ValueError(f"ema_decay={self.ema_decay} must be in [0, 1)")
-        FlowMatcher(self.time_sampling, self.logit_mean, self.logit_std)  # validates the time settings
-        self.budgets  # noqa: B018 - validates nfe_budgets
-
-    @property
-    def budgets(self) -> tuple[int, ...]:
-        """``nfe_budgets`` as ints."""
-        try:
-            budgets = tuple(int(b) for b in self.nfe_budgets.split(","))
-        except ValueError:
-            raise ValueError(f"nfe_budgets={self.nfe_budgets!r}; write comma-separated integers like 2,5,10") from None
-        if min(budgets) < 1:
-            raise ValueError(f"nfe_budgets={self.nfe_budgets!r}; every budget must be >= 1")
-        return budgets
+from .unet import sinusoidal_embedding
 
 
 # ----------------------------------------------------------------------------- data and model
@@ -123,62 +53,15 @@ class VelocityMLP(nn.Module):
         for _ in range(depth - 1):
             layers += [nn.Linear(hidden, hidden), nn.SiLU()]
         self.net = nn.Sequential(*layers, nn.Linear(hidden, 2))
-        if time_embed_dim > 0:
-            half = time_embed_dim // 2
-            self.register_buffer("freqs", torch.exp(-math.log(1000.0) * torch.arange(half) / half) * 1000.0)
 
     def time_features(self, t: torch.Tensor) -> torch.Tensor:
-        """(N,) -> (N, F): sinusoids of t with periods from ~2*pi/1000 to ~2*pi, or raw t."""
+        """(N,) -> (N, F): the UNet's sinusoids of 1000 t, periods from ~2*pi/1000 to ~2*pi in t; or raw t."""
         if self.time_embed_dim == 0:
             return t[:, None]
-        angles = t[:, None] * self.freqs[None, :]  # (N, F/2)
-        return torch.cat([angles.cos(), angles.sin()], dim=1)
+        return sinusoidal_embedding(1000.0 * t, self.time_embed_dim, max_period=1000.0)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.net(torch.cat([x, self.time_features(t)], dim=1))  # (N, 2)
-
-
-# ----------------------------------------------------------------------------- training
-def _lr_factor(step: int, s: Toy2DSettings) -> float:
-    if step < s.warmup_steps:
-        return (step + 1) / s.warmup_steps
-    if not s.cosine:
-        return 1.0
-    progress = (step - s.warmup_steps) / max(1, s.train_steps - s.warmup_steps)
-    return 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def train(s: Toy2DSettings) -> tuple[nn.Module, list[float]]:
-    """Train the velocity MLP; returns the model to sample from (EMA copy if enabled) and the loss curve."""
-    gen = torch.Generator().manual_seed(s.seed)
-    torch.manual_seed(s.seed)
-    centres = mode_centres(s.num_modes, s.radius)
-    model = VelocityMLP(s.hidden, s.depth, s.time_embed_dim)
-    ema = VelocityMLP(s.hidden, s.depth, s.time_embed_dim).requires_grad_(False)
-    ema.load_state_dict(model.state_dict())
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: _lr_factor(step, s))
-    matcher = FlowMatcher(s.time_sampling, s.logit_mean, s.logit_std)
-    losses: list[float] = []
-    bar = tqdm(range(s.train_steps), desc="flow2d train", mininterval=1.0)
-    for step in bar:
-        x1 = sample_modes(s.batch_size, centres, s.mode_std, gen)  # (B, 2)
-        loss = matcher.loss(model, x1, generator=gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        _ema_update(ema, model, s.ema_decay)
-        losses.append(loss.item())
-        if step % 100 == 99:
-            bar.set_postfix(loss=f"{sum(losses[-100:]) / 100:.3f}")
-    return (ema if s.ema_decay > 0 else model).eval(), losses
-
-
-@torch.no_grad()
-def _ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
-    for pe, pm in zip(ema.parameters(), model.parameters()):
-        pe.lerp_(pm, 1.0 - decay)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -191,16 +74,15 @@ def mode_stats(samples: torch.Tensor, centres: torch.Tensor, hit_radius: float) 
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, s: Toy2DSettings) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    """Euler and Heun at every budget from the same noise; returns table rows and the samples per row."""
-    centres = mode_centres(s.num_modes, s.radius)
-    x0 = torch.randn(s.num_samples, 2, generator=torch.Generator().manual_seed(s.seed + 1))
+def sample_rows(model: nn.Module, centres: torch.Tensor, x0: torch.Tensor, budgets: tuple[int, ...],
+                hit_radius: float) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Euler and Heun at every budget from the same noise ``x0``; returns table rows and the samples per row."""
     rows, samples = [], {}
     for name, scheduler in (("euler", FlowMatchEulerScheduler()), ("heun", FlowMatchHeunScheduler())):
-        for budget in s.budgets:
+        for budget in budgets:
             steps = budget if name == "euler" else max(1, (budget + 1) // 2)
             x1, nfe = sample_ode(model, scheduler, x0, steps)
-            stats = mode_stats(x1, centres, s.hit_radius)
+            stats = mode_stats(x1, centres, hit_radius)
             rows.append({"method": name, "budget": budget, "steps": steps, "nfe": nfe, **stats})
             samples[f"{name}-{budget}"] = x1
     return rows, samples
@@ -236,31 +118,3 @@ def save_plot(path: str, data: torch.Tensor, samples: dict[str, torch.Tensor], r
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
-
-
-def run_flow2d(s: Toy2DSettings) -> dict:
-    """Train, evaluate, print the table, write all_results.json and flow2d_samples.png; return the results."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(s.threads)
-    try:
-        start = time.perf_counter()
-        model, losses = train(s)
-        train_s = time.perf_counter() - start
-        rows, samples = evaluate(model, s)
-    finally:
-        torch.set_num_threads(threads)
-    print(format_table(rows))
-    os.makedirs(s.output_dir, exist_ok=True)
-    centres = mode_centres(s.num_modes, s.radius)
-    data = sample_modes(s.num_samples, centres, s.mode_std, torch.Generator().manual_seed(s.seed + 2))
-    save_plot(os.path.join(s.output_dir, "flow2d_samples.png"), data, samples, rows)
-    results = {
-        "settings": asdict(s),
-        "train_seconds": round(train_s, 2),
-        "final_loss": sum(losses[-100:]) / min(100, len(losses)),
-        "rows": rows,
-        "best_within_at_20_nfe_or_less": max(r["within"] for r in rows if r["nfe"] <= 20),
-    }
-    with open(os.path.join(s.output_dir, "all_results.json"), "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
-    return results

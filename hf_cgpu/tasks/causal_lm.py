@@ -9,12 +9,15 @@ from typing import Any
 
 import torch
 
-from .packed import PackedTokensTask
+from ..budget.shape import ModelShape, RunShape
+from ..errors import SettingsError
 from ..models.cgpt import CgptConfig, CgptForCausalLM
-from ..settings import SettingsError, TrainSettings
+from ..settings import TrainSettings
+from ..train import TaskPlan
+from .packed import PackedTokensTask
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTSettings:
     """Model shape and data of a from-scratch GPT run."""
 
@@ -78,11 +81,14 @@ class GPTSettings:
             loss_chunk_size=self.loss_chunk_size, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
         )
 
+    def run_shape(self, name: str = "", vocab_size: int | None = None) -> RunShape:
+        """What the ledger needs of this GPT, from the config training builds (``vocab_size``: the tokenizer's)."""
+        return cgpt_run_shape(self.model_config(vocab_size or self.vocab_size, eos_token_id=0), name)
 
-def training_flops_per_token(config: CgptConfig, num_params: int) -> float:
-    """6N for the matmuls (N without the position table) + 12 L d T for attention scores and values."""
-    n = num_params - config.n_positions * config.n_embd
-    return 6.0 * n + 12.0 * config.n_layer * config.n_embd * config.n_positions
+
+def cgpt_run_shape(config: CgptConfig, name: str = "") -> RunShape:
+    """Our GPT's run shape: the sequence is its position table, the loss chunk its config's, the loss in forward."""
+    return RunShape(ModelShape.from_config(config, name or "cgpt"), config.n_positions, config.loss_chunk_size)
 
 
 MANY_EPOCHS = 4  # Muennighoff et al. (2023): up to ~4 epochs are nearly as good as fresh data, then returns drop
@@ -91,7 +97,7 @@ TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio (the seed's table us
 
 def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_params: int, processes: int = 1) -> list[str]:
     """Lines saying how many epochs the planned tokens are, and a warning where that many epochs over-fit."""
-    per_step = settings.micro_batch_size * settings.gradient_accumulation_steps * seq_len * processes
+    per_step = settings.samples_per_step(processes) * seq_len
     planned = settings.max_steps * per_step
     epochs = planned / max(1, corpus_tokens)
     lines = [f"plan: {settings.max_steps:,} steps x {per_step:,} tokens = {planned / 1e6:,.1f}M tokens = "
@@ -118,7 +124,7 @@ class CausalLMTask(PackedTokensTask):
         self.data_order = cfg.data_order
 
     # ---- data and model
-    def setup(self, settings: TrainSettings, accelerator) -> None:
+    def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         from ..data.text import check_vocab, load_text_dataset, pack_dataset
 
         cfg, out = self.cfg, Path(settings.output_dir)
@@ -133,20 +139,20 @@ class CausalLMTask(PackedTokensTask):
         self.val_texts = [t for t in ds["validation"][cfg.text_column][:50] if t.strip()]
         config = cfg.model_config(vocab, self.tokenizer.eos_token_id)
         check_vocab(self.tokenizer, config.vocab_size)
-        self.model = CgptForCausalLM(config)
-        self.model.train()
-        self.num_params = sum(p.numel() for p in self.model.parameters())
-        self.expected_initial_loss = math.log(vocab)
+        model = CgptForCausalLM(config)
+        model.train()
+        num_params = sum(p.numel() for p in model.parameters())
         accelerator.print(
-            f"GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), {self.num_params / 1e6:.2f}M parameters, "
+            f"GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), {num_params / 1e6:.2f}M parameters, "
             f"vocab {vocab}, seq {cfg.seq_len}, dropout {cfg.dropout}; train {self.train_data.n_tokens:,} tokens, "
             f"validation {self.val_data.n_tokens:,} tokens ({cfg.data_order} windows)"
         )
         if self.val_data.n_tokens < cfg.seq_len + 1:
             raise SettingsError(f"validation split has fewer than seq_len+1={cfg.seq_len + 1} tokens; lower --seq_len")
-        for line in epoch_plan(settings, cfg.seq_len, self.train_data.n_tokens, self.num_params,
+        for line in epoch_plan(settings, cfg.seq_len, self.train_data.n_tokens, num_params,
                                accelerator.num_processes):
             accelerator.print(line)
+        return TaskPlan(model, expected_initial_loss=math.log(vocab), shape=cgpt_run_shape(config))
 
     def _tokenizer(self, ds, out: Path, resume: bool):
         from transformers import AutoTokenizer
@@ -170,18 +176,9 @@ class CausalLMTask(PackedTokensTask):
         # return_logits=False: validation (eval mode) needs only the loss, so the chunked loss builds no logits there either
         return model(input_ids=inputs, shift_labels=targets, use_cache=False, return_logits=False).loss
 
-    def flops_per_unit(self) -> float:
-        return training_flops_per_token(self.model.config, self.num_params)
-
     def save_pretrained(self, model, output_dir: Path) -> None:
         model.save_pretrained(str(output_dir))
         self.tokenizer.save_pretrained(str(output_dir))
-
-    def budget_shape(self):
-        from ..budget import ModelShape
-
-        cfg = self.model.config
-        return ModelShape.from_config_dict(cfg.to_dict(), name="cgpt"), cfg.n_positions, cfg.loss_chunk_size
 
     def fingerprint(self) -> dict[str, Any]:
         c = self.cfg

@@ -14,11 +14,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..loop import Task
-from ..settings import SettingsError, TrainSettings
+from ..errors import SettingsError
+from ..settings import TrainSettings
+from ..train import Task, TaskPlan
+from ..train.metrics import counted_training_flops
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClassifierSettings:
     """Data, shape and augmentation of a classifier run."""
 
@@ -43,13 +45,17 @@ class ClassifierSettings:
 
     def __post_init__(self) -> None:
         try:
-            self.width_list = [int(w) for w in self.widths.split(",")]
+            widths = self.width_list
         except ValueError:
-            raise SettingsError(f"widths={self.widths!r}; give four comma-separated integers, e.g. 64,128,256,512")
-        if len(self.width_list) != 4:
+            widths = []
+        if len(widths) != 4:
             raise SettingsError(f"widths={self.widths!r}; give four comma-separated integers, e.g. 64,128,256,512")
         if not 0 <= self.label_smoothing < 1:
             raise SettingsError("label_smoothing must be in [0, 1)")
+
+    @property
+    def width_list(self) -> list[int]:
+        return [int(w) for w in self.widths.split(",")]
 
 
 class ClassifierTask(Task):
@@ -58,7 +64,7 @@ class ClassifierTask(Task):
     def __init__(self, cfg: ClassifierSettings):
         self.cfg = cfg
 
-    def setup(self, settings: TrainSettings, accelerator) -> None:
+    def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         from ..data.images import load_image_dataset
         from ..evaluation.classifier import CifarResNet, ClassifierConfig
 
@@ -77,16 +83,16 @@ class ClassifierTask(Task):
         config = ClassifierConfig(num_classes=num_classes, widths=cfg.width_list, image_size=self.images.shape[-1],
                                   class_names=train.class_names)
         model = CifarResNet(config)
-        self.flops = _flops_per_image(model, config.image_size)
-        self.model = model.to(memory_format=torch.channels_last)
-        self.model.train()
+        flops = counted_training_flops(model, torch.zeros(1, 3, config.image_size, config.image_size))
+        model = model.to(memory_format=torch.channels_last).train()
         params = sum(p.numel() for p in model.parameters())
-        effective = settings.micro_batch_size * settings.gradient_accumulation_steps * accelerator.num_processes
+        effective = settings.samples_per_step(accelerator.num_processes)
         accelerator.print(
             f"CifarResNet {cfg.widths}: {params / 1e6:.2f}M parameters, {num_classes} classes; "
             f"{len(self.images):,} training images ({len(self.images) / effective:.1f} steps per epoch, "
             f"{settings.max_steps * effective / len(self.images):.1f} epochs), {len(self.test_images):,} test images"
         )
+        return TaskPlan(model, flops_per_unit=flops)
 
     def num_train_samples(self) -> int:
         return len(self.images)
@@ -109,9 +115,6 @@ class ClassifierTask(Task):
 
     def units(self, batch) -> int:
         return batch["x"].shape[0]
-
-    def flops_per_unit(self) -> float:
-        return self.flops
 
     def evaluate(self, model, settings, device) -> dict[str, float]:
         """Accuracy and cross-entropy over every test image; the last batch is padded to the same shape (compile)."""
@@ -138,15 +141,3 @@ class ClassifierTask(Task):
         c = self.cfg
         return {"widths": c.widths, "dataset": c.dataset, "limit": c.limit}
 
-
-def _flops_per_image(model: torch.nn.Module, size: int) -> float:
-    """Training FLOPs per image = 3 x forward FLOPs (torch's FlopCounterMode on one image, eval-mode BatchNorm)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    was = model.training
-    model.eval()
-    counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
-        model(torch.zeros(1, 3, size, size))
-    model.train(was)
-    return 3.0 * counter.get_total_flops()

@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 
+from ..budget.shape import ModelShape, RunShape
+from ..errors import SettingsError
+from ..settings import TrainSettings
+from ..train import TaskPlan
 from .packed import PackedTokensTask
-from ..settings import SettingsError, TrainSettings
 
 
-@dataclass
+@dataclass(frozen=True)
 class FinetuneSettings:
     """Base model and data of a fine-tuning run."""
 
@@ -62,7 +65,7 @@ class FinetuneTask(PackedTokensTask):
     def __init__(self, cfg: FinetuneSettings):
         self.cfg = cfg
 
-    def setup(self, settings: TrainSettings, accelerator) -> None:
+    def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         from transformers import AutoTokenizer
 
         from ..data.text import load_text_dataset, pack_dataset
@@ -78,15 +81,12 @@ class FinetuneTask(PackedTokensTask):
         if self.tokenizer.eos_token_id is None:
             raise SettingsError(f"tokenizer of {cfg.model} has no eos token; documents could not be separated")
         device_map = {"": accelerator.device} if settings.tier == "qlora" and accelerator.device.type == "cuda" else None
-        self.model = load_base_model(self.base, settings.tier, device_map=device_map,
-                                     trust_remote_code=cfg.trust_remote_code)
-        limit = getattr(self.model.config, "max_position_embeddings", None) or getattr(self.model.config, "n_positions", None)
+        model = load_base_model(self.base, settings.tier, device_map=device_map, trust_remote_code=cfg.trust_remote_code)
+        limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
         if limit and cfg.seq_len > limit:
             raise SettingsError(f"--seq_len {cfg.seq_len} exceeds the model's {limit} positions; use --seq_len {limit}")
         self.instruct = self._load_data(accelerator)
-        _, total = count_parameters(self.model)
-        self.num_params = total
-        self.expected_initial_loss = None  # a pretrained base starts well below ln(vocab)
+        _, total = count_parameters(model)
         if self.instruct:
             data = (f"{len(self.train_rows):,} instruction examples ({self.fmt} rows, chat template: "
                     f"{'yes' if getattr(self.tokenizer, 'chat_template', None) else 'no'}), "
@@ -94,6 +94,8 @@ class FinetuneTask(PackedTokensTask):
         else:
             data = f"{self.train_data.n_tokens:,} tokens of text, windows of {cfg.seq_len}"
         accelerator.print(f"{cfg.model}: {total / 1e6:.0f}M parameters, tier {settings.tier}; train {data}")
+        # a pretrained base starts well below ln(vocab): no label-leak check
+        return TaskPlan(model, shape=self._run_shape(model.config))
 
     def _load_data(self, accelerator) -> bool:
         """Instruction rows (True) or a packed text stream (False), by ``data_format`` and the columns."""
@@ -125,7 +127,7 @@ class FinetuneTask(PackedTokensTask):
     def sample_order(self, seed: int):
         if not self.instruct:
             return super().sample_order(seed)
-        from ..loop import SampleOrder
+        from ..train import SampleOrder
 
         return SampleOrder(len(self.train_rows), seed)
 
@@ -143,6 +145,14 @@ class FinetuneTask(PackedTokensTask):
         return score_rows(lambda x, y: self.target_loss(model, x, y), self.val_rows, settings.micro_batch_size,
                           device, prefix="val_")
 
+    def _run_shape(self, config) -> RunShape | None:
+        """The base's shape for the ledger (autofit, OOM advice, MFU); None for a config it cannot read."""
+        try:
+            shape = ModelShape.from_config(config)
+        except SettingsError:
+            return None
+        return RunShape(shape, self.cfg.seq_len, self.cfg.loss_chunk_size, loss_in_forward=False)
+
     @property
     def card_kind(self) -> str | None:
         return "lora" if self.settings.tier in ("lora", "qlora") else None
@@ -152,11 +162,6 @@ class FinetuneTask(PackedTokensTask):
 
         with self.accelerator.autocast():  # the backbone is called directly, outside prepare's autocast
             return causal_lm_loss_from_hidden(model, inputs, targets, chunk_size=self.cfg.loss_chunk_size, shift=False)
-
-    def flops_per_unit(self) -> float:
-        """Frozen-base fine-tuning does no weight-gradient matmuls: ~4N per token (2N forward, 2N input grads)."""
-        factor = 6.0 if self.settings.tier in ("full", "adamw8bit") else 4.0
-        return factor * self.num_params
 
     def save_pretrained(self, model, output_dir: Path) -> None:
         from ..finetune import merge_and_save, save_adapter
@@ -196,11 +201,6 @@ class FinetuneTask(PackedTokensTask):
         else:
             model.save_pretrained(str(folder))
         self.tokenizer.save_pretrained(str(folder))
-
-    def budget_shape(self):
-        from ..budget import ModelShape
-
-        return ModelShape.from_config_dict(self.model.config.to_dict()), self.cfg.seq_len, self.cfg.loss_chunk_size
 
     def fingerprint(self) -> dict[str, Any]:
         s = self.settings

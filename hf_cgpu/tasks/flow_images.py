@@ -13,11 +13,13 @@ from typing import Any
 import torch
 
 from ..flow.sample import image_grid
-from ..loop import Task
-from ..settings import SettingsError, TrainSettings
+from ..errors import SettingsError
+from ..settings import TrainSettings
+from ..train import Task, TaskPlan
+from ..train.metrics import counted_training_flops
 
 
-@dataclass
+@dataclass(frozen=True)
 class FlowSettings:
     """UNet shape, data and sampling of a flow-matching image run."""
 
@@ -38,7 +40,7 @@ class FlowSettings:
     time_sampling: str = "logit_normal"
     """Training time distribution: uniform or logit_normal (more signal mid-path)."""
     sample_every_epochs: float = 10.0
-    """Write a sample grid (EMA weights) every this many epochs; sets eval_steps (0 = only at the end)."""
+    """Write a sample grid (EMA weights) and evaluate every this many epochs (0 = every --eval_steps)."""
     sample_steps: int = 20
     """Heun steps for the sample grids (2 * steps - 1 network calls)."""
     guidance_scale: float = 2.0
@@ -51,18 +53,6 @@ class FlowSettings:
             raise SettingsError("cond_drop_prob must be in [0, 1)")
 
 
-def unet_flops_per_image(model: torch.nn.Module, sample_size: int, conditional: bool) -> float:
-    """Training FLOPs per image = 3 x forward FLOPs, counted by torch's FlopCounterMode on one image."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    x = torch.zeros(1, 3, sample_size, sample_size)
-    labels = torch.zeros(1, dtype=torch.long) if conditional else None
-    counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
-        model(x, torch.zeros(1), labels)
-    return 3.0 * counter.get_total_flops()
-
-
 class FlowMatchingTask(Task):
     unit = "img"
     card_kind = "flow"
@@ -70,7 +60,7 @@ class FlowMatchingTask(Task):
     def __init__(self, cfg: FlowSettings):
         self.cfg = cfg
 
-    def setup(self, settings: TrainSettings, accelerator) -> None:
+    def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         from ..data.images import load_image_dataset
         from ..flow.matching import FlowMatcher
         from ..flow.unet import FlowUNet2DModel
@@ -98,19 +88,22 @@ class FlowMatchingTask(Task):
         self.matcher = FlowMatcher(time_sampling=cfg.time_sampling)
         model = FlowUNet2DModel(sample_size=self.images.shape[-1], base_channels=cfg.base_channels,
                                 num_classes=num_classes)
-        self.flops = unet_flops_per_image(model, self.images.shape[-1], num_classes is not None)
-        self.model = model.to(memory_format=torch.channels_last)
-        self.model.train()
-        effective = settings.micro_batch_size * settings.gradient_accumulation_steps * accelerator.num_processes
+        size = self.images.shape[-1]
+        labels = torch.zeros(1, dtype=torch.long) if num_classes is not None else None
+        flops = counted_training_flops(model, torch.zeros(1, 3, size, size), torch.zeros(1), labels)
+        model = model.to(memory_format=torch.channels_last).train()
+        effective = settings.samples_per_step(accelerator.num_processes)
+        eval_steps = settings.eval_steps
         if cfg.sample_every_epochs > 0:
-            settings.eval_steps = max(1, round(cfg.sample_every_epochs * len(self.images) / effective))
+            eval_steps = max(1, round(cfg.sample_every_epochs * len(self.images) / effective))
         params = sum(p.numel() for p in model.parameters())
         accelerator.print(
             f"FlowUNet2DModel base {cfg.base_channels}: {params / 1e6:.2f}M parameters, "
             f"{'class-conditional (' + str(num_classes) + ' classes)' if num_classes else 'unconditional'}; "
             f"{len(self.images):,} training images ({effective} per step, "
-            f"{len(self.images) / effective:.1f} steps per epoch); sample grid every {settings.eval_steps} steps"
+            f"{len(self.images) / effective:.1f} steps per epoch); sample grid every {eval_steps} steps"
         )
+        return TaskPlan(model, eval_steps=eval_steps, flops_per_unit=flops)
 
     def num_train_samples(self) -> int:
         return len(self.images)
@@ -138,9 +131,6 @@ class FlowMatchingTask(Task):
 
     def units(self, batch) -> int:
         return batch["x1"].shape[0]
-
-    def flops_per_unit(self) -> float:
-        return self.flops
 
     def evaluate(self, model, settings, device) -> dict[str, float]:
         """Flow-matching loss on held-out images with fixed noise and times (comparable across steps)."""

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..loop import Task
+from ..train import Task
 
 
 class PackedTokensTask(Task):

@@ -1,0 +1,293 @@
+"""``hf-cgpu budget``: the memory ledger, the verdict against a cap, the next rung, and the hours of a run.
+
+It reads the training command line itself: ``--preset``, the GPT's shape flags and every ``TrainSettings`` flag
+mean what they mean to ``recipes/train_gpt.py``, so ``hf-cgpu budget --preset 350m --micro_batch_size 8`` describes
+the run that ``train_gpt.py --preset 350m --micro_batch_size 8`` starts. ``--config`` or ``--model`` take any causal
+LM instead (a local config.json, or a Hub id), as the fine-tuning recipe would train it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import MissingPathError, SettingsError
+from .ladder import RUNGS, autofit, next_rung
+from .memory import (
+    BF16,
+    FRAGMENTATION_FRACTION,
+    GiB,
+    SEED_ACT_BYTES_PER_D,
+    SEED_RECOMPUTE_BYTES_PER_D,
+    SEED_RESERVED_BYTES,
+    SEED_STATE_BYTES_PER_PARAM,
+    Ledger,
+    fmt_gib,
+    ledger,
+    lora_trainable_params,
+    parse_memory,
+    seed_activation_bytes,
+    seed_model_state_bytes,
+)
+from .shape import REFERENCE_CONFIGS, ModelShape, RunShape, TrainSetup, fmt_count
+from .time import (
+    ASSUMED_PEAK_TFLOPS,
+    DEFAULT_MFU,
+    attention_flops_per_token,
+    chinchilla_tokens,
+    flops_per_token,
+    peak_tflops,
+    training_hours,
+)
+
+DEFAULT_PRESET = "124m"
+DEFAULT_MEMORY_CAP = "16GB"
+ALIASES = {"--accumulation": "--gradient_accumulation_steps", "--lora_rank": "--lora_r",
+           "--lora_targets": "--lora_target_modules", "--loss_chunk": "--loss_chunk_size"}
+"""The ledger's earlier flag names, read as the trainer's."""
+
+
+@dataclass(frozen=True)
+class BudgetSettings:
+    """What the ledger asks besides the run (sizes: GB is read as GiB, like the seed; --memory_cap defaults to 16GB)."""
+
+    config: str = ""
+    """A local config.json of a transformers causal LM (or its directory), instead of --preset."""
+    model: str = ""
+    """A preset name, a local config path or a Hub id (needs network), instead of --preset."""
+    effective_batch_tokens: int = 0
+    """--autofit: tokens per optimizer step to keep (0 = micro_batch_size x gradient_accumulation_steps x seq_len)."""
+    no_lora: bool = False
+    """--autofit: never switch to LoRA/QLoRA."""
+    min_micro_batch: int = 1
+    """--autofit: smallest micro-batch of the first rung."""
+    mfu: float = DEFAULT_MFU
+    """Fraction of the bf16 peak sustained, for the hours."""
+    stock_peft: bool = False
+    """Count stock peft's LoRA/QLoRA (no autocast / kbit upcast, full logits), the benchmark's peer."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mfu <= 1:
+            raise SettingsError(f"--mfu must be in (0, 1], got {self.mfu}: typical is 0.3-0.5")
+        if self.config and self.model:
+            raise SettingsError("give one of --preset, --config or --model")
+
+
+# ---------------------------------------------------------------------------------------------------- which model
+
+
+def gpt_preset_names() -> list[str]:
+    from ..settings import list_presets
+
+    return list_presets("gpt")
+
+
+def gpt_run_shape(preset: str, **overrides: Any) -> RunShape:
+    """The run shape of a GPT preset: its ``GPTSettings`` (with ``overrides``) -> the ``CgptConfig`` training builds."""
+    from ..settings import load_preset
+    from ..tasks.causal_lm import GPTSettings
+
+    names = {f.name for f in dataclasses.fields(GPTSettings)}
+    values = {k: v for k, v in load_preset(preset, "gpt").items() if k in names}
+    return GPTSettings(**{**values, **overrides}).run_shape(name=preset)
+
+
+def preset_shape(name: str) -> ModelShape:
+    """A GPT preset (``hf_cgpu/presets/gpt/<name>.json``) through the config training builds, or a reference model."""
+    if name in REFERENCE_CONFIGS:
+        return ModelShape.reference(name)
+    if name not in gpt_preset_names():
+        raise SettingsError(f"unknown preset {name!r}: choose one of {', '.join(preset_names())} or pass --config PATH")
+    return gpt_run_shape(name).model
+
+
+def preset_names() -> list[str]:
+    """GPT presets plus reference shapes, smallest first."""
+    return sorted([*gpt_preset_names(), *REFERENCE_CONFIGS], key=lambda n: (preset_shape(n).n_params, n))
+
+
+def resolve_model(spec: str) -> ModelShape:
+    """A preset name, a local config.json (or its directory), or a Hub id, in that order."""
+    if spec in REFERENCE_CONFIGS or spec in gpt_preset_names():
+        return preset_shape(spec)
+    p = Path(spec)
+    if p.is_file() or (p.is_dir() and (p / "config.json").is_file()):
+        return ModelShape.from_config_file(p)
+    if p.suffix == ".json" or spec.startswith((".", "/")):
+        raise MissingPathError(f"no config.json at {spec!r}: pass an existing file, a preset ({', '.join(preset_names())})")
+    return ModelShape.from_hub(spec)
+
+
+# ---------------------------------------------------------------------------------------------------- the command line
+
+
+def _rewrite(argv: Sequence[str]) -> list[str]:
+    """Old spellings: --accumulation & co., --tier recompute (= full + --recompute), --no_recompute."""
+    out: list[str] = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        flag = ALIASES.get(flag, flag)
+        if flag == "--no_recompute":
+            out += ["--recompute", "false"]
+        elif out and out[-1] == "--tier" and arg == "recompute":
+            out += ["full", "--recompute", "true"]
+        else:
+            out.append(flag + eq + value)
+    return out
+
+
+def _source(argv: list[str]) -> tuple[list[str], str | None]:
+    """Pull ``--preset NAME`` out of ``argv`` when NAME is no GPT preset the settings parser knows."""
+    for i, arg in enumerate(argv):
+        name = arg.split("=", 1)[1] if arg.startswith("--preset=") else (argv[i + 1] if arg == "--preset" and
+                                                                          i + 1 < len(argv) else None)
+        if name is None:
+            continue
+        if name in REFERENCE_CONFIGS:
+            return argv[:i] + argv[i + (1 if "=" in arg else 2):], name
+        if name not in preset_names() and not name.endswith(".json"):
+            raise SettingsError(f"unknown preset {name!r}: choose one of {', '.join(preset_names())} or pass --config PATH")
+        return argv, None
+    return argv, None
+
+
+def describe_run(argv: Sequence[str] | None = None):
+    """Parse a training command line: (RunShape, TrainSettings, BudgetSettings)."""
+    from ..settings import TrainSettings, parse_settings
+    from ..tasks.causal_lm import GPTSettings
+
+    args, reference = _source(_rewrite(argv or []))
+    chosen = any(a in ("--config", "--model", "--preset") or a.startswith(("--config=", "--model=", "--preset="))
+                 for a in args)
+    if not chosen and reference is None:
+        args = ["--preset", DEFAULT_PRESET, *args]
+    gpt, train, opts = parse_settings((GPTSettings, TrainSettings, BudgetSettings), args, family="gpt",
+                                      description=__doc__, prog="hf-cgpu budget")
+    given_preset = any(a == "--preset" or a.startswith("--preset=") for a in args)
+    if (opts.config or opts.model or reference) and given_preset:
+        raise SettingsError("give one of --preset, --config or --model")
+    if opts.config:
+        model = ModelShape.from_config_file(opts.config)
+    elif reference or opts.model:
+        model = resolve_model(reference or opts.model)
+    else:
+        return gpt.run_shape(name=_preset_name(args)), train, opts
+    # another causal LM: trained as the fine-tuning task does, its loss through the backbone
+    return RunShape(model, gpt.seq_len, gpt.loss_chunk_size, loss_in_forward=False), train, opts
+
+
+def _preset_name(args: list[str]) -> str:
+    for i, arg in enumerate(args):
+        if arg.startswith("--preset="):
+            return arg.split("=", 1)[1]
+        if arg == "--preset":
+            return args[i + 1]
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------------- formatting
+
+
+def format_ledger(led: Ledger) -> str:
+    """The aligned table: one row per kind of memory, the totals, the verdict."""
+    label_w = max(len(r.label) for r in led.rows) + 2
+    lines = [f"  {'':<{label_w}}{'GiB':>8}   how"]
+    for r in led.rows:
+        lines.append(f"  {r.label:<{label_w}}{r.bytes / GiB:>8.2f}   {r.note}")
+    rule = f"  {'-' * (label_w + 8)}"
+    lines.append(rule)
+    phase = (f"peak at the {led.peak_phase}" if led.peak_phase == "backward start"
+             else "peak at the optimizer step: weights + all gradients + optimizer state")
+    lines.append(f"  {'= allocated':<{label_w}}{led.allocated / GiB:>8.2f}   {phase}; compare max_memory_allocated()")
+    lines.append(f"  {'fragmentation':<{label_w}}{led.fragmentation / GiB:>8.2f}   "
+                 f"{FRAGMENTATION_FRACTION:.0%} of allocated (allocator reserve)")
+    lines.append(f"  {'CUDA context':<{label_w}}{led.cuda_context / GiB:>8.2f}   outside the allocator")
+    lines.append(f"  {'= total on the card':<{label_w}}{led.total / GiB:>8.2f}")
+    if led.memory_cap is not None:
+        spare = led.memory_cap - led.total
+        verdict = f"FITS ({fmt_gib(spare)} spare)" if led.fits else f"DOES NOT FIT ({fmt_gib(-spare)} over)"
+        lines.append(f"  verdict vs {fmt_gib(led.memory_cap)} cap: {verdict}")
+    return "\n".join(lines)
+
+
+def format_seed_comparison(shape: ModelShape, setup: TrainSetup, led: Ledger) -> str:
+    """One line: what the seed's rules would say for the same run, and what this ledger adds."""
+    act = seed_activation_bytes(shape.n_layer, shape.d_model, setup.seq_len, setup.micro_batch_size, setup.recompute)
+    per_d = SEED_RECOMPUTE_BYTES_PER_D if setup.recompute else SEED_ACT_BYTES_PER_D
+    if setup.adapters:  # the seed's LoRA exercise: bf16 base 2 B/param, adapters at 16 B/param
+        n_lora = lora_trainable_params(shape, setup.lora_r, setup.lora_target_modules)
+        states, rule = BF16 * shape.n_params + SEED_STATE_BYTES_PER_PARAM * n_lora, "2 B/param base + 16 B/adapter"
+    else:
+        states, rule = seed_model_state_bytes(shape.n_params), "16 B/param"
+    seed = states + act + SEED_RESERVED_BYTES
+    return (f"  seed's rule ({rule} + {per_d} d/token/layer + 1.2 GiB): {fmt_gib(seed)} on the card; this ledger\n"
+            f"  adds the logits, autocast copies, per-dtype activations and the recomputed block (budget.memory)")
+
+
+def format_time(shape: ModelShape, setup: TrainSetup, peak: float, peak_source: str, mfu: float) -> str:
+    fpt = flops_per_token(shape, setup)
+    attn = attention_flops_per_token(shape, setup.seq_len)
+    rate = peak * 1e12 * mfu / fpt
+    lines = [
+        f"time (bf16 peak {peak:.0f} TFLOP/s from {peak_source}, x utilisation {mfu:.2f}):",
+        f"  FLOPs per token  {fpt / 1e9:.2f} GFLOP = {'4' if setup.adapters else '6'} N "
+        f"(N = {fmt_count(shape.n_matmul_params)} matmul params) + 12 L T d ({attn / 1e9:.2f} GFLOP attention)"
+        f"{' + recompute forward' if setup.recompute else ''}",
+        f"  throughput       {rate:,.0f} tokens/s; {training_hours(1e9, fpt, peak, mfu):.1f} h per 1B tokens",
+    ]
+    if not setup.adapters:
+        tokens = chinchilla_tokens(shape.n_params)
+        lines.append(f"  Chinchilla       {tokens / 1e9:.1f}B tokens (20/param) -> "
+                     f"{training_hours(tokens, fpt, peak, mfu):.1f} h")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- the report
+
+
+def run(argv: Sequence[str] | None = None) -> str:
+    """Parse ``argv`` (a training command line plus ``BudgetSettings``) and return the report text."""
+    run_shape, train, opts = describe_run(argv)
+    shape = run_shape.model
+    cap = parse_memory(train.memory_cap or DEFAULT_MEMORY_CAP)
+    peer = {"stock_peft": True, "loss_chunk_size": 0} if opts.stock_peft else {}  # stock: the model's full logits
+    setup = run_shape.setup(train, **peer)
+    out = [f"hf-cgpu budget: {shape.describe()}", f"  {setup.describe()}", ""]
+    if train.autofit:
+        tokens = opts.effective_batch_tokens or None
+        plan = autofit(
+            shape, cap, seq_len=setup.seq_len, effective_batch_tokens=tokens,
+            micro_batch_size=None if tokens else setup.micro_batch_size,
+            gradient_accumulation_steps=setup.gradient_accumulation_steps, min_micro_batch=opts.min_micro_batch,
+            rungs=[r for r in RUNGS if not (opts.no_lora and r in ("lora", "qlora"))], base=setup,
+        )
+        out.append("autofit (the seed's ladder: micro-batch -> recompute -> sequence -> 8-bit AdamW -> LoRA -> QLoRA):")
+        out += [f"  {i}. {r}" for i, r in enumerate(plan.reasons, 1)]
+        out += ["", f"  plan: {plan.setup.describe()}", ""]
+        setup, led = plan.setup, plan.ledger
+    else:
+        led = ledger(shape, setup, cap)
+    out.append(format_ledger(led))
+    if not led.fits and not train.autofit:
+        nxt = next_rung(shape, setup, cap)
+        if nxt:
+            label, nled = nxt
+            verdict = "fits" if nled.fits else "still over"
+            out.append(f"  next rung (seed's order): {label}: {fmt_gib(nled.total)}, {verdict}; --autofit for a plan")
+        else:
+            out.append("  no rung left on the ladder: pick a smaller model")
+    out.append(format_seed_comparison(shape, setup, led))
+    out.append("")
+    peak, source = peak_tflops(train.peak_tflops, assumed=ASSUMED_PEAK_TFLOPS)
+    out.append(format_time(shape, setup, peak, source, opts.mfu))
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``hf-cgpu budget``: print the ledger (bad input: a ``UserError``, one line and exit 2 via ``run_main``)."""
+    print(run(argv))
+    return 0
+

@@ -1,0 +1,529 @@
+"""The memory ledger: every kind of GPU memory of one training step, in bytes, and the peak.
+
+Pure arithmetic on a ``ModelShape`` and a ``TrainSetup`` (``shape``); ``ledger`` returns the rows in bytes so a
+benchmark can print the prediction beside ``torch.cuda.max_memory_allocated()``.
+
+Model states follow the seed chapter: mixed-precision AdamW costs 16 bytes per parameter (bf16 weights 2 + bf16
+grads 2 + fp32 master 4 + Adam m, v 8), which ``seed_model_state_bytes`` reproduces (350M -> 5.2 GiB, 770M ->
+11.5 GiB, 1.4B -> 20.9 GiB; the seed's "GB" is GiB). What a PyTorch AMP run (the trainer's) really holds is also
+16 bytes per parameter (fp32 weights 4 + fp32 grads 4 + Adam 8), plus bf16 copies of the weights that autocast
+makes during the forward and keeps for the backward (2 more bytes per matmul weight).
+
+What this ledger corrects in the seed's ``budget.py``:
+
+1. Logits. The seed leaves them out. Full logits cost ``B*T*V`` entries: bf16 from the head, an fp32 copy for the
+   loss, fp32 log-softmax saved for backward, and two fp32 gradients at the start of backward (~12-14 bytes per
+   entry eager: 3.4 GiB at 350M, micro-batch 8, vocab 32000, more than the seed's whole 0.4 GiB of recomputed
+   activations). hf_cgpu computes the loss in chunks of ``loss_chunk_size`` tokens inside a checkpoint, so only one
+   chunk of fp32 logits is alive.
+2. Activations by tensor, not 34d. The seed's 34 bytes x d per token per layer (Korthikanti et al. 2022) assumes a
+   bf16 residual stream, dropout masks and a 4d MLP. Here every saved tensor is counted with its dtype: under AMP
+   the residual stream and the LayerNorm inputs are fp32 (36d for a 4d GPT, no dropout); the MLP terms scale with
+   ``d_ff`` (gated MLPs save three ``d_ff`` tensors); frozen LoRA/QLoRA base weights save no inputs but each
+   adapter saves its own cast of its input; SDPA/flash attention saves no ``T x T`` scores, eager attention does.
+3. Recompute. Full-layer checkpointing keeps each layer's input (2d bf16 as in the seed; 4d when the residual is
+   fp32) and during backward re-creates one whole layer's activations: that layer is a row of its own.
+4. Gradients are alive through forward and backward only with gradient accumulation > 1; with accumulation 1
+   the peak is the larger of "start of backward without gradients" and "optimizer step with all of them".
+5. The seed's flat 1.2 GiB reserve becomes three named rows: workspace (inside the allocator), allocator
+   fragmentation (reserved - allocated) and the CUDA context (outside the allocator).
+
+Calibration constants are module-level names below, each with the measurement it came from. Anchors (H200,
+``docs/gpu.md``): nanoGPT-style GPT, vocab 32k, seq 1024, fp32 master + bf16 autocast, whole-model torch.compile,
+no recompute, full logits: 350M at micro-batch 8 peaked at 12.8 GiB allocated, 770M at micro-batch 4 at 15.6 GiB
+allocated / 16.2 GiB reserved; Pythia-1.4B full training with AdamW8bit: 20.9 GiB. The per-tensor activation
+counts were checked against a meta-device trace of live tensors (CUDA autocast rules, flash SDPA) for the GPT,
+GPT-NeoX and Llama layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SettingsError
+from .shape import LinearSpec, ModelShape, TrainSetup, fmt_count
+
+# ---- units -------------------------------------------------------------------------------------------------------
+GiB = 1024**3
+MiB = 1024**2
+FP32 = 4
+BF16 = 2
+
+# ---- model states (exact: dtype sizes and library behaviour) -----------------------------------------------------
+ADAM_STATE_BYTES = 2 * FP32
+"""AdamW keeps m and v in fp32: 8 bytes per trainable parameter."""
+ADAM8BIT_STATE_BYTES = 2
+"""bitsandbytes AdamW8bit keeps m and v in one byte each."""
+BNB_MIN_8BIT_SIZE = 4096
+"""bitsandbytes keeps 32-bit state for tensors with fewer elements (``min_8bit_size``): norms, biases."""
+BNB_8BIT_BLOCK = 256
+"""Blockwise 8-bit state: one fp32 absmax per 256 values, per state tensor (m and v)."""
+NF4_BYTES = 0.5
+"""4-bit NormalFloat: two weights per byte."""
+NF4_BLOCK = 64
+"""bitsandbytes 4-bit quantizes blocks of 64 weights, one absmax each (fp32: 4/64 = 0.0625 B/param)."""
+NF4_DOUBLE_QUANT_BLOCK = 256
+"""Double quantization stores the absmax values in 8 bits, with one fp32 scale per 256 of them."""
+NF4_DOUBLE_QUANT = True
+"""The qlora tier double-quantizes the block scales (``tiers.load_base_model``); the stock peer is counted alike."""
+
+# ---- activations (structural: per saved tensor, checked against a meta-device trace) -----------------------------
+ACTIVATION_SCALE = 1.0
+"""Multiplier on the per-tensor activation count. 1.0 reproduces the eager trace exactly (GPT AMP: 36.07 d per token
+per layer counted, 36 d predicted; GPT-NeoX stock LoRA 50.1 vs 50; NeoX stock QLoRA 72.3 vs 72) and, with the
+logit constants below, the compiled H200 anchors (350M mb8 12.8 GiB, 770M mb4 15.6 GiB) within 2%: inductor saves
+about as much inside the blocks as eager does. Calibrate: measured activation bytes / predicted."""
+EAGER_SCORE_BYTES = FP32 + BF16
+"""Eager attention saves the fp32 softmax output and its bf16 copy: 6 bytes per head per key per token."""
+FLASH_LSE_BYTES = FP32
+"""Flash/memory-efficient SDPA saves one fp32 log-sum-exp per head per token."""
+
+# ---- logits and loss ---------------------------------------------------------------------------------------------
+LOGITS_EAGER_BYTES = 12
+"""Full logits, eager cross-entropy with the fp32 upcast: fp32 log-softmax saved (4) + at the start of backward the
+fp32 gradient of the log-softmax and of the logits at once (4 + 4). Meta-device trace of a 350M GPT step: 12.0 bytes
+per logit. The logits tensor itself is extra when the caller keeps the model output alive (``LOGITS_HELD``)."""
+LOGITS_HELD = False
+"""Whether the (B*T, V) logits from the head stay alive until backward. HF causal LMs return them in their output
+object, but a loop that takes ``model(...).loss`` at once (``benchmarks/bench_memory.py``, and the HF Trainer's
+``compute_loss``/``training_step``) drops that object before backward: the loss's fp32 upcast is a new tensor and
+log-softmax saves its output, not its input, so nothing references the logits after the forward. Anchor: H200,
+torch 2.11, transformers 5.17, Pythia-1.4B shape, micro-batch 4, accumulation 2, recompute, full logits under bf16
+autocast: stock peft LoRA 5.60 GiB, stock QLoRA 4.93 GiB measured; held logits predicted 6.04 (+7.9%) and 5.53
+(+12.2%, fp32 logits counted), not held 5.66 and 4.76; a meta-device replay of the same steps peaks at 5.53 / 4.81
+GiB before the workspace. Set True for a loop that keeps ``outputs`` alive across ``backward()``."""
+LOGITS_COMPILED_BYTES = 6
+"""Full logits with the cross-entropy inside a torch.compile region (nanoGPT-style whole-model compile): fitted to the
+H200 anchors 350M mb8 12.8 GiB and 770M mb4 15.6 GiB (predicted 12.7 and 15.5) with eager activations; inductor
+fuses the upcast, log-softmax and its gradient. Our GPT compiled whole with full logits is this case
+(``TrainSetup.compiled_loss``)."""
+LOGITS_CHUNK_BYTES = 16
+"""One checkpointed loss chunk (``loss_chunk_size`` tokens x V): bf16 logits 2 + fp32 copy 4 + fp32 log-softmax 4 + its
+two fp32 gradients, not all at once. Meta-device trace, 350M, chunk 1024 x 32000: 17 bytes per entry."""
+
+# ---- outside the tensors -----------------------------------------------------------------------------------------
+WORKSPACE_BYTES = 128 * MiB
+"""cuBLAS + cuBLASLt workspaces (32 MiB each per stream on sm_90 and newer, allocated through PyTorch's caching
+allocator so they count in max_memory_allocated), SDPA scratch and rounding. Assumption, not yet measured: calibrate
+as max_memory_allocated - (sum of live tensors) in a one-layer step."""
+CUDA_CONTEXT_BYTES = 512 * MiB
+"""CUDA context, kernels and cuBLAS handles outside the allocator (torch with lazy module loading on an RTX 40/50:
+~300-500 MiB; compiled Triton kernels add more). Assumption: measure as nvidia-smi's process memory - reserved."""
+FRAGMENTATION_FRACTION = 0.04
+"""Allocator reserve on top of the peak allocated bytes: 770M at micro-batch 4 on H200 reserved 16.2 GiB for 15.6 GiB
+allocated (+3.8%). Varying sequence lengths fragment more (set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."""
+
+# ---- the seed's rules, kept for comparison -----------------------------------------------------------------------
+SEED_STATE_BYTES_PER_PARAM = 16
+SEED_ACT_BYTES_PER_D = 34
+SEED_RECOMPUTE_BYTES_PER_D = 2
+SEED_RESERVED_BYTES = int(1.2 * GiB)
+
+# ===================================================================================================================
+# Model states
+# ===================================================================================================================
+
+
+def seed_model_state_bytes(params: float, bytes_per_param: int = SEED_STATE_BYTES_PER_PARAM) -> float:
+    """The seed's mixed-precision AdamW: bf16 weights 2 + bf16 grads 2 + fp32 master 4 + Adam m, v 8 = 16 Psi."""
+    return bytes_per_param * params
+
+
+def seed_activation_bytes(n_layer: int, d_model: int, seq_len: int, micro_batch_size: int, recompute: bool) -> float:
+    """The seed's rule: ~34 d bytes per token per layer (bf16, no recompute), ~2 d with full-layer recompute."""
+    per_d = SEED_RECOMPUTE_BYTES_PER_D if recompute else SEED_ACT_BYTES_PER_D
+    return n_layer * seq_len * micro_batch_size * per_d * d_model
+
+
+def _matches(lin: LinearSpec, targets: Sequence[str]) -> bool:
+    for t in targets:
+        t = t.strip()
+        if t in ("all-linear", "all"):
+            return True
+        if t == "attn" and lin.group in ("attn_in", "attn_out"):
+            return True
+        if t == "mlp" and lin.group in ("mlp_in", "mlp_out"):
+            return True
+        if t in (lin.name, lin.role, *lin.aliases):
+            return True
+    return False
+
+
+def adapted_linears(shape: ModelShape, targets: Sequence[str]) -> list[LinearSpec]:
+    """The block linears LoRA wraps for ``targets`` (peft's "all-linear" also skips the LM head)."""
+    chosen = [lin for lin in shape.linears() if _matches(lin, targets)]
+    if not chosen:
+        names = ", ".join(lin.name for lin in shape.linears())
+        wanted = ",".join(targets)
+        raise SettingsError(f"LoRA targets {wanted!r} match no linear of {shape.family}: use all-linear or {names}")
+    return chosen
+
+
+def lora_trainable_params(shape: ModelShape, rank: int = 16, targets: Sequence[str] = ("all-linear",)) -> int:
+    """r * (d_in + d_out) per adapted linear per layer (A is r x d_in, B is d_out x r; no adapter bias)."""
+    return shape.n_layer * sum(rank * (lin.d_in + lin.d_out) for lin in adapted_linears(shape, targets))
+
+
+def adamw8bit_state_bytes(numels: Sequence[int]) -> float:
+    """bitsandbytes AdamW8bit: 2 B/param + blockwise absmax for big tensors; fp32 m, v for tensors < 4096 elements."""
+    total = 0.0
+    for n in numels:
+        if n < BNB_MIN_8BIT_SIZE:
+            total += ADAM_STATE_BYTES * n
+        else:
+            total += ADAM8BIT_STATE_BYTES * n + 2 * FP32 * math.ceil(n / BNB_8BIT_BLOCK)
+    return total
+
+
+def nf4_bytes_per_param(double_quant: bool) -> float:
+    """0.5 B of codes + the block scales: fp32 per 64 weights (0.0625 B), or 8-bit per 64 + fp32 per 256 blocks."""
+    if double_quant:
+        return NF4_BYTES + 1 / NF4_BLOCK + FP32 / (NF4_BLOCK * NF4_DOUBLE_QUANT_BLOCK)
+    return NF4_BYTES + FP32 / NF4_BLOCK
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    weights: float
+    gradients: float
+    optimizer: float
+    master: float
+    autocast_copies: float
+    trainable_params: int
+    notes: dict[str, str]
+
+
+def model_state_bytes(shape: ModelShape, setup: TrainSetup) -> StateBytes:
+    """Weights, gradients, optimizer state, master copy and autocast weight copies for the tier."""
+    tensors = shape.param_tensors()
+    n = shape.n_params
+    if setup.adapters:
+        n_lora = lora_trainable_params(shape, setup.lora_r, setup.lora_target_modules)
+        adapters = FP32 * n_lora
+        if setup.tier == "lora":
+            base, base_note = BF16 * n, "bf16 base 2 B/param"
+        else:
+            q = shape.n_block_linear_params
+            rest_bytes = FP32 if setup.stock_peft else BF16
+            base = nf4_bytes_per_param(NF4_DOUBLE_QUANT) * q + rest_bytes * (n - q)
+            base_note = (
+                f"nf4 block linears {nf4_bytes_per_param(NF4_DOUBLE_QUANT):.3f} B/param + "
+                f"{'fp32' if setup.stock_peft else 'bf16'} embeddings/head/norms"
+            )
+        return StateBytes(
+            weights=base + adapters, gradients=FP32 * n_lora, optimizer=ADAM_STATE_BYTES * n_lora, master=0.0,
+            autocast_copies=0.0, trainable_params=n_lora,
+            notes={
+                "weights": f"{base_note} + {fmt_count(n_lora)} fp32 adapter params",
+                "gradients": "fp32, adapters only",
+                "optimizer": "AdamW m, v fp32 on the adapters (8 B/param)",
+                "master": "none: the base is frozen",
+            },
+        )
+    numels = [m for _, m, _ in tensors]
+    if setup.tier == "adamw8bit":
+        opt, opt_note = adamw8bit_state_bytes(numels), "AdamW8bit: 2 B/param (+absmax); fp32 for tensors < 4096"
+    else:
+        opt, opt_note = ADAM_STATE_BYTES * n, "AdamW m, v fp32: 8 B/param"
+    cast = BF16 * (shape.n_matmul_params + sum(m for _, m, k in tensors if k == "bias"))
+    return StateBytes(
+        weights=FP32 * n, gradients=FP32 * n, optimizer=opt, master=0.0, autocast_copies=cast, trainable_params=n,
+        notes={
+            "weights": "fp32 4 B/param (they are the master copy)",
+            "gradients": "fp32 4 B/param",
+            "optimizer": opt_note,
+            "master": "none: AMP keeps fp32 weights",
+            "autocast_copies": "bf16 casts of the matmul weights, made in forward and saved for backward",
+        },
+    )
+
+
+# ===================================================================================================================
+# Activations
+# ===================================================================================================================
+
+
+@dataclass(frozen=True)
+class Regime:
+    """Bytes per element of the tensors a block saves, for one way of running it (see ``regime``)."""
+
+    autocast: bool
+    norm_save: int
+    """Each norm's saved input."""
+    norm_shared: bool
+    """Norms reading the same tensor share one saved input (no per-norm cast)."""
+    norm_out: int
+    """Norm output, the input of attn_in / mlp_in linears."""
+    proj_out: int
+    """Output of the attn_in / mlp_in linears (q, k, v, fc)."""
+    attn: int
+    """q, k, v and the output as saved by attention."""
+    resid: int
+    """Residual stream (what checkpointing keeps per block)."""
+    base_trainable: bool
+    adapter_copy: int
+    """Bytes of the copy each adapter saves of its input (0 = it saves the shared input tensor)."""
+    logits: int
+    """Dtype of the logits the head produces."""
+
+
+def regime(setup: TrainSetup) -> Regime:
+    """How each tier runs a block, from the dtypes involved.
+
+    amp: fp32 weights under CUDA autocast: LayerNorm runs in fp32 (its fp32 input and output are saved / cast),
+      every linear makes its own bf16 copy of an fp32 input, attention and linear outputs are bf16, residual fp32.
+    lora (hf_cgpu): bf16 base under autocast: each norm saves an fp32 cast of the bf16 residual; peft's fp32 cast of
+      an adapter input is followed by autocast's bf16 cast, which is what the adapter saves (2 B).
+    lora stock: bf16 model, no autocast: peft casts each adapted input to fp32 and saves it (4 B).
+    qlora (hf_cgpu): as lora, but bnb's Linear4bit returns its input's dtype: q, k, v and the MLP hidden come out
+      fp32 from fp32 norm outputs, and the residual turns fp32 after the first MLP.
+    qlora stock (prepare_model_for_kbit_training): fp32 embeddings and norms make every activation fp32; the fp32
+      adapters share their fp32 inputs; attention runs fp32 (memory-efficient kernel).
+    """
+    if not setup.adapters:
+        return Regime(autocast=True, norm_save=FP32, norm_shared=True, norm_out=FP32, proj_out=BF16, attn=BF16,
+                      resid=FP32, base_trainable=True, adapter_copy=0, logits=BF16)
+    if setup.tier == "lora" and not setup.stock_peft:
+        return Regime(autocast=True, norm_save=FP32, norm_shared=False, norm_out=FP32, proj_out=BF16, attn=BF16,
+                      resid=BF16, base_trainable=False, adapter_copy=BF16, logits=BF16)
+    if setup.tier == "lora":
+        return Regime(autocast=False, norm_save=BF16, norm_shared=True, norm_out=BF16, proj_out=BF16, attn=BF16,
+                      resid=BF16, base_trainable=False, adapter_copy=FP32, logits=BF16)
+    if not setup.stock_peft:
+        return Regime(autocast=True, norm_save=FP32, norm_shared=True, norm_out=FP32, proj_out=FP32, attn=BF16,
+                      resid=FP32, base_trainable=False, adapter_copy=BF16, logits=BF16)
+    return Regime(autocast=False, norm_save=FP32, norm_shared=True, norm_out=FP32, proj_out=FP32, attn=FP32,
+                  resid=FP32, base_trainable=False, adapter_copy=0, logits=FP32)
+
+
+def _group_input_bytes(shape: ModelShape, setup: TrainSetup, r: Regime) -> float:
+    """Linear inputs a block saves for the weight gradients (trainable base) or for the adapters (LoRA)."""
+    adapted = {lin.name for lin in adapted_linears(shape, setup.lora_target_modules)} if setup.adapters else set()
+    total = 0.0
+    groups: dict[str, list[LinearSpec]] = {}
+    for lin in shape.linears():
+        groups.setdefault(lin.group, []).append(lin)
+    for group, lins in groups.items():
+        d_in = lins[0].d_in
+        from_norm = group in ("attn_in", "mlp_in")
+        in_bytes = r.norm_out if from_norm else (r.attn if group == "attn_out" else r.proj_out)
+        users = [lin for lin in lins if r.base_trainable or lin.name in adapted]
+        if not users:
+            continue
+        if r.base_trainable:
+            if r.autocast and in_bytes != BF16:
+                total += BF16 * d_in * len(users)  # one autocast cast per linear, each saved
+            elif not (group == "attn_out" and r.attn == BF16):  # flash's output is the o-proj input (a view)
+                total += in_bytes * d_in
+            continue
+        if r.adapter_copy:  # each adapter casts its input and saves its own copy
+            total += r.adapter_copy * d_in * len(users)
+        elif not (group == "attn_out" and r.attn == BF16):
+            total += in_bytes * d_in  # adapters share the (already fp32) input tensor
+    return total
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> float:
+    """Bytes one block saves for backward per token (no recompute), before ``ACTIVATION_SCALE``.
+
+    Counted per saved tensor: norm inputs, linear inputs (``_group_input_bytes``), q/k/v (+ rotary copies) and the
+    attention output, flash's log-sum-exp (or eager scores), and the MLP hidden tensors (scaled by ``d_ff``).
+    A 4d GPT under AMP: 8 (two fp32 LayerNorm inputs) + 12 (bf16 linear inputs: qkv 2, fc 2, fc_out 8; proj reads
+    the attention output itself) + 8 (q, k, v, output) + 8 (GELU input) = 36 d (the seed's 34 d
+    assumes a bf16 residual stream and counts two dropout masks).
+    """
+    r = regime(setup)
+    d, ff, q, kv, H, T = shape.d_model, shape.d_ff, shape.q_dim, shape.kv_dim, shape.n_head, setup.seq_len
+    n_norms = 2
+    if shape.family == "llama":  # RMSNorm: fp32 upcast of the input + normalised tensor for a trainable gain
+        norm = n_norms * (FP32 + (r.resid if r.base_trainable else 0)) * d
+    else:
+        shared = shape.parallel_residual and r.norm_shared
+        norm = (1 if shared else n_norms) * r.norm_save * d
+    # attention inputs: q, k, v as attention saves them (views of the fused projection for gpt, fresh rotary copies
+    # for llama; gpt-neox keeps the fused buffer alive through v and adds rotary copies of q and k)
+    # (an fp32 projection under autocast is cast to bf16 for SDPA, and the fp32 buffer is then free)
+    attn = r.attn * (q + 2 * kv)
+    if shape.family == "gptneox" and r.proj_out == r.attn:
+        attn += r.attn * (q + kv)
+    attn += r.attn * q  # output
+    if shape.attention == "eager":
+        attn += (EAGER_SCORE_BYTES if r.attn == BF16 else FP32) * H * T
+    else:
+        attn += FLASH_LSE_BYTES * H
+    if shape.family == "llama":  # gate out (SiLU input), up out, SiLU out
+        mlp = 3 * r.proj_out * ff
+    else:  # GELU input
+        mlp = r.proj_out * ff
+    return norm + _group_input_bytes(shape, setup, r) + attn + mlp
+
+
+def outside_blocks_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> float:
+    """The final norm's saved input and the head's input (kept for the head / loss-chunk backward)."""
+    r = regime(setup)
+    return (r.norm_save + BF16) * shape.d_model
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    no_recompute: float
+    recompute: float
+    """Block inputs kept by checkpointing (+ the final norm and head inputs)."""
+    recompute_layer: float
+    """One block's activations re-created during backward (only with recompute)."""
+    per_token_per_layer: float
+
+
+def activation_bytes(shape: ModelShape, setup: TrainSetup) -> ActivationBytes:
+    tokens = setup.tokens_per_micro_batch
+    per_layer = layer_activation_bytes_per_token(shape, setup) * ACTIVATION_SCALE
+    outside = outside_blocks_bytes_per_token(shape, setup) * tokens
+    r = regime(setup)
+    return ActivationBytes(
+        no_recompute=shape.n_layer * per_layer * tokens + outside,
+        recompute=shape.n_layer * r.resid * shape.d_model * tokens + outside,
+        recompute_layer=per_layer * tokens,
+        per_token_per_layer=per_layer,
+    )
+
+
+def logits_bytes(shape: ModelShape, setup: TrainSetup) -> tuple[float, str]:
+    """Logits and loss: one checkpointed chunk, or the full (B*T, V) logits (compiled or eager cross-entropy)."""
+    V, tokens = shape.vocab_size, setup.tokens_per_micro_batch
+    if setup.loss_chunk_size:
+        chunk = min(setup.loss_chunk_size, tokens)
+        return LOGITS_CHUNK_BYTES * chunk * V, f"one chunk of {chunk} tokens x {V} vocab, {LOGITS_CHUNK_BYTES} B each"
+    if setup.compiled_loss:
+        return LOGITS_COMPILED_BYTES * tokens * V, f"full {tokens} x {V} logits, compiled cross-entropy"
+    per = LOGITS_EAGER_BYTES + (regime(setup).logits if LOGITS_HELD else 0)
+    return per * tokens * V, f"full {tokens} x {V} logits, eager fp32 loss, {per} B each"
+
+
+# ===================================================================================================================
+# The ledger
+# ===================================================================================================================
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    label: str
+    bytes: float
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Predicted memory of one training step, in bytes. ``allocated`` compares with max_memory_allocated()."""
+
+    shape: ModelShape
+    setup: TrainSetup
+    rows: tuple[Row, ...]
+    allocated: float
+    fragmentation: float
+    reserved: float
+    cuda_context: float
+    total: float
+    peak_phase: str
+    """'backward start' (activations + logits) or 'optimizer step' (all gradients + states)."""
+    activations_no_recompute: float
+    activations_recompute: float
+    memory_cap: float | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_cap is None or self.total <= self.memory_cap
+
+    def row(self, key: str) -> float:
+        return next(r.bytes for r in self.rows if r.key == key)
+
+    def as_dict(self) -> dict[str, float]:
+        """Bytes per row plus the totals, for a benchmark to print beside its measurement."""
+        out = {r.key: r.bytes for r in self.rows}
+        out.update(
+            allocated=self.allocated, fragmentation=self.fragmentation, reserved=self.reserved,
+            cuda_context=self.cuda_context, total=self.total,
+            activations_no_recompute=self.activations_no_recompute, activations_recompute=self.activations_recompute,
+        )
+        return out
+
+
+def ledger(
+    shape: ModelShape, setup: TrainSetup | None = None, memory_cap: float | None = None, **overrides: Any
+) -> Ledger:
+    """Predict the memory of a training step of ``shape`` under ``setup`` (fields can be overridden by keyword).
+
+    The peak is the larger of two moments: the start of backward (all activations and the loss's logits alive,
+    gradients only if accumulation > 1) and the optimizer step (all gradients, no activations).
+    """
+    setup = dataclasses.replace(setup or TrainSetup(), **overrides)
+    st = model_state_bytes(shape, setup)
+    act = activation_bytes(shape, setup)
+    logits, logits_note = logits_bytes(shape, setup)
+    accumulate = setup.gradient_accumulation_steps > 1
+    grads_at_peak = st.gradients if accumulate else 0.0
+    activations = act.recompute if setup.recompute else act.no_recompute
+    recompute_layer = act.recompute_layer if setup.recompute else 0.0
+    per_d = act.per_token_per_layer / shape.d_model
+    if setup.recompute:
+        act_note = f"block inputs only; without recompute {fmt_gib(act.no_recompute)} ({per_d:.1f} x d/token/layer)"
+    else:
+        act_note = f"{per_d:.1f} x d bytes/token/layer; with recompute {fmt_gib(act.recompute + act.recompute_layer)}"
+    grad_note = st.notes["gradients"] + (
+        ", alive all step (accumulation > 1)" if accumulate else f", counted at the step only ({fmt_gib(st.gradients)})"
+    )
+    rows = [
+        Row("weights", "weights", st.weights, st.notes["weights"]),
+        Row("gradients", "gradients", grads_at_peak, grad_note),
+        Row("optimizer", "optimizer state", st.optimizer, st.notes["optimizer"]),
+        Row("master", "fp32 master copy", st.master, st.notes["master"]),
+        Row("autocast_copies", "autocast weight copies", st.autocast_copies, st.notes.get("autocast_copies", "none")),
+        Row("activations", "activations", activations, act_note),
+        Row("recompute_layer", "recomputed block", recompute_layer,
+            "one block's activations re-created in backward" if setup.recompute else "no recompute"),
+        Row("logits", "logits + loss", logits, logits_note),
+        Row("workspace", "workspace (cuBLAS etc.)", WORKSPACE_BYTES, "cuBLAS/cuBLASLt workspaces, SDPA scratch"),
+    ]
+    if setup.recompute:  # the loss's backward frees the logits before the first block is re-run
+        rows.append(Row("overlap", "not at the same time", -min(logits, recompute_layer),
+                        "recomputed block and logits never coexist: only the larger counts"))
+    backward_start = sum(r.bytes for r in rows)
+    optimizer_step = st.weights + st.gradients + st.optimizer + st.master + WORKSPACE_BYTES  # fused AdamW: no temp
+    if optimizer_step > backward_start:
+        allocated, phase = optimizer_step, "optimizer step"
+    else:
+        allocated, phase = backward_start, "backward start"
+    fragmentation = FRAGMENTATION_FRACTION * allocated
+    reserved = allocated + fragmentation
+    return Ledger(
+        shape=shape, setup=setup, rows=tuple(rows), allocated=allocated, fragmentation=fragmentation,
+        reserved=reserved, cuda_context=CUDA_CONTEXT_BYTES, total=reserved + CUDA_CONTEXT_BYTES, peak_phase=phase,
+        activations_no_recompute=act.no_recompute, activations_recompute=act.recompute + act.recompute_layer,
+        memory_cap=memory_cap,
+    )
+
+
+
+# ===================================================================================================================
+# Sizes in and out
+# ===================================================================================================================
+
+_UNITS = {"mb": MiB, "mib": MiB, "m": MiB, "gb": GiB, "gib": GiB, "g": GiB, "tb": 1024 * GiB, "tib": 1024 * GiB}
+
+
+def parse_memory(text: str) -> int:
+    """'16GB', '15.5 GiB', '12000MB' -> bytes. GB is read as GiB, like the seed: a "16 GB" card has 16 GiB of DRAM."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise SettingsError(f"cannot read memory size {text!r}: write a number and a unit, e.g. 16GB, 15.5GiB or 12000MB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+

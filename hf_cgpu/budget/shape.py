@@ -1,0 +1,411 @@
+"""What the ledger knows of a run: the model's shape, read from its config, and how it is trained.
+
+``ModelShape`` comes from a transformers config only (``from_config``): a GPT preset goes through the same
+``GPTSettings.model_config`` -> ``CgptConfig`` that training builds (``cli.preset_shape``), a fine-tuning base
+through its ``config.json``.
+``TrainSetup`` carries the training settings that move the memory peak, under the names ``TrainSettings`` gives
+them, and is built from those settings (``RunShape.setup``). A task declares its ``RunShape`` (model shape,
+sequence length, loss chunk) so the trainer's autofit and ``hf-cgpu budget`` describe a run the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import MissingPathError, SettingsError
+from ..tiers import ADAPTER_TIERS, TIERS
+
+FAMILIES = ("gpt", "gptneox", "llama")
+ATTENTIONS = ("sdpa", "eager")
+
+REFERENCE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "pythia-1.4b": ("gpt_neox", dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
+                                     intermediate_size=8192, vocab_size=50304, tie_word_embeddings=False)),
+}
+"""Shapes known without a download: the Pythia-1.4B config of the seed's LoRA exercise (``EleutherAI/pythia-1.4b``)."""
+
+
+def fmt_count(n: float) -> str:
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.{2 if div == 1e9 else 1}f}{suffix}"
+    return str(int(n))
+
+
+# ===================================================================================================================
+# Model shape
+# ===================================================================================================================
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One linear layer of a transformer block."""
+
+    name: str
+    """Module name as in the transformers model (what peft's target_modules matches)."""
+    role: str
+    """qkv | q | k | v | attn_out | mlp_in | gate | up | mlp_out."""
+    d_in: int
+    d_out: int
+    group: str
+    """Linears in one group read the same input tensor: attn_in, attn_out, mlp_in, mlp_out."""
+    bias: bool
+    aliases: tuple[str, ...] = ()
+    """Other names of the same layer (GPT-2's c_attn, c_proj, c_fc for cgpt's qkv, proj/fc_out, fc)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a decoder-only transformer, enough to count its parameters, activations and FLOPs.
+
+    ``family`` decides which linears exist: "gpt" (GPT-2 / hf_cgpu's cgpt: fused qkv, GELU MLP, LayerNorm, learned
+    positions), "gptneox" (fused qkv, GELU MLP, LayerNorm with bias, rotary, parallel residual) or "llama" (q, k, v,
+    o, gated SiLU MLP, RMSNorm, rotary, grouped-query attention). Build it with ``from_config``.
+    """
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    n_positions: int = 0
+    """Rows of a learned position table (0 = rotary, no table)."""
+    d_ff: int = 0
+    """MLP hidden width; 0 = ``mlp_ratio * d_model``."""
+    mlp_ratio: float = 4.0
+    n_kv_head: int = 0
+    """Key/value heads (grouped-query attention); 0 = ``n_head``."""
+    head_size: int = 0
+    """Width of one head; 0 = ``d_model // n_head`` (Qwen3 and Gemma set a wider ``head_dim``)."""
+    tie_embeddings: bool = True
+    bias: bool = False
+    """Biases in the attention and MLP linears."""
+    norm_bias: bool | None = None
+    """Biases in the norms; None = same as ``bias`` (GPT), forced True for gptneox and False for llama."""
+    family: str = "gpt"
+    parallel_residual: bool = False
+    """GPT-NeoX: attention and MLP read the same input (one norm input saved instead of two)."""
+    attention: str = "sdpa"
+    """The config's attention implementation: sdpa (flash / memory-efficient kernels, no T x T scores) or eager
+    (scores saved per head)."""
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise SettingsError(f"unknown model family {self.family!r}: choose one of {', '.join(FAMILIES)}")
+        if self.attention not in ATTENTIONS:
+            raise SettingsError(f"unknown attention {self.attention!r}: choose one of {', '.join(ATTENTIONS)}")
+        for key in ("n_layer", "d_model", "n_head", "vocab_size"):
+            if int(getattr(self, key)) <= 0:
+                raise SettingsError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
+        if self.head_size == 0:
+            if self.d_model % self.n_head:
+                raise SettingsError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}: fix the shape")
+            object.__setattr__(self, "head_size", self.d_model // self.n_head)
+        if self.d_ff == 0:
+            object.__setattr__(self, "d_ff", int(round(self.mlp_ratio * self.d_model)))
+        if self.n_kv_head == 0:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        if self.n_head % self.n_kv_head:
+            raise SettingsError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}: fix the shape")
+        if self.family == "gpt":
+            object.__setattr__(self, "norm_bias", self.bias if self.norm_bias is None else self.norm_bias)
+        else:  # GPT-NeoX LayerNorms always carry a bias; Llama's RMSNorm never does
+            object.__setattr__(self, "norm_bias", self.family == "gptneox")
+
+    # ---- constructors: every one ends in from_config ----
+    @classmethod
+    def from_config(cls, config: Any, name: str = "") -> ModelShape:
+        """From a transformers config (object or ``config.json`` dict) of a causal LM (gpt2, cgpt, gpt_neox,
+        llama-like)."""
+        return _shape_from_config(config, name)
+
+    @classmethod
+    def reference(cls, name: str) -> ModelShape:
+        """A model of ``REFERENCE_CONFIGS`` (its config built here, no download)."""
+        from transformers import AutoConfig
+
+        if name not in REFERENCE_CONFIGS:
+            raise SettingsError(f"unknown reference model {name!r}: choose one of {', '.join(REFERENCE_CONFIGS)}")
+        model_type, kwargs = REFERENCE_CONFIGS[name]
+        return _shape_from_config(AutoConfig.for_model(model_type, **kwargs), name)
+
+    @classmethod
+    def from_config_file(cls, path: str | Path) -> ModelShape:
+        """From a local ``config.json`` (or a directory holding one)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise MissingPathError(f"no config.json at {str(path)!r}: pass the file or the model directory")
+        try:
+            cfg = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise SettingsError(f"{p} is not valid JSON ({e.msg} at line {e.lineno}): fix or re-download it") from None
+        return _shape_from_config(cfg, p.parent.name)
+
+    @classmethod
+    def from_hub(cls, model_id: str) -> ModelShape:
+        """From a Hub model id through ``transformers.AutoConfig`` (needs network or a cached config)."""
+        try:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(model_id)
+        except Exception as e:  # offline, gated, typo: all end the same way for the user
+            reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+            raise SettingsError(
+                f"cannot load the config of {model_id!r} from the Hub ({reason}): "
+                "download its config.json and pass --config PATH"
+            ) from None
+        return _shape_from_config(cfg, model_id)
+
+    # ---- derived sizes ----
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of the attention output (= d_model unless head_size says otherwise)."""
+        return self.n_head * self.head_size
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_head * self.head_size
+
+    def linears(self) -> list[LinearSpec]:
+        """The linears of one block, in forward order."""
+        d, ff, q, kv, b = self.d_model, self.d_ff, self.q_dim, self.kv_dim, self.bias
+        if self.family == "gpt":
+            return [
+                LinearSpec("qkv", "qkv", d, q + 2 * kv, "attn_in", b, ("c_attn",)),
+                LinearSpec("proj", "attn_out", q, d, "attn_out", b, ("c_proj",)),
+                LinearSpec("fc", "mlp_in", d, ff, "mlp_in", b, ("c_fc",)),
+                LinearSpec("fc_out", "mlp_out", ff, d, "mlp_out", b, ("c_proj",)),
+            ]
+        if self.family == "gptneox":  # GPT-NeoX's MLP always has biases; attention follows attention_bias
+            return [
+                LinearSpec("query_key_value", "qkv", d, q + 2 * kv, "attn_in", b),
+                LinearSpec("dense", "attn_out", q, d, "attn_out", b),
+                LinearSpec("dense_h_to_4h", "mlp_in", d, ff, "mlp_in", True),
+                LinearSpec("dense_4h_to_h", "mlp_out", ff, d, "mlp_out", True),
+            ]
+        return [
+            LinearSpec("q_proj", "q", d, q, "attn_in", b),
+            LinearSpec("k_proj", "k", d, kv, "attn_in", b),
+            LinearSpec("v_proj", "v", d, kv, "attn_in", b),
+            LinearSpec("o_proj", "attn_out", q, d, "attn_out", b),
+            LinearSpec("gate_proj", "gate", d, ff, "mlp_in", False),
+            LinearSpec("up_proj", "up", d, ff, "mlp_in", False),
+            LinearSpec("down_proj", "mlp_out", ff, d, "mlp_out", False),
+        ]
+
+    def param_tensors(self) -> list[tuple[str, int, str]]:
+        """Every parameter tensor as (name, numel, kind); kind is embedding | head | linear | bias | norm."""
+        d, L = self.d_model, self.n_layer
+        out: list[tuple[str, int, str]] = [("embed", self.vocab_size * d, "embedding")]
+        if self.n_positions:
+            out.append(("positions", self.n_positions * d, "embedding"))
+        norms_per_layer = 2
+        for i in range(L):
+            for j in range(norms_per_layer):
+                out.append((f"h.{i}.norm{j}.weight", d, "norm"))
+                if self.norm_bias:
+                    out.append((f"h.{i}.norm{j}.bias", d, "norm"))
+            for lin in self.linears():
+                out.append((f"h.{i}.{lin.name}.weight", lin.d_in * lin.d_out, "linear"))
+                if lin.bias:
+                    out.append((f"h.{i}.{lin.name}.bias", lin.d_out, "bias"))
+        out.append(("final_norm.weight", d, "norm"))
+        if self.norm_bias:
+            out.append(("final_norm.bias", d, "norm"))
+        if not self.tie_embeddings:
+            out.append(("head", self.vocab_size * d, "head"))
+        return out
+
+    @property
+    def n_params(self) -> int:
+        """Total parameters, tied embeddings counted once."""
+        return sum(n for _, n, _ in self.param_tensors())
+
+    @property
+    def n_block_linear_params(self) -> int:
+        """Weights of the block linears (what 4-bit quantization and autocast copies apply to)."""
+        return sum(n for _, n, k in self.param_tensors() if k == "linear")
+
+    @property
+    def n_matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token: block linears + the LM head (tied or not)."""
+        return self.n_block_linear_params + self.vocab_size * self.d_model
+
+    def describe(self) -> str:
+        kv = f", {self.n_kv_head} kv heads" if self.n_kv_head != self.n_head else ""
+        ff = "" if self.d_ff == 4 * self.d_model else f", d_ff {self.d_ff}"
+        attn = "" if self.attention == "sdpa" else f", {self.attention} attention"
+        return (
+            f"{self.name or 'model'} ({self.family}, {self.n_layer} x {self.d_model}, {self.n_head} heads{kv}{ff}"
+            f"{attn}, vocab {self.vocab_size}) = {fmt_count(self.n_params)} params"
+        )
+
+
+_NEOX_TYPES = {"gpt_neox"}
+_GPT_TYPES = {"gpt2", "cgpt"}
+
+
+def _shape_from_config(config: Any, name: str = "") -> ModelShape:
+    """Read the keys that matter from a transformers config; unknown model types are treated as Llama-like."""
+    cfg = config if isinstance(config, Mapping) else config.to_dict()
+    if isinstance(cfg.get("text_config"), Mapping):  # multimodal configs nest the language model's
+        cfg = cfg["text_config"]
+    cfg = dict(cfg)
+    model_type = str(cfg.get("model_type", ""))
+    implementation = getattr(config, "_attn_implementation", None) or cfg.get("attn_implementation")
+    attention = "eager" if implementation == "eager" else "sdpa"
+
+    def pick(*keys: str, default: Any = None) -> Any:
+        for k in keys:
+            if cfg.get(k) is not None:
+                return cfg[k]
+        if default is None:
+            raise SettingsError(f"config has none of {', '.join(keys)}: pass --preset or a causal-LM config.json")
+        return default
+
+    d = int(pick("hidden_size", "n_embd", "d_model"))
+    common = dict(
+        n_layer=int(pick("num_hidden_layers", "n_layer", "num_layers")),
+        d_model=d,
+        n_head=int(pick("num_attention_heads", "n_head")),
+        vocab_size=int(pick("vocab_size")),
+        attention=attention,
+        name=name or model_type,
+    )
+    if model_type in _GPT_TYPES or ("n_embd" in cfg and model_type not in _NEOX_TYPES):
+        gpt2 = model_type == "gpt2"
+        ff = cfg.get("n_inner") or int(round(float(cfg.get("mlp_ratio", 4)) * d))
+        return ModelShape(
+            **common, family="gpt", d_ff=int(ff), n_positions=int(pick("n_positions", "max_position_embeddings")),
+            bias=bool(cfg.get("bias", gpt2)), tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        )
+    if model_type in _NEOX_TYPES:
+        return ModelShape(
+            **common, family="gptneox", d_ff=int(pick("intermediate_size", default=4 * d)),
+            bias=bool(cfg.get("attention_bias", True)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            parallel_residual=bool(cfg.get("use_parallel_residual", True)),
+        )
+    n_head = common["n_head"]
+    return ModelShape(
+        **common, family="llama", d_ff=int(pick("intermediate_size")),
+        n_kv_head=int(cfg.get("num_key_value_heads") or n_head), head_size=int(cfg.get("head_dim") or 0),
+        bias=bool(cfg.get("attention_bias", model_type in ("qwen2",))),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+# ===================================================================================================================
+# How the model is trained
+# ===================================================================================================================
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """The training settings that move the memory peak, named as in ``TrainSettings`` (and the task settings)."""
+
+    seq_len: int = 1024
+    """Tokens per sequence."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step. Above 1 the gradients stay allocated through every forward and backward."""
+    tier: str = "full"
+    """full (AdamW), adamw8bit (bitsandbytes 8-bit m, v), lora (frozen bf16 base + adapters), qlora (nf4 base)."""
+    recompute: bool = False
+    """Full-layer activation checkpointing: keep each block's input, re-run one block at a time in backward."""
+    lora_r: int = 16
+    """LoRA rank r: each adapted linear gains r * (d_in + d_out) trainable parameters."""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """Module names (qkv, q_proj, ...), roles (attn, mlp) or 'all-linear' (every block linear, not the head)."""
+    loss_chunk_size: int = 1024
+    """Tokens per checkpointed loss chunk (hf_cgpu's GPT and tiers); 0 = full logits."""
+    compiled_loss: bool = False
+    """The full-logits cross-entropy runs inside torch.compile: our GPT compiled whole (``--compile`` with
+    ``--loss_chunk_size 0``), as in the H200 anchors of a nanoGPT-style whole-model compile."""
+    stock_peft: bool = False
+    """The peer the benchmark trains beside ours, not an hf_cgpu tier: LoRA on a bf16 model without autocast (peft
+    upcasts every adapted input to fp32 and saves it); QLoRA through prepare_model_for_kbit_training (embeddings,
+    head, norms and so the residual stream in fp32)."""
+
+    def __post_init__(self) -> None:
+        for key in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "lora_r"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SettingsError(f"{key} must be a positive integer, got {value!r}")
+        if self.tier not in TIERS:
+            raise SettingsError(f"unknown tier {self.tier!r}: choose one of {', '.join(TIERS)} (add --recompute to any)")
+        if not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 0:
+            raise SettingsError(f"loss_chunk_size must be 0 (full logits) or a positive token count, "
+                                f"got {self.loss_chunk_size!r}")
+        if isinstance(self.lora_target_modules, str):
+            object.__setattr__(self, "lora_target_modules", _targets(self.lora_target_modules))
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.tokens_per_micro_batch * self.gradient_accumulation_steps
+
+    @property
+    def adapters(self) -> bool:
+        return self.tier in ADAPTER_TIERS
+
+    def describe(self) -> str:
+        if self.adapters:
+            regime = {
+                ("lora", False): "frozen bf16 base under bf16 autocast, fp32 adapters",
+                ("lora", True): "stock peft: bf16 model, no autocast, adapters upcast their inputs to fp32",
+                ("qlora", False): "frozen nf4 base, bf16 embeddings/norms, bf16 autocast, fp32 adapters",
+                ("qlora", True): "stock prepare_model_for_kbit_training: nf4 base, fp32 embeddings/norms/residual",
+            }[(self.tier, self.stock_peft)]
+            what = f"{self.tier} r={self.lora_r} on {','.join(self.lora_target_modules)} ({regime})"
+        else:
+            opt = "AdamW8bit" if self.tier == "adamw8bit" else "AdamW"
+            what = f"{self.tier} ({opt}, fp32 weights + bf16 autocast)"
+        loss = f"loss in chunks of {self.loss_chunk_size} tokens" if self.loss_chunk_size else (
+            "full logits, compiled loss" if self.compiled_loss else "full logits, eager loss")
+        return (
+            f"{what}; seq {self.seq_len} x micro-batch {self.micro_batch_size} x accumulation "
+            f"{self.gradient_accumulation_steps} = {self.tokens_per_step:,} tokens/step; "
+            f"{'recompute' if self.recompute else 'no recompute'}; {loss}"
+        )
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    """``--lora_target_modules``: empty = every block linear (what the tiers pick per architecture)."""
+    return tuple(t for t in text.split(",") if t) or ("all-linear",)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a language-model task declares for the ledger: its model's shape and how its sequences and loss run."""
+
+    model: ModelShape
+    """From the config of the model the task trains."""
+    seq_len: int
+    """Tokens per training sequence."""
+    loss_chunk_size: int
+    """Tokens per chunk of the loss; 0 = full logits."""
+    loss_in_forward: bool = True
+    """The loss runs inside ``model.forward`` (our GPT), so a whole-model compile fuses it; False when the task
+    calls the backbone itself (the fine-tuning loss)."""
+
+    def setup(self, settings: Any, **peer: Any) -> TrainSetup:
+        """The ``TrainSetup`` of a run with ``settings`` (a ``TrainSettings``); ``peer`` sets stock_peft."""
+        compiled = (settings.compile and self.loss_in_forward and not self.loss_chunk_size
+                    and settings.tier not in ADAPTER_TIERS)
+        return TrainSetup(
+            seq_len=self.seq_len, micro_batch_size=settings.micro_batch_size,
+            gradient_accumulation_steps=settings.gradient_accumulation_steps, tier=settings.tier,
+            recompute=settings.recompute, lora_r=settings.lora_r, lora_target_modules=_targets(settings.lora_target_modules),
+            loss_chunk_size=self.loss_chunk_size, compiled_loss=compiled, **peer,
+        )

@@ -1,0 +1,69 @@
+"""The time ledger: training FLOPs per token (the one count the trainer's MFU uses too) and hours.
+
+Training FLOPs per token = 6 N + 12 L T d (N = matmul parameters: block linears + the LM head; 12 L T d is the
+attention: per layer and token the forward computes QK^T (2 T d) and AV (2 T d), backward twice that, counted
+over the full T x T square as in PaLM's MFU convention even though causal kernels skip half). Frozen weights need
+no weight gradient (4 N instead of 6 N); recompute adds a forward (2 N + 4 L T d), which MFU leaves out.
+Hours = tokens x FLOPs / (peak x utilisation).
+"""
+
+from __future__ import annotations
+
+from .memory import lora_trainable_params
+from .shape import ModelShape, TrainSetup
+
+CHINCHILLA_TOKENS_PER_PARAM = 20
+DEFAULT_MFU = 0.4
+ASSUMED_PEAK_TFLOPS = 165.0
+"""Used by ``hf-cgpu budget`` only when neither --peak_tflops nor a saved ``hf-cgpu bench`` exists: the seed's
+150-180 TFLOP/s dense bf16 range for a consumer Blackwell card (RTX 5070 Ti)."""
+
+
+def flops_per_token(shape: ModelShape, setup: TrainSetup, count_recompute: bool = True) -> float:
+    """Training FLOPs per token (see the module docstring for the derivation).
+
+    Full: 6 N + 12 L T d. Frozen base (LoRA/QLoRA): 4 N (no weight gradients) + 6 N_adapters + 12 L T d.
+    Recompute adds one more forward, 2 N + 4 L T d, when ``count_recompute`` (executed FLOPs, for hours);
+    model FLOPs utilisation (MFU) counts the model's FLOPs without it.
+    """
+    n = shape.n_matmul_params
+    attn = attention_flops_per_token(shape, setup.seq_len)  # forward a third of it, backward two thirds
+    if setup.adapters:
+        n_lora = lora_trainable_params(shape, setup.lora_r, setup.lora_target_modules)
+        flops = 4.0 * n + 6.0 * n_lora + attn
+        extra = 2.0 * (n + n_lora) + attn / 3
+    else:
+        flops = 6.0 * n + attn
+        extra = 2.0 * n + attn / 3
+    return flops + (extra if setup.recompute and count_recompute else 0.0)
+
+
+def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """12 L T d: QK^T and AV over the full T x T square, forward (4 L T d) and backward (8 L T d)."""
+    return 12.0 * shape.n_layer * seq_len * shape.d_model
+
+
+def chinchilla_tokens(params: float) -> float:
+    """Compute-optimal tokens (Hoffmann et al. 2022): ~20 per parameter."""
+    return CHINCHILLA_TOKENS_PER_PARAM * params
+
+
+def training_hours(tokens: float, flops_token: float, peak_tflops: float, mfu: float = DEFAULT_MFU) -> float:
+    """Wall-clock hours for ``tokens`` at ``peak_tflops * mfu`` sustained."""
+    return tokens * flops_token / (peak_tflops * 1e12 * mfu) / 3600
+
+
+def peak_tflops(explicit: float = 0.0, use_bench: bool = True, assumed: float = 0.0) -> tuple[float, str]:
+    """The bf16 peak every MFU and hour divides by, with where it came from: ``explicit`` (--peak_tflops), else
+    the last ``hf-cgpu bench`` of this machine (when ``use_bench``), else ``assumed`` (0 = unknown)."""
+    if explicit > 0:
+        return explicit, "--peak_tflops"
+    if use_bench:
+        from ..bench import load_measured_peak
+
+        measured = load_measured_peak()
+        if measured:
+            return measured, "hf-cgpu bench"
+    if assumed:
+        return assumed, "an assumed 5070 Ti figure; run `hf-cgpu bench`"
+    return 0.0, "unknown (run `hf-cgpu bench` or pass --peak_tflops)"

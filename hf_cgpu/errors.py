@@ -1,0 +1,57 @@
+"""Errors a user can fix, and the one place that turns them into a one-line message and exit code 2.
+
+Every recipe and every ``hf-cgpu`` subcommand runs its ``main`` through ``run_main``. A ``UserError`` (bad settings,
+data, checkpoint or Hub input, or a run stopped on purpose) prints ``error: <message>`` on stderr and returns 2,
+the exit code argparse uses for bad arguments. Anything else is a bug and keeps its traceback.
+``HF_CGPU_DEBUG=1`` shows the traceback of user errors too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+USER_ERROR_EXIT = 2
+
+
+class UserError(Exception):
+    """Something the user can fix; the message is one line that names the fix."""
+
+
+class SettingsError(UserError, ValueError):
+    """A bad setting or combination of settings."""
+
+
+class DataError(UserError, ValueError):
+    """Data that cannot be used as given (missing column, empty split, undecodable file)."""
+
+
+class MissingPathError(UserError, FileNotFoundError):
+    """A file or folder named on the command line does not exist."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that is incomplete, corrupted or written for another model."""
+
+
+class TrainingStopped(UserError, RuntimeError):
+    """The run stopped on purpose (diverged, out of memory at micro-batch 1, SIGTERM); a checkpoint was saved first."""
+
+
+def require_model(spec: str, what: str = "model folder") -> None:
+    """A ``spec`` that looks like a local path must exist; an ``owner/name`` Hub id is left to the loader."""
+    if not Path(spec).expanduser().exists() and (spec.startswith((".", "/", "~")) or spec.count("/") != 1):
+        raise MissingPathError(f"{what} {spec!r} not found; pass a trained run's output_dir or a Hub id")
+
+
+def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
+    """Run ``main(argv)``; a ``UserError`` ends in one line on stderr and exit code 2 (``HF_CGPU_DEBUG=1``: raise)."""
+    try:
+        return int(main(argv) or 0)
+    except UserError as err:
+        if os.environ.get("HF_CGPU_DEBUG"):
+            raise
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return USER_ERROR_EXIT

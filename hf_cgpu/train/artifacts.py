@@ -1,0 +1,101 @@
+"""What a finished run leaves in ``output_dir``: the model (EMA weights when EMA is on, or the best weights),
+``all_results.json`` (the final figures and every setting), ``history.json``, ``training_curves.png`` and the card."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from .ema import EMA, ema_weights
+
+
+def load_saved_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Load ``save_pretrained`` output (a peft adapter, or transformers/diffusers safetensors) into ``model``."""
+    folder = Path(folder)
+    if (folder / "adapter_model.safetensors").is_file():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(folder / "adapter_model.safetensors")))
+        return
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"{folder} does not match the model (missing {sorted(set(missing) - tied)[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]})")
+
+
+def final_results(steps: int, unit: str, units_seen: int, final: dict[str, float], keeper, use_best: bool,
+                  history: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
+    """The figures of all_results.json: the final (or best) evaluation, the last logged training window, ``extra``."""
+    last = next((h for h in reversed(history) if "train/loss" in h), {})
+    best = keeper.step is not None
+    return {
+        "steps": steps,
+        f"{unit}s_seen": units_seen,
+        "train_loss": last.get("train/loss"),
+        **(keeper.metrics if use_best else final),
+        **({f"best_{keeper.metric}": keeper.value, "best_step": keeper.step} if best else {}),
+        **({f"last_{k}": v for k, v in final.items()} if use_best else {}),
+        "model_step": keeper.step if use_best else steps,
+        f"{unit}_per_s": last.get(f"train/{unit}_per_s"),
+        "mfu": last.get("train/mfu"),
+        **extra,
+    }
+
+
+def save_run(task, model: torch.nn.Module, ema: EMA | None, use_best: bool, output_dir: Path,
+             results: dict[str, Any], settings: dict[str, Any], history: list[dict[str, Any]], log=print) -> None:
+    """Write the model, all_results.json, history.json, the curves and the card (main process only)."""
+    with ema_weights(ema, enabled=not use_best):  # the best weights were evaluated (and saved) with EMA in place
+        task.save_pretrained(model, output_dir)
+    (output_dir / "all_results.json").write_text(json.dumps({**results, "settings": settings}, indent=2))
+    (output_dir / "history.json").write_text(json.dumps(history))
+    plot_history(history, output_dir / "training_curves.png", task.unit, log)
+    if task.card_kind:
+        render_card(task.card_kind, output_dir, log)
+
+
+def plot_history(history: list[dict[str, Any]], path: Path, unit: str, log=print) -> None:
+    """Loss (train and validation), learning rate, gradient norm and throughput against step, one PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plotting is a convenience
+        return
+    panels = [("loss", ["train/loss", "eval/val_loss"]), ("learning rate", ["train/lr"]),
+              ("gradient norm", ["train/grad_norm"]), (f"{unit}/s", [f"train/{unit}_per_s"])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (title, keys) in zip(axes, panels):
+        for key in keys:
+            pts = [(h["step"], h[key]) for h in history if key in h]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if key.startswith("eval") else None, label=key.split("/")[-1])
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if len(keys) > 1:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    log(f"training curves: {path}")
+
+
+def render_card(kind: str, output_dir: Path, log=print) -> None:
+    from ..hub import render_model_card
+
+    try:
+        render_model_card(kind, output_dir)
+    except Exception as err:  # a card is documentation: never let it fail a finished run
+        log(f"warning: model card not written ({err})")

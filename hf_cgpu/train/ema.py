@@ -1,0 +1,58 @@
+"""Exponential moving average of the trainable weights, and the one way to put them in place."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+class EMA:
+    """shadow <- decay_at(step) * shadow + (1 - decay_at(step)) * weights, in fp32; saved as safetensors."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.shadow = {n: p.detach().clone().float() for n, p in self.params.items()}
+
+    def decay_at(self, step: int) -> float:
+        """Warm-up: min(decay, (1 + step) / (10 + step)), so early averages do not drag in the random init
+        (with 0.9999 and no warm-up, 41% of the EMA is still the init after 9000 steps)."""
+        return min(self.decay, (1 + step) / (10 + step))
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        names = list(self.params)
+        shadow = [self.shadow[n] for n in names]
+        torch._foreach_lerp_(shadow, [self.params[n].detach().float() for n in names], 1.0 - self.decay_at(step))
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        """Exchange live and EMA weights (call twice to restore)."""
+        for n, p in self.params.items():
+            live = p.detach().float().clone()
+            p.copy_(self.shadow[n].to(p.dtype))
+            self.shadow[n] = live
+
+    def save(self, path: Path) -> None:
+        save_file({n: t.contiguous() for n, t in self.shadow.items()}, str(path))
+
+    def load(self, path: Path) -> None:
+        loaded = load_file(str(path))
+        for n in self.shadow:
+            self.shadow[n].copy_(loaded[n])
+
+
+@contextmanager
+def ema_weights(ema: EMA | None, enabled: bool = True):
+    """Inside: the model holds its EMA weights (a no-op without EMA); outside: the live weights again."""
+    swap = ema is not None and enabled
+    if swap:
+        ema.swap()
+    try:
+        yield
+    finally:
+        if swap:
+            ema.swap()

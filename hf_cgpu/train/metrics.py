@@ -1,0 +1,115 @@
+"""Metrics: the logging window (loss, throughput, MFU, memory), accelerate's trackers, the history that becomes
+history.json and the curves, and the progress bar; ``write`` prints beside the bar."""
+
+from __future__ import annotations
+
+import resource
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {
+            "peak_alloc_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+        }
+    return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def counted_training_flops(model: torch.nn.Module, *inputs: Any) -> float:
+    """Training FLOPs of one sample = 3 x the forward FLOPs that torch's FlopCounterMode counts on ``inputs``
+    (eval mode, so BatchNorm uses its running statistics; the mode is restored)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was = model.training
+    model.eval()
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(*inputs)
+    model.train(was)
+    return 3.0 * counter.get_total_flops()
+
+
+@dataclass
+class Window:
+    """Training steps since the last log line."""
+
+    loss_sum: float = 0.0
+    steps: int = 0
+    units: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+
+
+class Metrics:
+    """Every ``log_steps`` steps (and the last): mean loss, lr, grad norm, units/s, MFU, epoch, peak memory."""
+
+    def __init__(self, accelerator, settings, unit: str, flops_per_unit: float, peak_tflops: tuple[float, str]):
+        self.accelerator, self.unit, self.flops_per_unit = accelerator, unit, flops_per_unit
+        self.peak, self.peak_source = peak_tflops
+        self.log_steps, self.max_steps, self.show_progress = settings.log_steps, settings.max_steps, settings.progress
+        self.device = accelerator.device
+        self.history: list[dict[str, Any]] = []
+        self.window = Window()
+        self.bar = None
+        if accelerator.is_main_process and settings.report_to != "none":
+            accelerator.init_trackers("hf_cgpu", config={k: v for k, v in asdict(settings).items() if v is not None})
+
+    # ---- output
+    def write(self, msg: str) -> None:
+        (self.bar.write if self.bar is not None else self.accelerator.print)(msg)
+
+    @contextmanager
+    def progress(self, first_step: int):
+        if self.show_progress and self.accelerator.is_local_main_process:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.max_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True)
+        try:
+            yield self
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            self.bar = None
+
+    # ---- training steps
+    def record(self, step: int, loss: float, lr: float, grad_norm: float, units: int, epoch: float) -> None:
+        """One optimizer step done (``step`` counts it); logs when the window is due."""
+        w = self.window
+        w.loss_sum, w.steps, w.units = w.loss_sum + loss, w.steps + 1, w.units + units
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.1e}")
+        if step % self.log_steps and step != self.max_steps:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        rate = w.units / (time.perf_counter() - w.t0)
+        metrics = {"train/loss": w.loss_sum / w.steps, "train/lr": lr, "train/grad_norm": grad_norm,
+                   f"train/{self.unit}_per_s": rate, "train/epoch": epoch}
+        if self.peak and self.flops_per_unit:
+            metrics["train/mfu"] = self.flops_per_unit * rate / (self.peak * 1e12)
+        metrics.update({f"train/{k}": v for k, v in peak_memory(self.device).items()})
+        self._emit(step, metrics, " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items()))
+        self.window = Window()
+
+    def skipped(self, step: int, skipped_steps: int) -> None:
+        self.accelerator.log({"train/skipped_steps": skipped_steps}, step=step)
+
+    def evaluation(self, step: int, metrics: dict[str, float], improved: bool) -> None:
+        if metrics:
+            text = " ".join(f"{k}={v:.4g}" for k, v in metrics.items()) + (" (best so far)" if improved else "")
+            self._emit(step, metrics, text)
+
+    def _emit(self, step: int, metrics: dict[str, float], text: str) -> None:
+        self.accelerator.log(metrics, step=step)
+        self.history.append({"step": step, **metrics})
+        self.write(f"step {step}: {text}")
+
+    def summary(self) -> dict[str, Any]:
+        """What all_results.json says about the peak the MFU divides by, and the memory."""
+        return {"mfu_peak_tflops": self.peak or None, "mfu_peak_source": self.peak_source, **peak_memory(self.device)}

@@ -1,0 +1,73 @@
+"""Everything before the first step: the Accelerator (bf16 autocast on GPU, fp32 on CPU), the task's setup, autofit
+(a new settings object), the memory tiers in their fixed order (``hf_cgpu.tiers``), AdamW, accelerate's prepare,
+EMA. The result is a ``Run``; the settings it holds are the ones the run trains with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from ..budget import autofit_settings, flops_per_token
+from ..settings import TrainSettings
+from ..tiers import apply_tiers, build_optimizer, validate_tier
+from .ema import EMA
+from .task import Task, TaskPlan
+
+
+@dataclass(frozen=True)
+class Run:
+    """A prepared run."""
+
+    settings: TrainSettings
+    """Frozen; after --autofit, the settings the ledger chose."""
+    accelerator: Accelerator
+    plan: TaskPlan
+    """What the task's setup declared; ``plan.model`` is the model before tiers."""
+    model: torch.nn.Module
+    """The model the loop trains: tiers applied, on the device, prepared by accelerate."""
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    output_dir: Path
+
+    @property
+    def flops_per_unit(self) -> float:
+        """MFU numerator per unit: the task's count, else the ledger's model FLOPs per token (no recompute)."""
+        plan = self.plan
+        if plan.flops_per_unit or plan.shape is None:
+            return plan.flops_per_unit
+        return flops_per_token(plan.shape.model, plan.shape.setup(self.settings), count_recompute=False)
+
+
+def mixed_precision(s: TrainSettings) -> str:
+    if s.mixed_precision != "auto":
+        return s.mixed_precision
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def prepare(task: Task, s: TrainSettings) -> Run:
+    out_dir = Path(s.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    accelerator = Accelerator(mixed_precision=mixed_precision(s), project_dir=str(out_dir),
+                              log_with=None if s.report_to == "none" else s.report_to)
+    device = accelerator.device
+    set_seed(s.seed)
+    plan = task.setup(s, accelerator)
+    if s.autofit:
+        memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        s = autofit_settings(s, plan.shape, memory, accelerator.print)
+    validate_tier(s.tier, s.recompute, train_mode=task.train_mode)
+    model = apply_tiers(
+        plan.model, s.tier, recompute=s.recompute, compile=s.compile, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
+        lora_dropout=s.lora_dropout, target_modules=[m for m in s.lora_target_modules.split(",") if m] or None,
+    )
+    if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "hf_device_map", None):
+        model = model.to(device)  # before the optimizer, so AdamW can be fused on CUDA
+    optimizer = build_optimizer(model, s.tier, lr=s.learning_rate, weight_decay=s.weight_decay,
+                                betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps, paged=s.paged_optimizer)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
+    return Run(s, accelerator, plan, model, optimizer, ema, out_dir)

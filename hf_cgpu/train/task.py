@@ -1,0 +1,98 @@
+"""What a model family supplies to the loop: a ``Task`` turns a batch into a loss; ``setup`` returns a ``TaskPlan``.
+
+A task declares what it needs as values (the plan, the class attributes) and never edits the settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from .artifacts import load_saved_weights
+from .schedule import SampleOrder
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from ..budget.shape import RunShape
+    from ..settings import TrainSettings
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    """What a task's ``setup`` hands the loop."""
+
+    model: torch.nn.Module
+    """The model to train, before memory tiers, compile and accelerate."""
+    eval_steps: int | None = None
+    """Evaluate every this many optimizer steps; None = the settings' ``eval_steps``."""
+    expected_initial_loss: float | None = None
+    """ln(vocab) for a causal LM from scratch: a first loss far below it means the targets leak into the inputs."""
+    flops_per_unit: float = 0.0
+    """Training FLOPs per throughput unit for MFU; 0 = from ``shape`` (language models) or unknown."""
+    shape: RunShape | None = None
+    """The run shape for the ledger (``--autofit``, OOM advice, MFU); None = not a language model."""
+
+
+class Task:
+    """Subclasses fill in every method that raises."""
+
+    unit: ClassVar[str] = "sample"
+    """What throughput counts: "tok", "img"."""
+    train_mode: ClassVar[str] = "pretrain"
+    """Or "finetune": adapter tiers (lora, qlora) only make sense on a pretrained base."""
+    card_kind: str | None = None
+    """Model card template rendered into the output directory (gpt, flow, lora)."""
+    best_metric: ClassVar[str | None] = None
+    """Evaluation figure (lower is better) that picks the best weights, e.g. val_loss."""
+    cfg: Any = None
+    """The task's settings dataclass, recorded in all_results.json."""
+
+    def setup(self, settings: TrainSettings, accelerator: Accelerator) -> TaskPlan:
+        """Build the model and the data. Runs before any tier, compile or prepare."""
+        raise NotImplementedError
+
+    def num_train_samples(self) -> int:
+        raise NotImplementedError
+
+    def sample_order(self, seed: int) -> SampleOrder:
+        """What ``train_batch`` receives at each step: ``indices(step, batch)`` and ``epoch_of(step, batch)``, a
+        function of ``(seed, step)`` only (exact resume). Default: sample indices, a new permutation each epoch."""
+        return SampleOrder(self.num_train_samples(), seed)
+
+    def train_batch(self, indices: torch.Tensor, device: torch.device, generator: torch.Generator) -> dict:
+        """The micro-batch made of training samples ``indices`` (1-D LongTensor from ``sample_order``), on ``device``."""
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        """Scalar fp32 loss of ``batch`` (random draws only from ``generator``)."""
+        raise NotImplementedError
+
+    def units(self, batch: dict) -> int:
+        """Throughput units in ``batch`` (tokens, images)."""
+        raise NotImplementedError
+
+    def evaluate(self, model: torch.nn.Module, settings: TrainSettings, device: torch.device) -> dict[str, float]:
+        """Figures on held-out data (never the training set). Model holds EMA weights when EMA is on."""
+        return {}
+
+    def on_evaluate(self, model: torch.nn.Module, step: int, output_dir: Path) -> None:
+        """Side products of an evaluation (e.g. a sample grid). Model holds EMA weights when EMA is on."""
+
+    def save_pretrained(self, model: torch.nn.Module, output_dir: Path) -> None:
+        raise NotImplementedError
+
+    def save_best(self, model: torch.nn.Module, folder: Path) -> None:
+        """Write the best-so-far weights (``output_dir/best``); default: what ``save_pretrained`` writes."""
+        self.save_pretrained(model, folder)
+
+    def load_saved_weights(self, model: torch.nn.Module, folder: Path) -> None:
+        """Load weights that ``save_pretrained`` wrote to ``folder`` back into ``model`` (for the best weights)."""
+        load_saved_weights(model, folder)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must match for a checkpoint to be resumable (model shape, vocab, ...)."""
+        return {}

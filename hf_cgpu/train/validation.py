@@ -1,0 +1,126 @@
+"""Validation: when to evaluate, evaluating with the EMA weights in place, and the best weights (``BestKeeper``:
+kept in output_dir/best, early stopping, restored at the end with ``--load_best_at_end``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .ema import ema_weights
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Put directory ``tmp`` in place of ``final``: at every instant one complete copy exists on disk."""
+    old = final.with_name(f".{final.name}-old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class BestKeeper:
+    """Keeps the weights with the lowest evaluation ``metric`` in ``output_dir/best`` and counts evaluations since
+    the last improvement (early stopping). Its state travels in every checkpoint, so a resumed run keeps it."""
+
+    def __init__(self, metric: str | None, folder: Path, patience: int = 0, save: bool = True):
+        self.metric, self.folder, self.patience, self.save = metric, folder, patience, save
+        self.value: float | None = None
+        self.step: int | None = None
+        self.metrics: dict[str, float] = {}
+        self.stale = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "step": self.step, "metrics": self.metrics, "stale": self.stale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value, self.step = state.get("value"), state.get("step")
+        self.metrics, self.stale = dict(state.get("metrics") or {}), int(state.get("stale") or 0)
+
+    def observe(self, metrics: dict[str, float], step: int, write: Callable[[Path], None] | None) -> bool:
+        """Record one evaluation; ``write(folder)`` saves the weights evaluated when they are the best so far."""
+        value = metrics.get(self.metric) if self.metric else None
+        if value is None or not math.isfinite(value):
+            return False
+        if self.value is not None and value >= self.value:
+            self.stale += 1
+            return False
+        self.value, self.step, self.metrics, self.stale = value, step, dict(metrics), 0
+        if self.save and write is not None:
+            tmp = self.folder.with_name(f".{self.folder.name}-tmp")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            write(tmp)
+            (tmp / "best.json").write_text(json.dumps({"step": step, **metrics}, indent=1))
+            _replace_dir(tmp, self.folder)
+        return True
+
+    def should_stop(self) -> bool:
+        return self.patience > 0 and self.stale >= self.patience
+
+
+class Validator:
+    """Evaluate every ``every`` steps before the last (0 = only at the end) and once at the end, reusing an
+    evaluation of the same step (an early stop or the deadline right after one)."""
+
+    def __init__(self, task, model, accelerator, ema, settings, keeper: BestKeeper, metrics, every: int,
+                 output_dir: Path):
+        self.task, self.model, self.accelerator, self.ema, self.settings = task, model, accelerator, ema, settings
+        self.keeper, self.metrics, self.every, self.output_dir = keeper, metrics, every, output_dir
+        self.last: tuple[int | None, dict[str, float]] = (None, {})
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0 and step < self.settings.max_steps
+
+    def run(self, step: int) -> dict[str, float]:
+        """Evaluate the EMA weights (live ones without EMA); the keeper saves them when they are the best."""
+        acc, model = self.accelerator, self.model
+        was_training = model.training
+        model.eval()
+        with ema_weights(self.ema):
+            with torch.no_grad(), acc.autocast():
+                raw = self.task.evaluate(model, self.settings, acc.device)
+            unwrapped = acc.unwrap_model(model)
+            if acc.is_main_process:
+                self.task.on_evaluate(unwrapped, step, self.output_dir)
+            write = (lambda folder: self.task.save_best(unwrapped, folder)) if acc.is_main_process else None
+            improved = self.keeper.observe(raw, step, write)
+            acc.wait_for_everyone()
+        model.train(was_training)
+        metrics = {f"eval/{k}": v for k, v in raw.items()}
+        self.metrics.evaluation(step, metrics, improved)
+        self.last = (step, metrics)
+        return metrics
+
+    def stop_early(self, step: int) -> bool:
+        if not self.keeper.should_stop():
+            return False
+        k = self.keeper
+        self.metrics.write(f"early stopping at step {step}: {k.metric} has not improved for {k.stale} evaluations "
+                           f"(best {k.value:.4g} at step {k.step})")
+        return True
+
+    def final(self, step: int) -> dict[str, float]:
+        """The end-of-run figures, without the ``eval/`` prefix."""
+        metrics = self.last[1] if self.last[0] == step else self.run(step)
+        return {k.split("/")[-1]: v for k, v in metrics.items()}
+
+    def restore_best(self, step: int, final: dict[str, float]) -> bool:
+        """``--load_best_at_end``: put the best weights into the model when they are not the last ones."""
+        k = self.keeper
+        if not (self.settings.load_best_at_end and k.step is not None and k.step != step and k.folder.is_dir()):
+            return False
+        self.accelerator.wait_for_everyone()
+        self.task.load_saved_weights(self.accelerator.unwrap_model(self.model), k.folder)
+        self.metrics.write(f"load_best_at_end: the saved model is the one of step {k.step} ({k.metric} {k.value:.4g}; "
+                           f"last step {step}: {final.get(k.metric, float('nan')):.4g})")
+        return True
