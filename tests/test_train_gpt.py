@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,11 +110,10 @@ def test_sigkill_then_resume_is_bit_identical(trained, tmp_path):
     assert not (cut / "all_results.json").exists(), "the run finished before it could be killed"
 
     log = run([*common, "--output_dir", str(cut), "--resume_from_checkpoint", "latest"], cache)
-    assert "resumed from" in log
+    assert re.search(r"resumed from \S+step_00000[24]0 at step [24]0", log), log[-2000:]
     full_losses, cut_losses = _losses(full), _losses(cut)
-    resumed = sorted(cut_losses)
-    assert resumed[0] in (21, 41) and resumed[-1] == 60
-    for step in resumed:
+    assert sorted(cut_losses) == list(range(1, 61))  # the history covers the whole run, not the last process
+    for step in cut_losses:
         assert cut_losses[step] == full_losses[step], step
     a, b = load_file(str(full / "model.safetensors")), load_file(str(cut / "model.safetensors"))
     assert a.keys() == b.keys()
