@@ -14,9 +14,11 @@ checkpoint (~1.5 GB with AdamW moments) costs ~1.3 s of one core to seal and the
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -118,6 +120,27 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# ---------------------------------------------------------------------------------------------------- disk errors
+
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG}
+"""Errors of the disk itself (full, over quota, read-only, failing): the run stops in one line, resumable."""
+
+
+def as_disk_error(err: BaseException) -> OSError | None:
+    """``err`` as the disk error it is (None when it is none): an ``OSError`` with a disk errno, safetensors'
+    "I/O error: ... (os error 28)", or torch's "file write failed" (the zip writer does not keep the errno)."""
+    if isinstance(err, OSError):
+        return err if err.errno in DISK_ERRNOS else None
+    text = str(err)
+    m = re.search(r"os error (\d+)", text)
+    if m and int(m.group(1)) in DISK_ERRNOS:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code))
+    if "file write failed" in text or "unexpected pos" in text:
+        return OSError(errno.EIO, "a file write failed (is the disk full?)")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- checksums
@@ -247,8 +270,10 @@ def update_manifest(folder: str | os.PathLike, names: list[str]) -> None:
 
 
 __all__ = [
+    "DISK_ERRNOS",
     "MANIFEST",
     "FileEntry",
+    "as_disk_error",
     "Manifest",
     "atomic_dir",
     "atomic_output",

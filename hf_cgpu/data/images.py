@@ -277,8 +277,9 @@ def _decode_rows(ds, image_column: str, image_size: int, batch_size: int, where:
             try:
                 opened.append(_open_image(value))
             except Exception as err:  # PIL: UnidentifiedImageError, OSError (truncated), SyntaxError (broken PNG)
-                raise DataError(f"{where} row {row}: the image does not decode ({type(err).__name__}: "
-                                f"{str(err)[:120]}); remove or replace that row") from None
+                why = str(err).split(" <_io.")[0][:120]  # PIL names the buffer object, which says nothing
+                raise DataError(f"{where} row {row}: the image does not decode ({type(err).__name__}: {why}); "
+                                "remove or replace that row") from None
             row += 1
         try:
             chunks.append(_decode_images(opened, image_size))

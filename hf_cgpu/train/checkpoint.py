@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, IntegrityError, UserError
-from ..integrity import MANIFEST, build_manifest, fsync_dir, fsync_file, verify_folder, write_manifest
+from ..integrity import MANIFEST, as_disk_error, build_manifest, fsync_dir, fsync_file, verify_folder, write_manifest
 
 TRAINER_STATE = "trainer_state.json"
 HISTORY = "history.json"
@@ -135,7 +135,9 @@ def prune(output_dir: str | Path, keep: int, protect: Path | None = None) -> Non
     if keep > 0:
         for old in list_checkpoints(output_dir)[:-keep]:
             if protect is None or old.resolve() != Path(protect).resolve():
-                shutil.rmtree(old, ignore_errors=True)
+                doomed = old.with_name(f".tmp-delete-{old.name}")  # renamed first: a kill mid-delete leaves no
+                os.replace(old, doomed)  # half-deleted checkpoint that still looks sealed
+                shutil.rmtree(doomed, ignore_errors=True)
 
 
 def read_trainer_state(ckpt: Path) -> dict:
@@ -281,9 +283,11 @@ class Checkpointer:
         good = self.good or next(iter(reversed(list_checkpoints(self.output_dir))), None)
         return f"checkpoint {good.name} is intact" if good is not None else "no earlier checkpoint exists"
 
-    def save(self, step: int, state: TrainState) -> Path | None:
+    def save(self, step: int, state: TrainState, prune_old: bool = True) -> Path | None:
         """Write ``checkpoints/step_N`` atomically (accelerate state, EMA, trainer state, history) and seal it in
-        the background. Returns None, writing nothing, when the state is not finite."""
+        the background. Returns None, writing nothing, when the state is not finite. ``prune_old`` False (a stop
+        on non-finite losses) keeps every earlier checkpoint: the ones from before a divergence may be the good
+        ones."""
         acc = self.accelerator
         self._sealer.wait()
         bad = nonfinite_tensors(self.model, self.optimizer, self.ema)
@@ -309,28 +313,33 @@ class Checkpointer:
                 (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
                 if self.metrics is not None:
                     (tmp / HISTORY).write_text(json.dumps(self.metrics.state_dict()))
-        except OSError as err:
+        except Exception as err:  # safetensors and torch report a full disk in their own exception types
+            disk = as_disk_error(err)
+            if disk is None:
+                raise
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"writing checkpoint {final.name} failed ({err.strerror or err}); "
+            raise CheckpointError(f"writing checkpoint {final.name} failed ({disk.strerror or disk}); "
                                   f"{self._intact()}: free space (or fix the disk) and resume with "
                                   "--resume_from_checkpoint latest") from err
         acc.wait_for_everyone()
         if acc.is_main_process:
-            self._sealer.start(lambda: self._seal(tmp, final, step))
+            self._sealer.start(lambda: self._seal(tmp, final, step, prune_old))
         self.last_saved = step
         return final
 
-    def _seal(self, tmp: Path, final: Path, step: int) -> None:
+    def _seal(self, tmp: Path, final: Path, step: int, prune_old: bool = True) -> None:
         try:
             seal(tmp, final, step)
         except OSError as err:
+            if as_disk_error(err) is None:
+                raise
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"sealing checkpoint {final.name} failed ({err.strerror or err}); "
                                   f"{self._intact()}: free space (or fix the disk) and resume with "
                                   "--resume_from_checkpoint latest") from err
         self.good = final
-        prune(self.output_dir, self.keep, protect=final)
+        prune(self.output_dir, self.keep if prune_old else 0, protect=final)
 
     def save_if_new(self, state: TrainState) -> None:
         if state.step > self.last_saved:

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from ..budget import TrainSetup, oom_advice, peak_tflops
-from ..errors import TrainingStopped
+from ..errors import OutputDirError, TrainingStopped, UserError
+from ..integrity import as_disk_error
 from ..settings import TrainSettings, to_dict
 from .artifacts import final_results, save_run
-from .checkpoint import Checkpointer, TrainState
+from .checkpoint import Checkpointer, TrainState, list_checkpoints
 from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
 from .metrics import Metrics
 from .prepare import Run, prepare
@@ -39,9 +40,20 @@ def fit(task: Task, settings: TrainSettings) -> dict[str, Any]:
     run = prepare(task, settings)
     try:
         return _fit(run, task)
+    except Exception as err:  # a disk error anywhere (best weights, the final save, samples): one line
+        disk = None if isinstance(err, UserError) else as_disk_error(err)
+        if disk is None:
+            raise
+        ckpts = list_checkpoints(run.output_dir)
+        intact = f"checkpoint {ckpts[-1].name} is intact" if ckpts else "no checkpoint was sealed yet"
+        where = f": {disk.filename}" if disk.filename else ""
+        raise OutputDirError(f"writing to {run.output_dir} failed ({disk.strerror or disk}{where}); "
+                             f"{intact}: free space (or fix the disk) and resume with --resume_from_checkpoint "
+                             "latest") from err
     finally:
         if run.lock is not None:
             run.lock.release()
+
 
 
 def _fit(run: Run, task: Task) -> dict[str, Any]:
@@ -89,9 +101,10 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
                 state.skipped_steps += 1
                 metrics.skipped(step, state.skipped_steps)
                 if verdict is Verdict.STOP:
-                    saved = checkpointer.save(step, state)
+                    saved = checkpointer.save(step, state, prune_old=False)
                     checkpointer.wait()
-                    raise TrainingStopped(diagnosis(step, lr, saved, checkpointer.good))
+                    raise TrainingStopped(diagnosis(step, lr, saved, checkpointer.good,
+                                                    list_checkpoints(checkpointer.output_dir)))
                 state.step += 1  # the step's data is consumed; the next step draws fresh samples
                 continue
             optimizer.step()
