@@ -14,6 +14,7 @@ COMMANDS = {
     "budget": ("hf_cgpu.budget.cli", "memory and time ledger: what fits on your card, how long it takes"),
     "bench": ("hf_cgpu.bench", "measure this GPU's bandwidth and bf16 matmul rate (MFU denominator)"),
     "push": ("hf_cgpu.hub", "push a trained directory to the Hub with a model card"),
+    "verify": ("hf_cgpu.verify", "check a model or checkpoint folder against its checksum manifest"),
 }
 
 

@@ -36,6 +36,14 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is incomplete, corrupted or written for another model."""
 
 
+class IntegrityError(CheckpointError):
+    """A checkpoint, best-weights or model folder whose files do not match its manifest (missing, truncated, changed)."""
+
+
+class OutputDirError(UserError, RuntimeError):
+    """An output folder that cannot take this run: another run's, locked by a running writer, read-only or full."""
+
+
 class TrainingStopped(UserError, RuntimeError):
     """The run stopped on purpose (diverged, out of memory at micro-batch 1, SIGTERM); a checkpoint was saved first."""
 

@@ -24,7 +24,8 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from .errors import IntegrityError, UserError
+from .integrity import MANIFEST, atomic_output, verify_folder
 
 KINDS: dict[str, dict[str, str]] = {
     "gpt": {"library_name": "transformers", "pipeline_tag": "text-generation"},
@@ -44,6 +45,7 @@ UPLOAD_IGNORE_PATTERNS = [
     ".cache/*",
     "*.tmp",
     ".DS_Store",
+    ".hf_cgpu.lock",
 ]
 # config.json keys that say nothing about the model.
 _CONFIG_NOISE = {"architectures", "auto_map", "transformers_version", "_name_or_path", "dtype", "torch_dtype"}
@@ -151,14 +153,39 @@ def _format_count(n: int) -> str:
     return f"{n:,}"
 
 
-def _rows(mapping: dict[str, Any], skip: set[str] = frozenset()) -> list[tuple[str, str]]:
-    """Scalar (and short list) entries as table rows; nested objects and None are left out."""
+LOCAL_ONLY = {"output_dir", "cache_dir", "resume_from_checkpoint", "dequantized_to", "load_from"}
+"""Settings that only mean something on the training machine: left out of a card rendered for the Hub."""
+
+
+def _looks_local(value: Any) -> bool:
+    """A string that names a file or folder on this machine (absolute, home- or dot-relative, or existing)."""
+    if not isinstance(value, str) or not value or "\n" in value or len(value) > 4096:
+        return False
+    if value.startswith(("/", "~", "./", "../")) or (len(value) > 2 and value[1] == ":" and value[2] in "\\/"):
+        return True
+    return ("/" in value or os.sep in value) and Path(value).expanduser().exists()
+
+
+def public_value(value: Any) -> Any:
+    """A local path as its last component (``/home/me/data/zh-poetry`` -> ``zh-poetry``); anything else as is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(public_value(v) for v in value)
+    return Path(value).expanduser().name if _looks_local(value) else value
+
+
+def _rows(mapping: dict[str, Any], skip: set[str] = frozenset(), public: bool = False) -> list[tuple[str, str]]:
+    """Scalar (and short list) entries as table rows; nested objects and None are left out. ``public``: no local
+    paths (``LOCAL_ONLY`` keys dropped, other paths cut to their last component)."""
     rows = []
     for key, value in mapping.items():
         if key in skip or key.startswith("_") or value is None or isinstance(value, dict):
             continue
         if isinstance(value, (list, tuple)) and (len(value) > 8 or any(isinstance(v, (dict, list)) for v in value)):
             continue
+        if public:
+            if key in LOCAL_ONLY:
+                continue
+            value = public_value(value)
         rows.append((key, _format_value(value)))
     return rows
 
@@ -242,9 +269,12 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
     n_params = fields.pop("num_parameters", None) or count_parameters(d)
     repo_id = fields.pop("repo_id", None)
     dataset = fields.pop("dataset", None) or settings.get("dataset") or config.get("dataset")
+    public = repo_id is not None  # rendered for the Hub: the repo id to load from, no path of this machine
     recorded = _read_json(d / "base_model.json")  # written by the fine-tuning task: the Hub id, the GGUF it came from
     base_model = fields.pop("base_model", None) or (
         (recorded.get("base_model") or config.get("base_model_name_or_path")) if kind == "lora" else None)
+    if public and base_model and not _is_hub_id(base_model):
+        base_model = public_value(base_model)
     if recorded.get("gguf_file") and "description" not in fields:
         fields["description"] = (f"The base was de-quantised from the GGUF checkpoint `{Path(recorded['gguf_file']).name}` "
                                  "(`from_pretrained(..., gguf_file=...)`); load it that way before the adapter.")
@@ -256,7 +286,7 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
         pipeline_tag=KINDS[kind]["pipeline_tag"],
         tags=["hf_cgpu", kind, *extra_tags],
         datasets=[dataset] if _is_hub_id(dataset) else None,
-        base_model=base_model if kind == "lora" else None,
+        base_model=base_model if kind == "lora" and (not public or _is_hub_id(base_model)) else None,
     )
     template = template_dir() / f"{kind}.md"
     if not template.is_file():
@@ -270,16 +300,17 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
         dataset_name=_dataset_label(dataset),
         summary=_summary(results, n_params, kind),
         num_parameters=n_params,
-        results_rows=_rows(results, skip={"settings", "samples"}),
+        results_rows=_rows(results, skip={"settings", "samples"}, public=public),
         samples=[str(x) for x in results.get("samples") or []],
-        settings_rows=_rows(settings),
-        config_rows=_rows(config, skip=_CONFIG_NOISE),
+        settings_rows=_rows(settings, public=public),
+        config_rows=_rows(config, skip=_CONFIG_NOISE, public=public),
         base_model_name=base_model or "BASE_MODEL",
         base_model_label=(f"[{base_model}](https://huggingface.co/{base_model})" if _is_hub_id(base_model)
                           else f"`{base_model}`" if base_model else "its base model"),
         **fields,
     )
-    card.save(str(d / "README.md"))
+    with atomic_output(d / "README.md") as tmp:
+        card.save(str(tmp))
     return str(card)
 
 
@@ -288,12 +319,37 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
 
 
 def upload_file_list(output_dir: str | os.PathLike) -> list[str]:
-    """Relative paths that ``push_to_hub`` uploads: every file except ``UPLOAD_IGNORE_PATTERNS`` (checkpoints...)."""
+    """Relative paths that ``push_to_hub`` uploads: the regular files inside ``output_dir`` except
+    ``UPLOAD_IGNORE_PATTERNS`` (checkpoints...) and hidden ones (temporaries, the run lock). Symbolic links are
+    never followed or uploaded, neither files nor folders: a link may point anywhere on the machine."""
     from huggingface_hub.utils import filter_repo_objects
 
     d = Path(output_dir)
-    files = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
-    return list(filter_repo_objects(files, ignore_patterns=UPLOAD_IGNORE_PATTERNS))
+    root = d.resolve()
+    files = []
+    for current, dirs, names in os.walk(d, followlinks=False):
+        here = Path(current)
+        dirs[:] = [n for n in dirs if not n.startswith(".") and not (here / n).is_symlink()]
+        for name in names:
+            p = here / name
+            if name.startswith(".") or p.is_symlink() or not p.is_file():  # links, fifos, sockets: never
+                continue
+            if not p.resolve().is_relative_to(root):
+                continue
+            files.append(p.relative_to(d).as_posix())
+    return sorted(filter_repo_objects(sorted(files), ignore_patterns=UPLOAD_IGNORE_PATTERNS))
+
+
+def check_before_push(output_dir: Path, log=print) -> None:
+    """A folder with a manifest must verify (a corrupted model is never published); one without is pushed with a
+    warning (written before manifests, or by hand)."""
+    if (output_dir / MANIFEST).is_file():
+        try:
+            verify_folder(output_dir)
+        except IntegrityError as err:
+            raise HubError(f"refusing to push: {err}; retrain or repair the folder (hf-cgpu verify DIR)") from None
+    else:
+        log(f"warning: {output_dir} has no {MANIFEST}; its files cannot be checked before the upload")
 
 
 def _one_line(e: BaseException) -> str:
@@ -307,35 +363,37 @@ def push_to_hub(
     private: bool = False,
     token: str | None = None,
     commit_message: str = "Upload model trained with hf_cgpu",
+    render_card: bool = True,
 ) -> str:
     """Create ``repo_id`` if needed and upload ``output_dir`` without its checkpoints; returns the commit URL.
 
-    The card is rendered first when README.md is missing, so a pushed model always says how it was made.
-    The token is checked before any request, so a missing login fails at once instead of after a timeout.
+    Only ``upload_file_list`` goes up, file by file (no symlink is followed). The folder must pass its manifest
+    (``hf-cgpu verify``) first. The card is rendered for the repo (its id in the loading code, no local path)
+    unless ``render_card`` is False and a README.md exists (a card edited by hand). The token is checked before
+    any request, so a missing login fails at once instead of after a timeout.
     """
     from huggingface_hub import HfApi, get_token
+
+    from huggingface_hub import CommitOperationAdd
 
     d = Path(output_dir)
     if not d.is_dir():
         raise HubError(f"{d} is not a directory; pass a trained run's output_dir")
-    files = upload_file_list(d)
-    if not files:
+    if not upload_file_list(d):
         raise HubError(f"{d} has nothing to upload outside checkpoints/; train first or point at the output_dir")
     token = token or get_token()
     if not token:
         raise HubError("no Hugging Face token: run `hf auth login`, set HF_TOKEN, or pass --token")
-    if not (d / "README.md").is_file():
-        render_model_card(detect_kind(d), d, repo_id=repo_id)
+    check_before_push(d)
+    if render_card or not (d / "README.md").is_file():
+        render_model_card(detect_kind(d), d, repo_id=repo_id)  # loads from the repo id, names no local path
+    files = upload_file_list(d)
+    operations = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(d / rel)) for rel in files]
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        commit = api.upload_folder(
-            folder_path=str(d),
-            repo_id=repo_id,
-            repo_type="model",
-            commit_message=commit_message,
-            ignore_patterns=UPLOAD_IGNORE_PATTERNS,
-        )
+        commit = api.create_commit(repo_id=repo_id, repo_type="model", operations=operations,
+                                   commit_message=commit_message)
     except Exception as e:  # network, auth, name clash: one line, the traceback stays on __cause__
         raise HubError(
             f"push to {repo_id} failed ({_one_line(e)}); check the network, the repo id and that the token can "
@@ -354,11 +412,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--private", action="store_true", help="create the repo private")
     parser.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or `hf auth login`)")
     parser.add_argument("--commit_message", default="Upload model trained with hf_cgpu")
-    parser.add_argument("--render_card", action="store_true", help="re-render README.md even if it exists")
+    parser.add_argument("--render_card", action="store_true",
+                        help="re-render README.md for the repo (the default; kept for old scripts)")
+    parser.add_argument("--keep_card", action="store_true",
+                        help="upload the existing README.md as it is (a card edited by hand)")
     args = parser.parse_args(argv)
-    if args.render_card:
-        render_model_card(detect_kind(args.output_dir), args.output_dir, repo_id=args.repo_id)
-    print(push_to_hub(args.output_dir, args.repo_id, args.private, args.token, args.commit_message))
+    print(push_to_hub(args.output_dir, args.repo_id, args.private, args.token, args.commit_message,
+                      render_card=not args.keep_card))
     return 0
 
 
@@ -378,5 +438,6 @@ __all__ = [
     "push_to_hub",
     "render_model_card",
     "template_dir",
+    "public_value",
     "upload_file_list",
 ]

@@ -94,6 +94,8 @@ class TrainSettings:
     """Keep only the newest this many checkpoints."""
     resume_from_checkpoint: str = ""
     """'latest' (newest valid checkpoint in output_dir/checkpoints) or a checkpoint directory; empty = fresh start."""
+    overwrite_output_dir: bool = False
+    """A fresh start in an output_dir holding an earlier run deletes that run first (default: refuse)."""
     seed: int = 0
     """Seed of data order, initialisation and every random draw (each step reseeds from seed and step)."""
     report_to: str = "none"

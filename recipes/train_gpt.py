@@ -18,6 +18,7 @@ from hf_cgpu.hub import render_model_card
 from hf_cgpu.settings import TrainSettings, parse_settings
 from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
 from hf_cgpu.train import fit
+from hf_cgpu.train.artifacts import update_results
 
 
 def main(argv=None):
@@ -30,8 +31,7 @@ def main(argv=None):
     if state.is_main_process:  # continue the prompts with the saved model (the weights the card describes)
         model = AutoModelForCausalLM.from_pretrained(out).to(state.device)
         samples = continue_texts(model, task.tokenizer, task.sample_prompts(), gpt.max_new_tokens)
-        saved = json.loads((out / "all_results.json").read_text())
-        (out / "all_results.json").write_text(json.dumps({**saved, "samples": samples}, indent=2, ensure_ascii=False))
+        update_results(out, samples=samples)  # atomically, and into the model folder's manifest
         render_model_card("gpt", out)  # again, now with the continuations
         print("\n".join(f"--- sample {i + 1}\n{s}" for i, s in enumerate(samples)))
     print(json.dumps(results, indent=2))

@@ -140,3 +140,81 @@ def test_push_without_network_fails_with_one_line_after_rendering_the_card(tmp_p
 def test_push_refuses_missing_directory(tmp_path):
     with pytest.raises(hub.HubError, match="not a directory"):
         hub.push_to_hub(tmp_path / "missing", "someone/x", token="hf_x")
+
+
+def test_upload_list_is_regular_files_inside_the_folder_only(tmp_path):
+    import os
+
+    d = make_run(tmp_path, "gpt")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the Hub")
+    (d / "host").symlink_to("/etc/hostname")  # a file link out of the folder
+    (d / "inside_link.json").symlink_to(d / "config.json")  # a link inside is a link too: never followed
+    (d / "etc").symlink_to("/etc", target_is_directory=True)  # a folder link: not walked
+    (d / "secret").symlink_to(secret)
+    os.mkfifo(d / "pipe")  # would block a reader
+    for hidden in (".hf_cgpu.lock", ".tmp-model/model.safetensors", ".tokenizer.tmp-1/tokenizer.json"):
+        (d / hidden).parent.mkdir(parents=True, exist_ok=True)
+        (d / hidden).write_text("x")
+    assert hub.upload_file_list(d) == ["all_results.json", "config.json", "model.safetensors"]
+
+
+class FakeApi:
+    """Records what a push would send; no network."""
+
+    calls: list = []
+
+    def __init__(self, token=None):
+        pass
+
+    def create_repo(self, repo_id, **kw):
+        FakeApi.calls.append(("create_repo", repo_id))
+
+    def create_commit(self, repo_id, operations, commit_message, repo_type):
+        FakeApi.calls.append(("create_commit", repo_id, operations))
+        return type("Commit", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/0"})()
+
+
+def test_push_sends_only_listed_files_and_a_card_for_the_repo(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    data = tmp_path / "data" / "zh-poetry"
+    data.mkdir(parents=True)
+    d = make_run(tmp_path, "gpt")
+    results = {**RESULTS, "settings": {"output_dir": str(d), "dataset": str(data), "tokenizer": str(d / "tok"),
+                                       "cache_dir": str(tmp_path / "cache"), "learning_rate": 3e-3}}
+    (d / "all_results.json").write_text(json.dumps(results))
+    hub.render_model_card("gpt", d)  # as training leaves it: loads from the local folder
+    assert str(d) in (d / "README.md").read_text()
+    (d / "host").symlink_to("/etc/hostname")
+    FakeApi.calls = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    url = hub.push_to_hub(d, "someone/tiny-model", token="hf_x")
+    assert url.endswith("/commit/0")
+    (_, repo, operations), = [c for c in FakeApi.calls if c[0] == "create_commit"]
+    sent = sorted(op.path_in_repo for op in operations)
+    assert sent == ["README.md", "all_results.json", "config.json", "model.safetensors"]
+    assert all(Path(op.path_or_fileobj).resolve().is_relative_to(d.resolve()) for op in operations)
+    card = (d / "README.md").read_text()
+    assert 'from_pretrained("someone/tiny-model"' in card and str(tmp_path) not in card
+    assert "`output_dir`" not in card and "`cache_dir`" not in card
+    assert "| `dataset` | zh-poetry |" in card and "| `tokenizer` | tok |" in card
+    hub.push_to_hub(d, "someone/tiny-model", token="hf_x", render_card=False)  # --keep_card: as it is
+    assert (d / "README.md").read_text() == card
+
+
+def test_push_refuses_a_folder_that_fails_its_manifest(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from hf_cgpu.integrity import build_manifest, write_manifest
+
+    d = make_run(tmp_path, "gpt")
+    write_manifest(d, build_manifest(d, "model", exclude=("checkpoints",)))
+    data = bytearray((d / "model.safetensors").read_bytes())
+    data[-3] ^= 0xFF
+    (d / "model.safetensors").write_bytes(bytes(data))
+    FakeApi.calls = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    with pytest.raises(hub.HubError, match="refusing to push: .*model.safetensors does not match its checksum"):
+        hub.push_to_hub(d, "someone/tiny-model", token="hf_x")
+    assert FakeApi.calls == []

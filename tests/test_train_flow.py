@@ -73,8 +73,28 @@ def test_resume_from_mid_run_checkpoint_matches(flow_run, synthetic_data, tmp_pa
     run(cut, synthetic_data, "--resume_from_checkpoint", "latest")
     a = {h["step"]: h["train/loss"] for h in json.loads((full / "history.json").read_text()) if "train/loss" in h}
     b = {h["step"]: h["train/loss"] for h in json.loads((cut / "history.json").read_text()) if "train/loss" in h}
-    assert sorted(b) == list(range(7, 13))
+    assert sorted(b) == list(range(1, 13))  # the whole run: steps 1-6 came back from the checkpoint's history
     assert all(a[k] == b[k] for k in b)
     wa = load_file(str(full / "unet" / "diffusion_pytorch_model.safetensors"))
     wb = load_file(str(cut / "unet" / "diffusion_pytorch_model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)  # EMA weights, bit for bit
+
+
+def test_a_flipped_byte_in_the_ema_falls_back_and_ends_identical(flow_run, synthetic_data, tmp_path, capsys):
+    """Before issue 10 this resumed silently and published a UNet with a corrupted EMA tensor."""
+    full = flow_run / "full"
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    ema = cut / "checkpoints" / "step_0000012" / "ema.safetensors"
+    data = bytearray(ema.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, headers intact: only the checksum can tell
+    ema.write_bytes(bytes(data))
+    run(cut, synthetic_data, "--resume_from_checkpoint", "latest")
+    log = capsys.readouterr().out
+    assert "step_0000012: ema.safetensors does not match its checksum" in log and "at step 6" in log
+    wa = load_file(str(full / "unet" / "diffusion_pytorch_model.safetensors"))
+    wb = load_file(str(cut / "unet" / "diffusion_pytorch_model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    from hf_cgpu.verify import main as verify
+
+    assert verify([str(cut)]) == 0

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,31 +92,75 @@ def _losses(out):
     return {h["step"]: h["train/loss"] for h in json.loads((out / "history.json").read_text()) if "train/loss" in h}
 
 
-def test_sigkill_then_resume_is_bit_identical(trained, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(trained, tmp_path_factory):
+    """60 steps with checkpoints every 20, no interruption: what every interrupted run must end as."""
     _, cache, _ = trained
-    tokenizer = str(trained[0] / "tokenizer")
-    common = ["--tokenizer", tokenizer, "--max_steps", "60", "--checkpointing_steps", "20", "--eval_steps", "0"]
-    full, cut = tmp_path / "full", tmp_path / "cut"
+    common = ["--tokenizer", str(trained[0] / "tokenizer"), "--max_steps", "60", "--checkpointing_steps", "20",
+              "--eval_steps", "0"]
+    full = tmp_path_factory.mktemp("gpt60") / "full"
     run([*common, "--output_dir", str(full)], cache)
+    return full, common, cache
 
-    proc = launch([*common, "--output_dir", str(cut)], cache, start_new_session=True)
-    target = cut / "checkpoints" / "step_0000020" / "manifest.json"
-    deadline = time.time() + 300
-    while not target.exists() and proc.poll() is None and time.time() < deadline:
+
+def _wait_for(path, proc, seconds=300):
+    deadline = time.time() + seconds
+    while not path.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
-    assert target.exists(), "the run never wrote its step-20 checkpoint"
-    os.killpg(proc.pid, signal.SIGKILL)  # power cut: no handler runs
-    proc.communicate()
-    assert not (cut / "all_results.json").exists(), "the run finished before it could be killed"
+    assert path.exists(), f"the run never wrote {path}"
 
-    log = run([*common, "--output_dir", str(cut), "--resume_from_checkpoint", "latest"], cache)
-    assert "resumed from" in log
+
+def _assert_same_run(full, cut):
     full_losses, cut_losses = _losses(full), _losses(cut)
-    resumed = sorted(cut_losses)
-    assert resumed[0] in (21, 41) and resumed[-1] == 60
-    for step in resumed:
+    assert sorted(cut_losses) == list(range(1, 61))  # the history covers the whole run, not the last process
+    for step in cut_losses:
         assert cut_losses[step] == full_losses[step], step
     a, b = load_file(str(full / "model.safetensors")), load_file(str(cut / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    results = json.loads((cut / "all_results.json").read_text())
+    assert results["train_loss"] == json.loads((full / "all_results.json").read_text())["train_loss"]
+    assert results["toks_seen"] == 60 * 8 * 64 and results["tok_per_s"] > 0
+
+
+def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
+    full, common, cache = uninterrupted
+    cut = tmp_path / "cut"
+    proc = launch([*common, "--output_dir", str(cut)], cache, start_new_session=True)
+    _wait_for(cut / "checkpoints" / "step_0000020" / "manifest.json", proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # power cut: no handler runs
+    proc.communicate()
+    assert not (cut / "all_results.json").exists(), "the run finished before it could be killed"
+
+    log = run([*common, "--output_dir", str(cut), "--resume_from_checkpoint", "latest"], cache)
+    assert re.search(r"resumed from \S+step_00000[24]0 at step [24]0", log), log[-2000:]
+    _assert_same_run(full, cut)
+
+
+def test_sigterm_to_the_launcher_reaches_training_which_checkpoints_and_resumes(uninterrupted, tmp_path):
+    """`accelerate launch` does not forward SIGTERM; the training child gets it from the kernel when the launcher
+    dies (PR_SET_PDEATHSIG), checkpoints, stops in one line, and never trains on orphaned."""
+    import psutil
+
+    full, common, cache = uninterrupted
+    cut = tmp_path / "cut"
+    proc = launch([*common, "--output_dir", str(cut)], cache)
+    _wait_for(cut / "checkpoints" / "step_0000020" / "manifest.json", proc)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "accelerate launch runs the script as a child"
+    proc.send_signal(signal.SIGTERM)  # to the launcher only, not its process group
+    out, _ = proc.communicate(timeout=300)  # EOF once the child, which shares the pipe, has exited too
+    for child in children:
+        try:
+            child.wait(timeout=60)  # raises TimeoutExpired while it still runs
+        except psutil.NoSuchProcess:
+            pass
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, "the child trains on, orphaned"
+    stopped = re.search(r"error: stopped by SIGTERM at step (\d+); checkpoint saved", out)
+    assert stopped, out[-3000:]
+    step = int(stopped.group(1))
+    assert 20 <= step < 60 and (cut / "checkpoints" / f"step_{step:07d}" / "manifest.json").is_file()
+    log = run([*common, "--output_dir", str(cut), "--resume_from_checkpoint", "latest"], cache)
+    assert f"at step {step}" in log
+    _assert_same_run(full, cut)

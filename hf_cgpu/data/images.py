@@ -34,7 +34,7 @@ from PIL import Image
 
 from ..errors import DataError
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: labels checked, content hash in the metadata
 _16BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 
@@ -53,6 +53,14 @@ class ImageDataset:
     labels: torch.Tensor | None
     class_names: list[str] | None
     cache_path: str | None = None
+    sha256: str = ""
+    """Content hash of images and labels (``content_hash``; the resume fingerprint's data part)."""
+
+    @property
+    def content_hash(self) -> str:
+        if not self.sha256:
+            self.sha256 = content_hash(self.images, self.labels)
+        return self.sha256
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -117,22 +125,46 @@ def _is_local(source: str | Sequence[str]) -> bool:
     return os.path.exists(source)
 
 
+def _local_files(source: str | Sequence[str], split: str) -> list[Path] | None:
+    """The local files ``_open_dataset`` reads for ``split`` (None: a Hub id, or a folder ``datasets`` lays out)."""
+    if not isinstance(source, str):
+        return [Path(p) for p in source]
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        named = path / f"{split}.parquet"
+        if named.is_file():
+            return [named]
+        shards = sorted(p for p in path.rglob("*.parquet") if split in p.name or split in p.parent.name)
+        return shards or None
+    return None
+
+
 def _open_dataset(source: str | Sequence[str], split: str):
     """A ``datasets.Dataset`` for one split of a local folder/file(s) or a Hub id."""
     from datasets import load_dataset
 
-    if not isinstance(source, str):
-        return load_dataset("parquet", data_files={split: [str(p) for p in source]}, split=split)
-    path = Path(source)
-    if path.is_file():
-        if path.suffix != ".parquet":
-            raise DataError(f"{source} is not a .parquet file; pass a parquet file, a folder or a Hub id")
-        return load_dataset("parquet", data_files={split: str(path)}, split=split)
-    if path.is_dir():
-        named = path / f"{split}.parquet"
-        if named.is_file():
-            return load_dataset("parquet", data_files={split: str(named)}, split=split)
-        return load_dataset(str(path), split=split)  # datasets infers parquet shards or an imagefolder
+    from .files import check_files, explain_load_error
+
+    files = _local_files(source, split)
+    if files:
+        check_files(files, split)  # 0-byte, unreadable or 0-row parquet: one line naming the file
+    if isinstance(source, str) and Path(source).is_file() and Path(source).suffix != ".parquet":
+        raise DataError(f"{source} is not a .parquet file; pass a parquet file, a folder or a Hub id")
+    try:
+        if not isinstance(source, str):
+            return load_dataset("parquet", data_files={split: [str(p) for p in source]}, split=split)
+        path = Path(source)
+        if path.is_file():
+            return load_dataset("parquet", data_files={split: str(path)}, split=split)
+        if path.is_dir():
+            named = path / f"{split}.parquet"
+            if named.is_file():
+                return load_dataset("parquet", data_files={split: str(named)}, split=split)
+            return load_dataset(str(path), split=split)  # datasets infers parquet shards or an imagefolder
+    except (Exception, StopIteration) as err:
+        raise explain_load_error(err, files or [source]) from err
     try:
         return load_dataset(source, split=split)
     except Exception as err:  # no such path or Hub id, offline, no such split: one line naming the fix
@@ -210,10 +242,91 @@ def load_image_dataset(
     return data
 
 
+def describe_source(source, split: str) -> str:
+    """The files a split is read from, for error messages."""
+    files = _local_files(source, split) if not isinstance(source, str) or os.path.exists(source) else None
+    return ", ".join(map(str, files)) if files else f"{source} ({split})"
+
+
+def _open_image(value) -> Image.Image:
+    """A PIL image from what an undecoded ``datasets.Image`` column holds (bytes and/or a path), fully read."""
+    import io
+
+    if isinstance(value, Image.Image):
+        return value
+    if isinstance(value, dict) and value.get("bytes") is not None:
+        image = Image.open(io.BytesIO(value["bytes"]))
+    elif isinstance(value, dict) and value.get("path"):
+        image = Image.open(value["path"])
+    else:
+        raise ValueError(f"no image bytes or path ({type(value).__name__})")
+    image.load()  # a truncated or corrupt file fails here, not later
+    return image
+
+
+def _decode_rows(ds, image_column: str, image_size: int, batch_size: int, where: str, offset: int = 0) -> np.ndarray:
+    """(n, 3, S, S) uint8; a row that does not decode is named (file and row) in one line."""
+    from datasets import Image as ImageFeature
+
+    if isinstance(ds.features[image_column], ImageFeature):
+        ds = ds.cast_column(image_column, ImageFeature(decode=False))
+    chunks, row = [], offset
+    for batch in ds.select_columns([image_column]).iter(batch_size=batch_size):
+        opened = []
+        for value in batch[image_column]:
+            try:
+                opened.append(_open_image(value))
+            except Exception as err:  # PIL: UnidentifiedImageError, OSError (truncated), SyntaxError (broken PNG)
+                why = str(err).split(" <_io.")[0][:120]  # PIL names the buffer object, which says nothing
+                raise DataError(f"{where} row {row}: the image does not decode ({type(err).__name__}: {why}); "
+                                "remove or replace that row") from None
+            row += 1
+        try:
+            chunks.append(_decode_images(opened, image_size))
+        except DataError:  # which row: one at a time
+            for i, image in enumerate(opened):
+                try:
+                    preprocess_image(image, image_size)
+                except DataError as err:
+                    raise DataError(f"{where} row {row - len(opened) + i}: {err}") from None
+            raise
+    empty = np.zeros((0, 3, image_size, image_size), dtype=np.uint8)
+    return np.concatenate(chunks) if chunks else empty
+
+
+def check_labels(labels: torch.Tensor, names: list[str] | None, where: str,
+                 num_classes: int | None = None) -> None:
+    """Class ids are 0..K-1: none negative, none past the class names (or ``num_classes``, the training split's),
+    and without names no id beyond a gap (one stray id would silently add classes)."""
+    if labels.numel() == 0:
+        return
+    bad = torch.nonzero(labels < 0)
+    if len(bad):
+        row = int(bad[0])
+        raise DataError(f"{where} row {row}: label {int(labels[row])} is negative; labels are class ids 0..K-1")
+    limit = num_classes if num_classes is not None else (len(names) if names is not None else None)
+    if limit is not None:
+        bad = torch.nonzero(labels >= limit)
+        if len(bad):
+            row = int(bad[0])
+            raise DataError(f"{where} row {row}: label {int(labels[row])} is outside the {limit} classes "
+                            f"(0..{limit - 1}){' of the training split' if num_classes is not None else ''}; "
+                            "fix that row")
+        return
+    present = torch.unique(labels).tolist()
+    if present[-1] != len(present) - 1:  # ids are not 0..K-1: find the first id past a gap
+        missing = next(i for i in range(present[-1] + 1) if i not in set(present))
+        beyond = min(v for v in present if v > missing)
+        row = int(torch.nonzero(labels == beyond)[0])
+        raise DataError(f"{where} row {row}: label {beyond} is outside the range of the others (class {missing} "
+                        f"never occurs); fix that row, or use a ClassLabel column naming every class")
+
+
 def _decode_dataset(source, split, image_column, label_column, limit, image_size, batch_size) -> ImageDataset:
     from datasets import ClassLabel
 
     ds = _open_dataset(source, split)
+    where = describe_source(source, split)
     if image_column not in ds.column_names:
         raise DataError(
             f"no image column {image_column!r} in {source} (columns: {', '.join(ds.column_names)});"
@@ -221,17 +334,32 @@ def _decode_dataset(source, split, image_column, label_column, limit, image_size
         )
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
+    if len(ds) == 0:
+        raise DataError(f"{where}: the {split} split has 0 rows; fill it or point --dataset at data with images")
     has_labels = label_column is not None and label_column in ds.column_names
-    chunks = [
-        _decode_images(batch[image_column], image_size)
-        for batch in ds.select_columns([image_column]).iter(batch_size=batch_size)
-    ]
-    empty = np.zeros((0, 3, image_size, image_size), dtype=np.uint8)
-    images = torch.from_numpy(np.concatenate(chunks) if chunks else empty)  # (N, 3, S, S)
-    labels = torch.tensor(list(ds[label_column]), dtype=torch.int64) if has_labels else None
+    images = torch.from_numpy(_decode_rows(ds, image_column, image_size, batch_size, where))  # (N, 3, S, S)
     feature = ds.features[label_column] if has_labels else None
     names = list(feature.names) if isinstance(feature, ClassLabel) else None
-    return ImageDataset(images=images, labels=labels, class_names=names)
+    labels = None
+    if has_labels:
+        raw = list(ds[label_column])
+        missing = [i for i, v in enumerate(raw) if v is None]
+        if missing:
+            raise DataError(f"{where} row {missing[0]}: no label; fill it or pass --label_column of another column")
+        try:
+            labels = torch.tensor(raw, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError):
+            row = next(i for i, v in enumerate(raw) if not isinstance(v, (int, np.integer)))
+            raise DataError(f"{where} row {row}: label {raw[row]!r} is no integer class id") from None
+        check_labels(labels, names, where)
+    return ImageDataset(images=images, labels=labels, class_names=names, sha256=content_hash(images, labels))
+
+
+def content_hash(images: torch.Tensor, labels: torch.Tensor | None) -> str:
+    """SHA-256 of the decoded pixels and labels: the data's content, whatever path or cache it came through."""
+    digest = hashlib.sha256(images.contiguous().numpy().tobytes())
+    digest.update(b"labels" + (labels.numpy().tobytes() if labels is not None else b""))
+    return digest.hexdigest()
 
 
 def _write_cache(path: Path, data: ImageDataset) -> None:
@@ -242,19 +370,23 @@ def _write_cache(path: Path, data: ImageDataset) -> None:
     tensors = {"images": data.images.contiguous()}
     if data.labels is not None:
         tensors["labels"] = data.labels
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"class_names": json.dumps(data.class_names)})
-    os.replace(tmp, path)
+    from ..integrity import atomic_output
+
+    with atomic_output(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"class_names": json.dumps(data.class_names),
+                                               "sha256": data.content_hash})
 
 
 def _read_cache(path: Path) -> ImageDataset:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        names = json.loads((f.metadata() or {}).get("class_names", "null"))
+        meta = f.metadata() or {}
+        names = json.loads(meta.get("class_names", "null"))
         images = f.get_tensor("images")
         labels = f.get_tensor("labels") if "labels" in f.keys() else None
-    return ImageDataset(images=images, labels=labels, class_names=names, cache_path=str(path))
+    return ImageDataset(images=images, labels=labels, class_names=names, cache_path=str(path),
+                        sha256=meta.get("sha256", ""))
 
 
 # ----------------------------------------------------------------------------- augmentation

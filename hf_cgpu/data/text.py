@@ -115,7 +115,10 @@ def load_text_dataset(
     else:
         train, validation = carve_validation(train, text_column, validation_fraction, seed, name)
     if len(train) == 0 or len(validation) == 0:
-        raise DataError(f"dataset {name!r} has an empty train or validation split after dropping empty documents")
+        empty = "train" if len(train) == 0 else "validation"
+        raise DataError(f"dataset {name!r}: its {empty} split holds no non-empty document (rows: "
+                        f"{len(splits.get(empty, train))}); fill it, or remove its files (a validation split is then "
+                        "carved from train)")
     return datasets.DatasetDict(train=train, validation=validation)
 
 
@@ -212,8 +215,15 @@ def _load_files(files: Sequence[Path], text_column: str, root: Path | None = Non
             f"no training files among {', '.join(map(str, files))}; name them train*.{builder} or pass them "
             f"explicitly"
         )
+    from .files import check_files, explain_load_error
+
+    for split, names in by_split.items():
+        check_files(names, split)  # 0-byte files, unreadable or 0-row parquet: one line naming the file
     kwargs: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
-    loaded = datasets.load_dataset(builder, data_files=by_split, **kwargs)
+    try:
+        loaded = datasets.load_dataset(builder, data_files=by_split, **kwargs)
+    except (Exception, StopIteration) as err:  # datasets wraps the cause (a bad jsonl line...) in a generic error
+        raise explain_load_error(err, [f for names in by_split.values() for f in names]) from err
     out = dict(loaded.items())
     if builder == "text" and text_column != "text":
         out = {k: v.rename_column("text", text_column) for k, v in out.items()}
@@ -384,6 +394,23 @@ class PackedTokens(torch.utils.data.Dataset):
             raise IndexError(f"window of {length} tokens out of range of a {self.n_tokens}-token stream")
         index = starts[:, None] + np.arange(length, dtype=np.int64)[None, :]
         return torch.from_numpy(self.tokens[index].astype(np.int64))
+
+    @property
+    def content_hash(self) -> str:
+        """SHA-256 of the token stream (what training reads: the data's content through the tokenizer, whatever
+        path it came from). Computed while packing; hashed from the file once for caches packed before."""
+        digest = self.meta.get("sha256")
+        if not digest:
+            from ..integrity import atomic_write_json, sha256_file
+
+            digest = self.meta["sha256"] = sha256_file(self.path)
+            meta_path = self.path.with_suffix(".json")
+            if meta_path.is_file():
+                try:
+                    atomic_write_json(meta_path, self.meta)
+                except OSError:  # a read-only cache still trains
+                    pass
+        return digest
 
     def __len__(self) -> int:
         return self.num_blocks
@@ -578,9 +605,9 @@ def pack_dataset(
             f.unlink()
         work_dir.rmdir()
     meta.update(key_fields, vocab_size=vocab_size, eos_token_id=eos, n_documents=len(ds), key=key)
-    tmp_meta = meta_path.with_suffix(".json.tmp")
-    tmp_meta.write_text(json.dumps(meta, indent=2))
-    tmp_meta.replace(meta_path)  # meta last: a crash mid-write never leaves a cache entry that looks complete
+    from ..integrity import atomic_write_json
+
+    atomic_write_json(meta_path, meta)  # meta last: a crash mid-write never leaves a cache entry that looks complete
     return PackedTokens(bin_path, meta)
 
 
@@ -611,12 +638,16 @@ def _write_blocks(tokenized: datasets.Dataset, bin_path: Path, seq_len: int, dty
     tmp_path = bin_path.with_suffix(".bin.tmp")
     out = np.memmap(tmp_path, dtype=dtype, mode="w+", shape=(n_total,))
     pos = 0
+    digest = hashlib.sha256()  # the stream's content hash, while writing it (the resume fingerprint's data part)
     for chunk in tqdm(column.chunks, desc="packing tokens", unit="chunk", leave=False):
         values = chunk.flatten().to_numpy(zero_copy_only=False)
         out[pos : pos + len(values)] = values
+        digest.update(out[pos : pos + len(values)].tobytes())
         pos += len(values)
     out.flush()
     del out
+    with open(tmp_path, "rb") as fh:
+        os.fsync(fh.fileno())
     tmp_path.replace(bin_path)
     n_chars = int(pc.sum(tokenized.data.column("n_chars")).as_py() or 0)
     return {
@@ -626,6 +657,7 @@ def _write_blocks(tokenized: datasets.Dataset, bin_path: Path, seq_len: int, dty
         "n_tokens_total": n_total,
         "n_chars": n_chars,
         "dtype": np.dtype(dtype).name,
+        "sha256": digest.hexdigest(),
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,9 @@ def cgpt_run_shape(config: CgptConfig, name: str = "") -> RunShape:
     return RunShape(ModelShape.from_config(config, name or "cgpt"), config.n_positions, config.loss_chunk_size)
 
 
+TOKENIZER_KEY = "hf_cgpu_tokenizer.json"
+"""Beside a tokenizer the run trained: what it was trained from (a fresh run reuses it only when that matches)."""
+
 MANY_EPOCHS = 4  # Muennighoff et al. (2023): up to ~4 epochs are nearly as good as fresh data, then returns drop
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio (the seed's table uses it too)
 
@@ -155,21 +159,33 @@ class CausalLMTask(PackedTokensTask):
         return TaskPlan(model, expected_initial_loss=math.log(vocab), shape=cgpt_run_shape(config))
 
     def _tokenizer(self, ds, out: Path, resume: bool):
+        """--tokenizer, else the one this output folder's run trained (reused when resuming, or when it was trained
+        from the same data and settings), else a new byte-level BPE saved atomically to ``output_dir/tokenizer``."""
         from transformers import AutoTokenizer
 
-        from ..data.text import train_tokenizer
+        from ..data.text import source_fingerprint, train_tokenizer
+        from ..integrity import atomic_dir, atomic_write_json
 
         cfg = self.cfg
         if cfg.tokenizer:
             return AutoTokenizer.from_pretrained(cfg.tokenizer)
         saved = out / "tokenizer"
-        if saved.is_dir() and (resume or (saved / "tokenizer.json").is_file()):
-            return AutoTokenizer.from_pretrained(str(saved))  # same ids as the checkpoint was trained with
+        key = {"vocab_size": cfg.vocab_size, "tokenizer_train_docs": cfg.tokenizer_train_docs,
+               "text_column": cfg.text_column, "source": source_fingerprint(ds["train"], cfg.text_column)}
+        if (saved / "tokenizer.json").is_file():
+            try:
+                made_from = json.loads((saved / TOKENIZER_KEY).read_text())
+            except (OSError, ValueError):
+                made_from = None
+            if resume or made_from == key:  # resume: the same ids as the checkpoint (its fingerprint checks them)
+                return AutoTokenizer.from_pretrained(str(saved))
         train = ds["train"]
         if len(train) > cfg.tokenizer_train_docs:
             train = train.shuffle(seed=0).select(range(cfg.tokenizer_train_docs))
         tok = train_tokenizer(train[cfg.text_column], vocab_size=cfg.vocab_size)
-        tok.save_pretrained(str(saved))
+        with atomic_dir(saved) as tmp:  # a kill never leaves a 0-byte tokenizer_config.json behind
+            tok.save_pretrained(str(tmp))
+            atomic_write_json(tmp / TOKENIZER_KEY, key)
         return tok
 
     def target_loss(self, model, inputs, targets) -> torch.Tensor:
@@ -181,10 +197,14 @@ class CausalLMTask(PackedTokensTask):
         self.tokenizer.save_pretrained(str(output_dir))
 
     def fingerprint(self) -> dict[str, Any]:
+        """Model shape, the tokenizer's content and the packed data's content (not the path it was read from)."""
+        from ..data.text import tokenizer_hash
+
         c = self.cfg
         return {"n_layer": c.n_layer, "n_embd": c.n_embd, "n_head": c.n_head, "seq_len": c.seq_len,
-                "vocab_size": len(self.tokenizer), "mlp_ratio": c.mlp_ratio, "bias": c.bias, "dataset": c.dataset,
-                "data_order": c.data_order}
+                "vocab_size": len(self.tokenizer), "mlp_ratio": c.mlp_ratio, "bias": c.bias, "dropout": c.dropout,
+                "tokenizer": tokenizer_hash(self.tokenizer), "train_data": self.train_data.content_hash,
+                "validation_data": self.val_data.content_hash, "data_order": c.data_order}
 
     def sample_prompts(self) -> list[str]:
         if self.cfg.prompts:

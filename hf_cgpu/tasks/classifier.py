@@ -76,6 +76,10 @@ class ClassifierTask(Task):
                                       label_column=cfg.label_column, limit=cfg.test_limit or None)
         if train.labels is None or test.labels is None:
             raise SettingsError(f"no label column {cfg.label_column!r} in {cfg.dataset}; pass --label_column NAME")
+        from ..data.images import check_labels, describe_source
+
+        check_labels(test.labels, None, describe_source(cfg.dataset, "test"), num_classes=train.num_classes)
+        self.data_hashes = {"train_data": train.content_hash, "validation_data": test.content_hash}
         device = accelerator.device
         self.images, self.labels = train.images.to(device), train.labels.to(device)  # (N, 3, S, S) uint8, (N,)
         self.test_images, self.test_labels = test.images.to(device), test.labels.to(device)
@@ -139,5 +143,6 @@ class ClassifierTask(Task):
 
     def fingerprint(self) -> dict[str, Any]:
         c = self.cfg
-        return {"widths": c.widths, "dataset": c.dataset, "limit": c.limit}
+        return {"widths": c.widths, "label_smoothing": c.label_smoothing, "crop_padding": c.crop_padding,
+                "flip": c.flip, **self.data_hashes}
 

@@ -85,6 +85,7 @@ class FinetuneTask(PackedTokensTask):
         limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
         if limit and cfg.seq_len > limit:
             raise SettingsError(f"--seq_len {cfg.seq_len} exceeds the model's {limit} positions; use --seq_len {limit}")
+        self.model_config = model.config.to_dict()
         self.instruct = self._load_data(accelerator)
         _, total = count_parameters(model)
         if self.instruct:
@@ -203,7 +204,31 @@ class FinetuneTask(PackedTokensTask):
         self.tokenizer.save_pretrained(str(folder))
 
     def fingerprint(self) -> dict[str, Any]:
-        s = self.settings
-        return {"model": self.cfg.model, "gguf_file": self.cfg.gguf_file, "tier": s.tier, "lora_r": s.lora_r,
-                "seq_len": self.cfg.seq_len, "dataset": self.cfg.dataset, "data_format": self.cfg.data_format}
+        """The base (its config's content, not the path it loads from), tier and adapter shape, the tokenizer's
+        content and the training data's content."""
+        import hashlib
+        import json
 
+        from ..data.text import tokenizer_hash
+
+        s = self.settings
+        config = {k: v for k, v in self.model_config.items()
+                  if k not in ("_name_or_path", "transformers_version", "quantization_config", "torch_dtype", "dtype")}
+        base = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        if self.instruct:
+            data = {"train_data": _tensors_hash(self.train_rows.ids, self.train_rows.targets),
+                    "validation_data": _tensors_hash(self.val_rows.ids, self.val_rows.targets)}
+        else:
+            data = {"train_data": self.train_data.content_hash, "validation_data": self.val_data.content_hash}
+        return {"base_config": base, "gguf_file": Path(self.cfg.gguf_file).name, "tier": s.tier, "lora_r": s.lora_r,
+                "lora_alpha": s.lora_alpha, "seq_len": self.cfg.seq_len, "data_format": self.cfg.data_format,
+                "tokenizer": tokenizer_hash(self.tokenizer), **data}
+
+
+def _tensors_hash(*tensors: torch.Tensor) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.contiguous().numpy().tobytes())
+    return digest.hexdigest()

@@ -73,6 +73,11 @@ class FlowMatchingTask(Task):
             val = load_image_dataset(cfg.dataset, split="test", image_column=cfg.image_column,
                                      label_column=cfg.label_column if cfg.class_conditional else None,
                                      limit=min(1024, cfg.limit or 1024))
+        if train.labels is not None and val.labels is not None:
+            from ..data.images import check_labels, describe_source
+
+            check_labels(val.labels, None, describe_source(cfg.dataset, "test"), num_classes=train.num_classes)
+        self.data_hashes = {"train_data": train.content_hash, "validation_data": val.content_hash}
         device = accelerator.device
         self.images = train.images.to(device)  # (N, 3, 32, 32) uint8 on the training device
         self.labels = train.labels.to(device) if train.labels is not None else None
@@ -183,5 +188,5 @@ class FlowMatchingTask(Task):
 
     def fingerprint(self) -> dict[str, Any]:
         c = self.cfg
-        return {"base_channels": c.base_channels, "class_conditional": c.class_conditional, "dataset": c.dataset,
-                "limit": c.limit}
+        return {"base_channels": c.base_channels, "class_conditional": c.class_conditional,
+                "time_sampling": c.time_sampling, "cond_drop_prob": c.cond_drop_prob, **self.data_hashes}

@@ -6,7 +6,6 @@ The training side (steps, batch, lr, warmup + cosine, EMA, seed) is ``TrainSetti
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import SettingsError
+from ..integrity import MANIFEST, atomic_output, atomic_write_json, update_manifest
 from ..flow.matching import FlowMatcher
 from ..flow.toy2d import VelocityMLP, format_table, mode_centres, mode_stats, sample_modes, sample_rows, save_plot
 from ..settings import TrainSettings, to_dict
@@ -118,7 +118,9 @@ class Toy2DTask(Task):
 
     def fingerprint(self) -> dict[str, Any]:
         c = self.cfg
-        return {"hidden": c.hidden, "depth": c.depth, "time_embed_dim": c.time_embed_dim, "num_modes": c.num_modes}
+        return {"hidden": c.hidden, "depth": c.depth, "time_embed_dim": c.time_embed_dim, "num_modes": c.num_modes,
+                "radius": c.radius, "mode_std": c.mode_std, "time_sampling": c.time_sampling,
+                "logit_mean": c.logit_mean, "logit_std": c.logit_std}
 
 
 def best_within(rows: list[dict]) -> float:
@@ -140,7 +142,8 @@ def run_flow2d(cfg: Toy2DSettings, train: TrainSettings) -> dict:
     print(format_table(task.rows))
     out = Path(train.output_dir)
     data = sample_modes(cfg.num_samples, task.centres, cfg.mode_std, torch.Generator().manual_seed(train.seed + 2))
-    save_plot(str(out / "flow2d_samples.png"), data, task.samples, task.rows)
+    with atomic_output(out / "flow2d_samples.png") as tmp:
+        save_plot(str(tmp), data, task.samples, task.rows)
     results = {
         **fitted,
         "settings": to_dict(cfg, train),
@@ -149,7 +152,9 @@ def run_flow2d(cfg: Toy2DSettings, train: TrainSettings) -> dict:
         "rows": task.rows,
         "best_within_at_20_nfe_or_less": best_within(task.rows),
     }
-    (out / "all_results.json").write_text(json.dumps(results, indent=2))
+    atomic_write_json(out / "all_results.json", results)
+    if (out / MANIFEST).is_file():
+        update_manifest(out, ["all_results.json", "flow2d_samples.png"])
     return results
 
 

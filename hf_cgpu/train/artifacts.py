@@ -1,16 +1,27 @@
 """What a finished run leaves in ``output_dir``: the model (EMA weights when EMA is on, or the best weights),
-``all_results.json`` (the final figures and every setting), ``history.json``, ``training_curves.png`` and the card."""
+``all_results.json`` (the final figures and every setting), ``history.json``, ``training_curves.png`` and the card.
+
+Everything but the card is written into ``output_dir/.tmp-model`` first, hashed into a ``manifest.json``
+(``hf-cgpu verify DIR`` re-checks it; the card, re-rendered by ``hf-cgpu push``, is documentation and left out),
+then each file is renamed into place and the manifest written last: a kill during the final save leaves a folder
+without a manifest (and the final checkpoint, from which a resume redoes the save), never a silently mixed one."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
+from ..integrity import MANIFEST, atomic_output, atomic_write_json, build_manifest, fsync_dir, update_manifest
+from ..integrity import write_manifest
 from .ema import EMA, ema_weights
+
+STAGING = ".tmp-model"
 
 
 def load_saved_weights(model: torch.nn.Module, folder: Path) -> None:
@@ -55,14 +66,51 @@ def final_results(steps: int, unit: str, units_seen: int, final: dict[str, float
 
 def save_run(task, model: torch.nn.Module, ema: EMA | None, use_best: bool, output_dir: Path,
              results: dict[str, Any], settings: dict[str, Any], history: list[dict[str, Any]], log=print) -> None:
-    """Write the model, all_results.json, history.json, the curves and the card (main process only)."""
+    """Write the model, all_results.json, history.json, the curves (sealed by a manifest) and the card (main
+    process only)."""
+    staging = output_dir / STAGING
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
     with ema_weights(ema, enabled=not use_best):  # the best weights were evaluated (and saved) with EMA in place
-        task.save_pretrained(model, output_dir)
-    (output_dir / "all_results.json").write_text(json.dumps({**results, "settings": settings}, indent=2))
-    (output_dir / "history.json").write_text(json.dumps(history))
-    plot_history(history, output_dir / "training_curves.png", task.unit, log)
+        task.save_pretrained(model, staging)
+    (staging / "all_results.json").write_text(json.dumps({**results, "settings": settings}, indent=2))
+    (staging / "history.json").write_text(json.dumps(history))
+    plot_history(history, staging / "training_curves.png", task.unit, log=lambda msg: None)
+    install_model(staging, output_dir, step=results.get("steps"))
+    if (output_dir / "training_curves.png").is_file():
+        log(f"training curves: {output_dir / 'training_curves.png'}")
     if task.card_kind:
         render_card(task.card_kind, output_dir, log)
+
+
+def install_model(staging: Path, output_dir: Path, **meta: Any) -> None:
+    """Hash ``staging``'s files, move them into ``output_dir`` and write the manifest last."""
+    manifest = build_manifest(staging, "model", **meta)
+    (output_dir / MANIFEST).unlink(missing_ok=True)  # until the new one is written, the folder says "incomplete"
+    for rel in manifest.files:
+        src, dst = staging / rel, output_dir / rel
+        with open(src, "rb") as fh:
+            os.fsync(fh.fileno())
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if dst.is_dir() and not dst.is_symlink():
+            shutil.rmtree(dst)
+        os.replace(src, dst)
+    for folder in {(output_dir / rel).parent for rel in manifest.files}:
+        fsync_dir(folder)
+    write_manifest(output_dir, manifest)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def update_results(output_dir: str | Path, **fields: Any) -> dict[str, Any]:
+    """Add ``fields`` to a finished run's all_results.json (atomically, and into its manifest)."""
+    output_dir = Path(output_dir)
+    path = output_dir / "all_results.json"
+    results = {**json.loads(path.read_text()), **fields}
+    atomic_write_json(path, results)
+    if (output_dir / MANIFEST).is_file():
+        update_manifest(output_dir, ["all_results.json"])
+    return results
 
 
 def plot_history(history: list[dict[str, Any]], path: Path, unit: str, log=print) -> None:
@@ -87,7 +135,8 @@ def plot_history(history: list[dict[str, Any]], path: Path, unit: str, log=print
         if len(keys) > 1:
             ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=90, format="png")
     plt.close(fig)
     log(f"training curves: {path}")
 

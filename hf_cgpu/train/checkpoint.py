@@ -1,31 +1,46 @@
-"""Checkpointing: atomic, verifiable checkpoints around ``Accelerator.save_state``, and the loop's state in them.
+"""Checkpointing: atomic, checksummed checkpoints around ``Accelerator.save_state``, and the loop's state in them.
 
-A checkpoint is written into ``checkpoints/.tmp-step_N``, sealed with a ``manifest.json`` listing every file and its
-size, then renamed to ``checkpoints/step_N`` (a rename is atomic on one filesystem). A power cut leaves at worst a
-``.tmp-*`` directory, which is ignored. At resume each candidate is verified (manifest present, sizes match,
-safetensors headers parse); a bad one is reported in one line and the previous good one is used.
+A checkpoint is written into ``checkpoints/.tmp-step_N`` (accelerate's state, the EMA weights, ``trainer_state.json``
+and ``history.json``: the logged metrics, so a resumed run's history and curves cover the whole run), then sealed: a
+``manifest.json`` lists every file with its size and SHA-256 (``hf_cgpu.integrity``), every file is fsynced, and the
+folder is renamed to ``checkpoints/step_N`` (a rename is atomic on one filesystem). Sealing runs in a background
+thread (hashlib releases the GIL), so training goes on while a 1.5 GB checkpoint is hashed (~1.3 s of one core);
+the next save, and the end of the run, wait for it. A kill leaves at worst a ``.tmp-*`` folder, which is ignored.
 
-``Checkpointer`` is the loop's component: it saves (accelerate state + EMA weights + ``TrainState`` + the best-weights
-bookkeeping), seals, prunes, and resumes a run only into the model and data it was written for.
+Only finite states are sealed: weights, optimizer moments and EMA are checked before anything is written, so a
+diverged run never overwrites "the last good state" with NaNs and pruning never removes the newest finite one.
+
+At resume every file of the candidate is re-hashed against its manifest. ``latest`` falls back to the previous good
+checkpoint, naming what failed; the newer, failed ones are set aside as ``.bad-step_N`` so that pruning (which keeps
+the highest step numbers) can never delete the checkpoints of the resumed run in their favour. Resuming from an
+explicit older checkpoint sets the newer ones aside as ``.superseded-step_N`` for the same reason.
+
+``Checkpointer`` is the loop's component: it saves, seals, prunes, and resumes a run only into the model, tokenizer,
+data and seed it was written for (``TrainState.fingerprint``), with the same effective batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, IntegrityError, UserError
+from ..integrity import MANIFEST, as_disk_error, build_manifest, fsync_dir, fsync_file, verify_folder, write_manifest
 
-MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
+HISTORY = "history.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -34,7 +49,7 @@ def checkpoint_root(output_dir: str | Path) -> Path:
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Sealed checkpoint directories, oldest first."""
+    """Sealed checkpoint directories, oldest first (temporaries and set-aside ones are not listed)."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return []
@@ -42,47 +57,48 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def seal(tmp_dir: Path, final_dir: Path) -> Path:
-    """Write the manifest, fsync, and rename ``tmp_dir`` to ``final_dir``."""
-    files = {
-        str(p.relative_to(tmp_dir)): p.stat().st_size for p in sorted(tmp_dir.rglob("*")) if p.is_file()
-    }
-    (tmp_dir / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
-    for p in tmp_dir.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as fh:
-                os.fsync(fh.fileno())
+def step_of(ckpt: Path) -> int:
+    m = _STEP_DIR.match(Path(ckpt).name)
+    return int(m.group(1)) if m else -1
+
+
+def seal(tmp_dir: Path, final_dir: Path, step: int | None = None) -> Path:
+    """Hash every file into the manifest, fsync, and rename ``tmp_dir`` to ``final_dir``."""
+    manifest = build_manifest(tmp_dir, "checkpoint", step=step)
+    for rel in manifest.files:
+        fsync_file(tmp_dir / rel)
+    write_manifest(tmp_dir, manifest)
     if final_dir.exists():
         shutil.rmtree(final_dir)
     os.replace(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
     return final_dir
 
 
 def verify(ckpt: Path) -> None:
-    """Raise CheckpointError (one line) when ``ckpt`` is incomplete or corrupted."""
-    manifest = ckpt / MANIFEST
-    if not manifest.is_file():
-        raise CheckpointError(f"{ckpt.name}: no {MANIFEST} (write was cut off)")
+    """Raise IntegrityError (one line) when ``ckpt`` is incomplete or any file differs from its manifest."""
+    ckpt = Path(ckpt)
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as err:
-        raise CheckpointError(f"{ckpt.name}: unreadable {MANIFEST} ({err})") from None
-    for rel, size in files.items():
-        path = ckpt / rel
-        if not path.is_file():
-            raise CheckpointError(f"{ckpt.name}: missing {rel}")
-        if path.stat().st_size != size:
-            raise CheckpointError(f"{ckpt.name}: {rel} is {path.stat().st_size} bytes, expected {size} (truncated?)")
+        manifest = verify_folder(ckpt)
+    except IntegrityError as err:
+        raise IntegrityError(str(err).replace(f"{ckpt}:", f"{ckpt.name}:", 1)) from None
+    if manifest.kind != "checkpoint":
+        raise IntegrityError(f"{ckpt.name}: its manifest describes a {manifest.kind} folder, not a checkpoint")
+    if TRAINER_STATE not in manifest.files:
+        raise IntegrityError(f"{ckpt.name}: its manifest lists no {TRAINER_STATE}")
+    for rel in manifest.files:
         if rel.endswith(".safetensors"):
             try:
-                with safe_open(str(path), framework="pt") as fh:
+                with safe_open(str(ckpt / rel), framework="pt") as fh:
                     fh.keys()
             except Exception as err:  # safetensors raises its own error types
-                raise CheckpointError(f"{ckpt.name}: {rel} does not parse as safetensors ({err})") from None
+                raise IntegrityError(f"{ckpt.name}: {rel} does not parse as safetensors ({err})") from None
 
 
-def find_resumable(output_dir: str | Path, which: str, warn=print) -> Path | None:
-    """Resolve ``--resume_from_checkpoint`` ('latest' or a path) to a verified checkpoint, newest good first."""
+def find_resumable(output_dir: str | Path, which: str, warn=print,
+                   failed: list[tuple[Path, str]] | None = None) -> Path | None:
+    """Resolve ``--resume_from_checkpoint`` ('latest' or a path) to a verified checkpoint, newest good first;
+    the ones that failed are reported through ``warn`` and appended to ``failed``."""
     if which != "latest":
         path = Path(which)
         if not path.is_dir():
@@ -95,21 +111,59 @@ def find_resumable(output_dir: str | Path, which: str, warn=print) -> Path | Non
             return ckpt
         except CheckpointError as err:
             warn(f"skipping bad checkpoint: {err}; trying the previous one")
+            if failed is not None:
+                failed.append((ckpt, str(err)))
     return None
 
 
-def prune(output_dir: str | Path, keep: int) -> None:
-    """Keep the newest ``keep`` sealed checkpoints; drop leftovers of interrupted writes."""
+def set_aside(ckpt: Path, why: str) -> Path:
+    """Rename a checkpoint to ``.<why>-step_N``: no longer listed, resumed from or counted by pruning."""
+    dest = ckpt.with_name(f".{why}-{ckpt.name}")
+    n = 1
+    while dest.exists():
+        dest, n = ckpt.with_name(f".{why}{n}-{ckpt.name}"), n + 1
+    os.replace(ckpt, dest)
+    return dest
+
+
+def prune(output_dir: str | Path, keep: int, protect: Path | None = None) -> None:
+    """Keep the newest ``keep`` sealed checkpoints and always ``protect`` (the newest finite, verified one); drop
+    leftovers of interrupted writes."""
     root = checkpoint_root(output_dir)
     for tmp in root.glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
     if keep > 0:
         for old in list_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if protect is None or old.resolve() != Path(protect).resolve():
+                doomed = old.with_name(f".tmp-delete-{old.name}")  # renamed first: a kill mid-delete leaves no
+                os.replace(old, doomed)  # half-deleted checkpoint that still looks sealed
+                shutil.rmtree(doomed, ignore_errors=True)
 
 
 def read_trainer_state(ckpt: Path) -> dict:
-    return json.loads((ckpt / TRAINER_STATE).read_text())
+    try:
+        return json.loads((ckpt / TRAINER_STATE).read_text())
+    except (OSError, ValueError) as err:
+        raise IntegrityError(f"{ckpt.name}: unreadable {TRAINER_STATE} ({err})") from None
+
+
+def nonfinite_tensors(model: torch.nn.Module | None, optimizer=None, ema=None) -> list[str]:
+    """Names of the floating-point weights, optimizer moments and EMA tensors holding a NaN or an infinity."""
+    named: list[tuple[str, torch.Tensor]] = []
+    if model is not None:
+        named += [(f"weight {n}", t) for n, t in model.state_dict().items() if torch.is_tensor(t)]
+    if optimizer is not None:
+        params = {id(p): f"{i}" for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        for p, st in optimizer.state.items():
+            named += [(f"optimizer {k} of parameter {params.get(id(p), '?')}", t) for k, t in st.items()
+                      if torch.is_tensor(t)]
+    if ema is not None:
+        named += [(f"EMA {n}", t) for n, t in ema.shadow.items()]
+    named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).cpu().tolist()
+    return [n for (n, _), ok in zip(named, finite) if not ok]
 
 
 # ---------------------------------------------------------------------------------------------------- the component
@@ -125,21 +179,33 @@ class TrainState:
     """Current micro-batch (an OOM retry halves it)."""
     gradient_accumulation_steps: int = 1
     """Current accumulation (an OOM retry doubles it: the effective batch stays)."""
+    processes: int = 1
+    """Data-parallel processes; effective batch = micro-batch x accumulation x processes."""
     skipped_steps: int = 0
     """Steps whose loss or gradient norm came out non-finite."""
     units_seen: int = 0
     """Throughput units (tokens, images) trained on, all processes."""
     fingerprint: dict[str, Any] = field(default_factory=dict)
-    """What must match for a checkpoint to be resumable (``Task.fingerprint``)."""
+    """What must match for a checkpoint to be resumable (``Task.fingerprint`` and the seed)."""
+    requested: dict[str, int] = field(default_factory=dict)
+    """The micro-batch, accumulation and processes the settings asked for (before any OOM retry)."""
+    batch_changes: list[dict[str, Any]] = field(default_factory=list)
+    """Every change of micro-batch/accumulation/processes with its step and reason (OOM retry, resume)."""
 
     @classmethod
-    def start(cls, settings: Any, fingerprint: dict[str, Any]) -> TrainState:
-        return cls(micro_batch_size=settings.micro_batch_size,
-                   gradient_accumulation_steps=settings.gradient_accumulation_steps, fingerprint=fingerprint)
+    def start(cls, settings: Any, fingerprint: dict[str, Any], processes: int = 1) -> TrainState:
+        m, a = settings.micro_batch_size, settings.gradient_accumulation_steps
+        return cls(micro_batch_size=m, gradient_accumulation_steps=a, processes=processes, fingerprint=fingerprint,
+                   requested={"micro_batch_size": m, "gradient_accumulation_steps": a, "processes": processes})
 
     @property
     def effective_batch(self) -> int:
         return self.micro_batch_size * self.gradient_accumulation_steps
+
+    def record_batch(self, step: int, reason: str) -> None:
+        self.batch_changes.append({"step": step, "micro_batch_size": self.micro_batch_size,
+                                   "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                                   "processes": self.processes, "reason": reason})
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> TrainState:
@@ -150,62 +216,225 @@ class TrainState:
         return cls(**{k: v for k, v in saved.items() if k in names})
 
 
+class _Sealer:
+    """Runs one seal at a time in a background thread; its error is raised by the next ``wait``."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self, fn: Callable[[], None]) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as err:  # raised in the training thread by wait()
+                self.error = err
+
+        self.thread = threading.Thread(target=run, name="hf_cgpu-seal", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+
+def _share(accelerator, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on the main process, its result (or its user error) on every process."""
+    if accelerator.num_processes == 1:
+        return fn()
+    from accelerate.utils import broadcast_object_list
+
+    box: list[Any] = [None]
+    if accelerator.is_main_process:
+        try:
+            box[0] = ("ok", fn())
+        except UserError as err:
+            box[0] = ("error", err)
+    broadcast_object_list(box)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
 class Checkpointer:
     """Save every ``every`` steps (0 = only at the end), keep the newest ``keep``, resume exactly."""
 
-    def __init__(self, accelerator, output_dir: Path, every: int, keep: int, ema=None, keeper=None, log=print):
+    def __init__(self, accelerator, output_dir: Path, every: int, keep: int, ema=None, keeper=None, log=print,
+                 model=None, optimizer=None, metrics=None):
         self.accelerator, self.output_dir, self.every, self.keep = accelerator, Path(output_dir), every, keep
         self.ema, self.keeper, self.log = ema, keeper, log
+        self.model, self.optimizer, self.metrics = model, optimizer, metrics
         self.last_saved = 0
+        self.good: Path | None = None
+        """The newest checkpoint known finite and whole (resumed from, or sealed by this run)."""
+        self._sealer = _Sealer()
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
 
-    def save(self, step: int, state: TrainState) -> Path:
-        """Write ``checkpoints/step_N`` atomically: accelerate state, EMA weights, trainer state, then seal."""
+    def _intact(self) -> str:
+        good = self.good or next(iter(reversed(list_checkpoints(self.output_dir))), None)
+        return f"checkpoint {good.name} is intact" if good is not None else "no earlier checkpoint exists"
+
+    def save(self, step: int, state: TrainState, prune_old: bool = True) -> Path | None:
+        """Write ``checkpoints/step_N`` atomically (accelerate state, EMA, trainer state, history) and seal it in
+        the background. Returns None, writing nothing, when the state is not finite. ``prune_old`` False (a stop
+        on non-finite losses) keeps every earlier checkpoint: the ones from before a divergence may be the good
+        ones."""
         acc = self.accelerator
+        self._sealer.wait()
+        bad = nonfinite_tensors(self.model, self.optimizer, self.ema)
+        if bad:
+            self.log(f"step {step}: not checkpointed, {len(bad)} tensors are not finite (first: {bad[0]}); "
+                     f"{self._intact()}")
+            return None
         root = checkpoint_root(self.output_dir)
         final, tmp = root / f"step_{step:07d}", root / f".tmp-step_{step:07d}"
         acc.wait_for_everyone()
+        try:
+            if acc.is_main_process:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            acc.wait_for_everyone()
+            acc.save_state(str(tmp))
+            if acc.is_main_process:
+                if self.ema is not None:
+                    self.ema.save(tmp / "ema.safetensors")
+                trainer_state = {**dataclasses.asdict(state), "step": step,
+                                 "best": self.keeper.state_dict() if self.keeper is not None else {}}
+                (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
+                if self.metrics is not None:
+                    (tmp / HISTORY).write_text(json.dumps(self.metrics.state_dict()))
+        except Exception as err:  # safetensors and torch report a full disk in their own exception types
+            disk = as_disk_error(err)
+            if disk is None:
+                raise
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"writing checkpoint {final.name} failed ({disk.strerror or disk}); "
+                                  f"{self._intact()}: free space (or fix the disk) and resume with "
+                                  "--resume_from_checkpoint latest") from err
+        acc.wait_for_everyone()
         if acc.is_main_process:
-            tmp.mkdir(parents=True, exist_ok=True)
-        acc.save_state(str(tmp))
-        if acc.is_main_process:
-            if self.ema is not None:
-                self.ema.save(tmp / "ema.safetensors")
-            trainer_state = {**dataclasses.asdict(state), "step": step,
-                             "best": self.keeper.state_dict() if self.keeper is not None else {}}
-            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
-            seal(tmp, final)
-            prune(self.output_dir, self.keep)
+            self._sealer.start(lambda: self._seal(tmp, final, step, prune_old))
         self.last_saved = step
         return final
+
+    def _seal(self, tmp: Path, final: Path, step: int, prune_old: bool = True) -> None:
+        try:
+            seal(tmp, final, step)
+        except OSError as err:
+            if as_disk_error(err) is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"sealing checkpoint {final.name} failed ({err.strerror or err}); "
+                                  f"{self._intact()}: free space (or fix the disk) and resume with "
+                                  "--resume_from_checkpoint latest") from err
+        self.good = final
+        prune(self.output_dir, self.keep if prune_old else 0, protect=final)
 
     def save_if_new(self, state: TrainState) -> None:
         if state.step > self.last_saved:
             self.save(state.step, state)
 
-    def resume(self, which: str, fresh: TrainState) -> TrainState:
+    def wait(self) -> None:
+        """Block until the checkpoint being sealed is on disk (raises what sealing raised)."""
+        self._sealer.wait()
+
+    def close(self, raise_errors: bool = True) -> None:
+        try:
+            self._sealer.wait()
+        except Exception as err:
+            if raise_errors:
+                raise
+            self.log(f"warning: {err}")
+
+    # ---- resume
+    def _choose(self, which: str) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The checkpoint to resume from (verified), and the newer ones set aside; main process only."""
+        failed: list[tuple[Path, str]] = []
+        found = find_resumable(self.output_dir, which, warn=self.log, failed=failed)
+        if found is None:
+            if failed:
+                details = "; ".join(why for _, why in failed[:3])
+                raise IntegrityError(f"no checkpoint in {checkpoint_root(self.output_dir)} verifies ({details}); "
+                                     "nothing was changed: repair or delete them, or start over with "
+                                     "--overwrite_output_dir true")
+            return None, []
+        moved = []
+        for ckpt, why in failed:
+            moved.append((set_aside(ckpt, "bad"), why))
+        newer = [c for c in list_checkpoints(self.output_dir) if step_of(c) > step_of(found)]
+        for ckpt in newer:
+            moved.append((set_aside(ckpt, "superseded"), f"newer than {found.name}, which this run resumes from"))
+        for dest, why in moved:
+            self.log(f"set aside {dest.name} ({why}); delete it when no longer needed")
+        return found, moved
+
+    def resume(self, which: str, fresh: TrainState, settings=None) -> TrainState:
         """The state to start from: ``fresh``, or the checkpoint ``which`` names ('latest' or a path)."""
         self.last_saved = fresh.step
         if not which:
             return fresh
-        found = find_resumable(self.output_dir, which, warn=self.log)
+        found, _ = _share(self.accelerator, lambda: self._choose(which))
         if found is None:
             self.log(f"no checkpoint in {checkpoint_root(self.output_dir)}; starting from step 0")
             return fresh
         saved = read_trainer_state(found)
         theirs, ours = saved.get("fingerprint", {}), fresh.fingerprint
         if theirs != ours:
-            diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
+            keys = sorted(set(theirs) | set(ours), key=lambda k: (k not in ours, k))
+            diff = {k: (theirs.get(k), ours.get(k)) for k in keys if theirs.get(k) != ours.get(k)}
             raise CheckpointError(f"{found} was written for a different model/data ({diff} as checkpoint vs now); "
                                   "resume with the settings it was made with, or use a fresh --output_dir")
+        state = TrainState.from_dict({**dataclasses.asdict(fresh), **saved, "fingerprint": ours})
+        self._apply_batch(state, fresh, found)
         self.accelerator.load_state(str(found))
         if self.ema is not None:
             self.ema.load(found / "ema.safetensors")
         if self.keeper is not None:
             self.keeper.load_state_dict(saved.get("best") or {})
-        state = TrainState.from_dict({**dataclasses.asdict(fresh), **saved})
-        self.last_saved = state.step
+        if self.metrics is not None and (found / HISTORY).is_file():
+            self.metrics.load_state_dict(json.loads((found / HISTORY).read_text()))
+        self.last_saved, self.good = state.step, found
         self.log(f"resumed from {found} at step {state.step}")
         return state
+
+    def _apply_batch(self, state: TrainState, fresh: TrainState, found: Path) -> None:
+        """Same effective batch: a new split of it is applied from this step and recorded; another one is refused
+        (it would change which samples every later step sees)."""
+        asked = fresh.requested
+        before = state.requested or {"micro_batch_size": state.micro_batch_size,
+                                     "gradient_accumulation_steps": state.gradient_accumulation_steps,
+                                     "processes": state.processes}
+        if asked == before:
+            return  # as it was made (an OOM retry's smaller micro-batch stays)
+        total = math.prod(before.values())
+        if math.prod(asked.values()) != total:
+            m, a, p = before["micro_batch_size"], before["gradient_accumulation_steps"], before["processes"]
+            raise CheckpointError(
+                f"{found.name} was trained with an effective batch of {total} (micro_batch_size {m} x "
+                f"gradient_accumulation_steps {a} x {p} processes); this run asks for "
+                f"{math.prod(asked.values())}, which would change the data of every later step. Resume with "
+                f"--micro_batch_size {m} --gradient_accumulation_steps {a} (or another split with the same product), "
+                "or start a fresh --output_dir")
+        state.micro_batch_size = asked["micro_batch_size"]
+        state.gradient_accumulation_steps = asked["gradient_accumulation_steps"]
+        state.processes, state.requested = asked["processes"], dict(asked)
+        state.record_batch(state.step, "changed at resume (same effective batch)")
+        self.log(f"resuming at step {state.step} with micro_batch_size {state.micro_batch_size} x "
+                 f"gradient_accumulation_steps {state.gradient_accumulation_steps} x {state.processes} processes "
+                 f"(was {before['micro_batch_size']} x {before['gradient_accumulation_steps']} x "
+                 f"{before['processes']}): the same effective batch; recorded in all_results.json")
+
+
+__all__ = ["Checkpointer", "MANIFEST", "TrainState", "checkpoint_root", "find_resumable", "list_checkpoints",
+           "nonfinite_tensors", "prune", "read_trainer_state", "seal", "set_aside", "verify"]

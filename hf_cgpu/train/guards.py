@@ -44,13 +44,29 @@ class NonFiniteGuard:
         return Verdict.STOP if self.in_row >= self.patience else Verdict.SKIP
 
 
-def diagnosis(step: int, lr: float) -> str:
+def _where(saved, good, on_disk=()) -> str:
+    earlier = [p.name for p in on_disk if saved is None or p.name != saved.name]
+    before = (f" Earlier checkpoints, kept (pick one from before the divergence with --resume_from_checkpoint "
+              f"PATH): {', '.join(earlier)}." if earlier else "")
+    if saved is not None:
+        return f"The last state (finite) is checkpointed as {saved.name}.{before}"
+    last = f"the newest finite checkpoint is {good.name}" if good is not None else "no checkpoint was written yet"
+    return f"The weights are no longer finite, so nothing was checkpointed; {last}."
+
+
+def diagnosis(step: int, lr: float, saved=None, good=None, on_disk=()) -> str:
     return (
         f"training stopped at step {step}: loss or gradient norm kept coming out non-finite. Check, in this order: "
         f"(1) numerics - rerun a few steps with --mixed_precision no; (2) learning rate - cut it tenfold "
         f"(now {lr:.2e}) or lengthen warmup; (3) data - look for extremely long or single-token samples in the "
-        f"batches of this step; (4) clipping - keep --max_grad_norm 1.0. The last good state is checkpointed."
+        f"batches of this step; (4) clipping - keep --max_grad_norm 1.0. {_where(saved, good, on_disk)}"
     )
+
+
+def diverged(step: int, lr: float, good=None) -> str:
+    """The weights themselves went non-finite (found at a checkpoint)."""
+    return (f"training stopped at step {step}: the weights or optimizer state are no longer finite (learning rate "
+            f"{lr:.2e}: cut it tenfold or lengthen warmup, keep --max_grad_norm 1.0). {_where(None, good)}")
 
 
 class SpikeGuard:
@@ -99,6 +115,7 @@ class OOMGuard:
             raise TrainingStopped(self.advice)
         state.micro_batch_size //= 2
         state.gradient_accumulation_steps *= 2
+        state.record_batch(step, "CUDA out of memory")
         log(f"CUDA out of memory at step {step}: retrying with micro_batch_size {state.micro_batch_size} "
             f"x accumulation {state.gradient_accumulation_steps} (same effective batch)")
 

@@ -1,12 +1,12 @@
 """The one training loop: a short driver over the components, each of which decides for itself.
 
-    prepare      accelerator, task setup, autofit, tiers, optimizer, EMA        -> Run
-    checkpoint   save / seal / prune / resume, EMA and best-weights state     -> TrainState
+    prepare      output folder claimed (outdir), accelerator, task setup, autofit, tiers, optimizer, EMA -> Run
+    checkpoint   save / seal / prune / resume, EMA, best-weights and metrics state -> TrainState
     step         one optimizer step's forward/backward and clipping           -> StepResult
     guards       non-finite, spike, label leak, OOM
     metrics      logging window, MFU, trackers, history, progress bar
     validation   cadence, EMA weights in place, best weights, early stopping
-    stopping     --max_minutes and SIGTERM
+    stopping     --max_minutes, SIGTERM (also when only the launcher received it)
     artifacts    the model, all_results.json, history, curves, card
 
 Exact resume by construction: the data order, the learning rate and every random draw of step ``k`` are functions
@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from ..budget import TrainSetup, oom_advice, peak_tflops
-from ..errors import TrainingStopped
+from ..errors import OutputDirError, TrainingStopped, UserError
+from ..integrity import as_disk_error
 from ..settings import TrainSettings, to_dict
 from .artifacts import final_results, save_run
-from .checkpoint import Checkpointer, TrainState
-from .guards import Guards, Verdict, diagnosis, free_after_oom
+from .checkpoint import Checkpointer, TrainState, list_checkpoints
+from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
 from .metrics import Metrics
 from .prepare import Run, prepare
 from .schedule import lr_at, set_lr
@@ -37,69 +38,105 @@ from .validation import BestKeeper, Validator
 def fit(task: Task, settings: TrainSettings) -> dict[str, Any]:
     """Train ``task`` with ``settings``; returns the final figures (also written to all_results.json)."""
     run = prepare(task, settings)
+    try:
+        return _fit(run, task)
+    except Exception as err:  # a disk error anywhere (best weights, the final save, samples): one line
+        disk = None if isinstance(err, UserError) else as_disk_error(err)
+        if disk is None:
+            raise
+        ckpts = list_checkpoints(run.output_dir)
+        intact = f"checkpoint {ckpts[-1].name} is intact" if ckpts else "no checkpoint was sealed yet"
+        where = f": {disk.filename}" if disk.filename else ""
+        raise OutputDirError(f"writing to {run.output_dir} failed ({disk.strerror or disk}{where}); "
+                             f"{intact}: free space (or fix the disk) and resume with --resume_from_checkpoint "
+                             "latest") from err
+    finally:
+        if run.lock is not None:
+            run.lock.release()
+
+
+
+def _fit(run: Run, task: Task) -> dict[str, Any]:
     s, acc, optimizer, ema = run.settings, run.accelerator, run.optimizer, run.ema
     keeper = BestKeeper(task.best_metric, run.output_dir / "best", s.early_stopping_patience,
                         save=s.save_best or s.load_best_at_end)
+    metrics = Metrics(acc, s, task.unit, run.flops_per_unit, peak_tflops(s.peak_tflops, acc.device.type == "cuda"))
     checkpointer = Checkpointer(acc, run.output_dir, s.checkpointing_steps, s.checkpoints_total_limit, ema, keeper,
-                                acc.print)
-    state = checkpointer.resume(s.resume_from_checkpoint, TrainState.start(s, task.fingerprint()))
+                                metrics.write, model=run.model, optimizer=optimizer, metrics=metrics)
+    fresh = TrainState.start(s, {**task.fingerprint(), "seed": s.seed}, acc.num_processes)
+    state = checkpointer.resume(s.resume_from_checkpoint, fresh)
     order = task.sample_order(s.seed)
     stepper = Stepper(task, run.model, acc, order, s.seed, s.max_grad_norm)
-    metrics = Metrics(acc, s, task.unit, run.flops_per_unit, peak_tflops(s.peak_tflops, acc.device.type == "cuda"))
     every = s.eval_steps if run.plan.eval_steps is None else run.plan.eval_steps
     validator = Validator(task, run.model, acc, ema, s, keeper, metrics, every, run.output_dir)
     guards = Guards(s, run.plan.expected_initial_loss, state.step, oom_advice(_ladder_setup(run)), metrics.write)
-    with Stopping(s.max_minutes, acc.is_main_process) as stopping, metrics.progress(state.step):
-        try:
-            while state.step < s.max_steps:
-                step, lr = state.step, lr_at(state.step, s)
-                set_lr(optimizer, lr)
-                try:
-                    result = stepper.run(step, state.micro_batch_size, state.gradient_accumulation_steps)
-                except torch.cuda.OutOfMemoryError:
-                    free_after_oom(optimizer)
-                    if not guards.oom.may_retry(step):
-                        raise
-                    guards.oom.halve(state, step, metrics.write)
-                    continue
-                verdict = guards.check(step, result.loss, result.grad_norm)
-                if verdict is not Verdict.OK:  # weights and optimizer state stay as they were
-                    optimizer.zero_grad(set_to_none=True)
-                    state.skipped_steps += 1
-                    metrics.skipped(step, state.skipped_steps)
-                    if verdict is Verdict.STOP:
-                        checkpointer.save(step, state)
-                        raise TrainingStopped(diagnosis(step, lr))
-                    state.step += 1  # the step's data is consumed; the next step draws fresh samples
-                    continue
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if ema is not None:
-                    ema.update(step)
-                state.step = step = step + 1
-                state.units_seen += result.units * acc.num_processes
-                metrics.record(step, result.loss, lr, result.grad_norm, result.units * acc.num_processes,
-                               order.epoch_of(step, state.effective_batch))
-                if validator.due(step):
-                    validator.run(step)
-                    if validator.stop_early(step):
-                        break
-                if checkpointer.due(step):
-                    checkpointer.save(step, state)
-                if stopping.out_of_time():
-                    metrics.write(f"--max_minutes {s.max_minutes} reached at step {step}; finishing the run here")
-                    break
-                if stopping.signalled:
-                    checkpointer.save(step, state)
-                    raise TrainingStopped(f"stopped by SIGTERM at step {step}; checkpoint saved, resume with "
-                                          "--resume_from_checkpoint latest")
-        except KeyboardInterrupt:
-            if state.step > checkpointer.last_saved:
-                metrics.write(f"interrupted at step {state.step}: saving a checkpoint first")
-                checkpointer.save(state.step, state)
-            raise
-    checkpointer.save_if_new(state)
+    try:
+        with Stopping(s.max_minutes, catch_signals=True) as stopping, metrics.progress(state.step):
+            _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer, stopping)
+            checkpointer.save_if_new(state)
+            checkpointer.wait()
+    except BaseException:
+        checkpointer.close(raise_errors=False)
+        raise
     return _finish(run, task, state, metrics, validator, keeper)
+
+
+def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer,
+           stopping) -> None:
+    try:
+        while state.step < s.max_steps:
+            step, lr = state.step, lr_at(state.step, s)
+            set_lr(optimizer, lr)
+            try:
+                result = stepper.run(step, state.micro_batch_size, state.gradient_accumulation_steps)
+            except torch.cuda.OutOfMemoryError:
+                free_after_oom(optimizer)
+                if not guards.oom.may_retry(step):
+                    raise
+                guards.oom.halve(state, step, metrics.write)
+                continue
+            verdict = guards.check(step, result.loss, result.grad_norm)
+            if verdict is not Verdict.OK:  # weights and optimizer state stay as they were
+                optimizer.zero_grad(set_to_none=True)
+                state.skipped_steps += 1
+                metrics.skipped(step, state.skipped_steps)
+                if verdict is Verdict.STOP:
+                    saved = checkpointer.save(step, state, prune_old=False)
+                    checkpointer.wait()
+                    raise TrainingStopped(diagnosis(step, lr, saved, checkpointer.good,
+                                                    list_checkpoints(checkpointer.output_dir)))
+                state.step += 1  # the step's data is consumed; the next step draws fresh samples
+                continue
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update(step)
+            state.step = step = step + 1
+            state.units_seen += result.units * acc.num_processes
+            metrics.record(step, result.loss, lr, result.grad_norm, result.units * acc.num_processes,
+                           order.epoch_of(step, state.effective_batch * state.processes))
+            if validator.due(step):
+                validator.run(step)
+                if validator.stop_early(step):
+                    break
+            if checkpointer.due(step) and checkpointer.save(step, state) is None:
+                checkpointer.wait()
+                raise TrainingStopped(diverged(step, lr, checkpointer.good))
+            signalled, out_of_time = stopping.poll(acc)
+            if out_of_time:
+                metrics.write(f"--max_minutes {s.max_minutes} reached at step {step}; finishing the run here")
+                break
+            if signalled:
+                checkpointer.save(step, state)
+                checkpointer.wait()
+                raise TrainingStopped(f"stopped by {stopping.signal_name} at step {step}; checkpoint saved, resume "
+                                      "with --resume_from_checkpoint latest")
+    except KeyboardInterrupt:
+        if state.step > checkpointer.last_saved:
+            metrics.write(f"interrupted at step {state.step}: saving a checkpoint first")
+            checkpointer.save(state.step, state)
+        checkpointer.close(raise_errors=False)
+        raise
 
 
 def _ladder_setup(run: Run) -> TrainSetup:
@@ -116,7 +153,8 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
     use_best = validator.restore_best(state.step, final)
     results = final_results(state.step, task.unit, state.units_seen, final, keeper, use_best, metrics.history, {
         **metrics.summary(), "skipped_steps": state.skipped_steps, "micro_batch_size": state.micro_batch_size,
-        "gradient_accumulation_steps": state.gradient_accumulation_steps, "mixed_precision": acc.mixed_precision})
+        "gradient_accumulation_steps": state.gradient_accumulation_steps, "processes": state.processes,
+        "batch_changes": state.batch_changes, "mixed_precision": acc.mixed_precision})
     if acc.is_main_process:
         recorded = to_dict(*(x for x in (task.cfg, s) if x is not None))
         save_run(task, acc.unwrap_model(run.model), run.ema, use_best, run.output_dir, results, recorded,

@@ -46,7 +46,11 @@ class Window:
 
 
 class Metrics:
-    """Every ``log_steps`` steps (and the last): mean loss, lr, grad norm, units/s, MFU, epoch, peak memory."""
+    """Every ``log_steps`` steps (and the last): mean loss, lr, grad norm, units/s, MFU, epoch, peak memory.
+
+    ``state_dict`` (the history, the open logging window and the training time so far) travels in every checkpoint,
+    so a resumed run's history.json, curves, train_loss and throughput cover the whole run, not its last process.
+    """
 
     def __init__(self, accelerator, settings, unit: str, flops_per_unit: float, peak_tflops: tuple[float, str]):
         self.accelerator, self.unit, self.flops_per_unit = accelerator, unit, flops_per_unit
@@ -55,9 +59,32 @@ class Metrics:
         self.device = accelerator.device
         self.history: list[dict[str, Any]] = []
         self.window = Window()
+        self.seconds_before = 0.0
+        """Training time of the processes before this one (restored from the checkpoint)."""
+        self.started = time.perf_counter()
         self.bar = None
         if accelerator.is_main_process and settings.report_to != "none":
             accelerator.init_trackers("hf_cgpu", config={k: v for k, v in asdict(settings).items() if v is not None})
+
+    # ---- checkpointed state
+    def state_dict(self) -> dict[str, Any]:
+        w = self.window
+        return {"history": self.history, "train_seconds": self.train_seconds,
+                "window": {"loss_sum": w.loss_sum, "steps": w.steps, "units": w.units,
+                           "seconds": time.perf_counter() - w.t0}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = list(state.get("history") or [])
+        self.seconds_before = float(state.get("train_seconds") or 0.0)
+        self.started = time.perf_counter()
+        w = state.get("window") or {}
+        self.window = Window(float(w.get("loss_sum", 0.0)), int(w.get("steps", 0)), int(w.get("units", 0)),
+                             time.perf_counter() - float(w.get("seconds", 0.0)))
+
+    @property
+    def train_seconds(self) -> float:
+        """Wall time spent in the loop, over every process of the run (resumes included)."""
+        return self.seconds_before + time.perf_counter() - self.started
 
     # ---- output
     def write(self, msg: str) -> None:
@@ -69,6 +96,7 @@ class Metrics:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=self.max_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True)
+        self.started = time.perf_counter()
         try:
             yield self
         finally:
@@ -112,4 +140,5 @@ class Metrics:
 
     def summary(self) -> dict[str, Any]:
         """What all_results.json says about the peak the MFU divides by, and the memory."""
-        return {"mfu_peak_tflops": self.peak or None, "mfu_peak_source": self.peak_source, **peak_memory(self.device)}
+        return {"mfu_peak_tflops": self.peak or None, "mfu_peak_source": self.peak_source,
+                "train_seconds": round(self.train_seconds, 3), **peak_memory(self.device)}

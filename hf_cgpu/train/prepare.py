@@ -1,9 +1,12 @@
-"""Everything before the first step: the Accelerator (bf16 autocast on GPU, fp32 on CPU), the task's setup, autofit
-(a new settings object), the memory tiers in their fixed order (``hf_cgpu.tiers``), AdamW, accelerate's prepare,
-EMA. The result is a ``Run``; the settings it holds are the ones the run trains with."""
+"""Everything before the first step: the Accelerator (bf16 autocast on GPU, fp32 on CPU), the output folder claimed
+for this run (writable, locked, no earlier run in it: ``outdir``), the task's setup (its data errors are one line),
+autofit (a new settings object), the memory tiers in their fixed order (``hf_cgpu.tiers``), AdamW, accelerate's
+prepare, EMA, and room on disk for two checkpoints. The result is a ``Run``; the settings it holds are the ones the
+run trains with, its lock is held until ``fit`` returns."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from ..budget import autofit_settings, flops_per_token
 from ..settings import TrainSettings
 from ..tiers import apply_tiers, build_optimizer, validate_tier
 from .ema import EMA
+from .outdir import RunLock, check_free_space, checkpoint_bytes, claim
 from .task import Task, TaskPlan
 
 
@@ -32,6 +36,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     ema: EMA | None
     output_dir: Path
+    lock: RunLock | None = None
+    """The output folder's lock (main process), released by ``fit``."""
 
     @property
     def flops_per_unit(self) -> float:
@@ -50,9 +56,24 @@ def mixed_precision(s: TrainSettings) -> str:
 
 def prepare(task: Task, s: TrainSettings) -> Run:
     out_dir = Path(s.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    accelerator = Accelerator(mixed_precision=mixed_precision(s), project_dir=str(out_dir),
-                              log_with=None if s.report_to == "none" else s.report_to)
+    lock = claim(out_dir, s.resume_from_checkpoint, s.overwrite_output_dir) if _is_main() else None
+    try:
+        accelerator = Accelerator(mixed_precision=mixed_precision(s), project_dir=str(out_dir),
+                                  log_with=None if s.report_to == "none" else s.report_to)
+        accelerator.wait_for_everyone()  # the folder is claimed (and an earlier run cleared) before anyone reads it
+        return _prepare(task, s, accelerator, out_dir, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _is_main() -> bool:
+    """The main process, before the Accelerator exists (launchers set RANK)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Path, lock: RunLock | None) -> Run:
     device = accelerator.device
     set_seed(s.seed)
     plan = task.setup(s, accelerator)
@@ -70,4 +91,6 @@ def prepare(task: Task, s: TrainSettings) -> Run:
                                 betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps, paged=s.paged_optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)
     ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
-    return Run(s, accelerator, plan, model, optimizer, ema, out_dir)
+    if accelerator.is_main_process:
+        check_free_space(out_dir, checkpoint_bytes(accelerator.unwrap_model(model), s.tier, ema is not None))
+    return Run(s, accelerator, plan, model, optimizer, ema, out_dir, lock)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -13,23 +12,15 @@ from typing import Any
 
 import torch
 
+from ..errors import IntegrityError
+from ..integrity import build_manifest, replace_dir, verify_folder, write_manifest
 from .ema import ema_weights
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Put directory ``tmp`` in place of ``final``: at every instant one complete copy exists on disk."""
-    old = final.with_name(f".{final.name}-old")
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 class BestKeeper:
     """Keeps the weights with the lowest evaluation ``metric`` in ``output_dir/best`` and counts evaluations since
-    the last improvement (early stopping). Its state travels in every checkpoint, so a resumed run keeps it."""
+    the last improvement (early stopping). Its state travels in every checkpoint, so a resumed run keeps it.
+    The folder is written beside, sealed with a checksum manifest, then swapped in (``integrity.replace_dir``)."""
 
     def __init__(self, metric: str | None, folder: Path, patience: int = 0, save: bool = True):
         self.metric, self.folder, self.patience, self.save = metric, folder, patience, save
@@ -61,8 +52,19 @@ class BestKeeper:
             tmp.mkdir(parents=True)
             write(tmp)
             (tmp / "best.json").write_text(json.dumps({"step": step, **metrics}, indent=1))
-            _replace_dir(tmp, self.folder)
+            write_manifest(tmp, build_manifest(tmp, "best", step=step))
+            replace_dir(tmp, self.folder)
         return True
+
+    def check_folder(self) -> str | None:
+        """Why ``folder`` cannot be trusted to hold the recorded best weights (None: it can)."""
+        try:
+            manifest = verify_folder(self.folder)
+        except IntegrityError as err:
+            return str(err)
+        if manifest.meta.get("step") != self.step:
+            return f"{self.folder} holds the weights of step {manifest.meta.get('step')}, not of step {self.step}"
+        return None
 
     def should_stop(self) -> bool:
         return self.patience > 0 and self.stale >= self.patience
@@ -117,7 +119,11 @@ class Validator:
     def restore_best(self, step: int, final: dict[str, float]) -> bool:
         """``--load_best_at_end``: put the best weights into the model when they are not the last ones."""
         k = self.keeper
-        if not (self.settings.load_best_at_end and k.step is not None and k.step != step and k.folder.is_dir()):
+        if not (self.settings.load_best_at_end and k.step is not None and k.step != step):
+            return False
+        problem = k.check_folder() if k.folder.is_dir() else f"{k.folder} is missing"
+        if problem:
+            self.metrics.write(f"warning: load_best_at_end: {problem}; the saved model is the last one (step {step})")
             return False
         self.accelerator.wait_for_everyone()
         self.task.load_saved_weights(self.accelerator.unwrap_model(self.model), k.folder)
