@@ -1,9 +1,10 @@
 """Train the CIFAR-10 classifier whose features `hf-cgpu eval` uses to score image generators (the one loop).
 
-    accelerate launch --config_file accelerate_config.yaml recipes/train_classifier.py --preset cifar10 \
+    accelerate launch --config_file recipes/accelerate/single_gpu.yaml recipes/train_classifier.py --preset cifar10 \
         --dataset ../shared/data/cifar10 --output_dir runs/classifier
     python recipes/train_classifier.py --preset tiny --dataset ../shared/data/cifar10 --output_dir runs/clf_tiny  # CPU
     hf-cgpu eval runs/flow --classifier runs/classifier --dataset ../shared/data/cifar10
+    hf-cgpu train classifier --preset tiny --dataset ../shared/data/cifar10 --output_dir runs/clf_tiny  # as a command
 """
 
 import json

@@ -36,7 +36,8 @@ def load_saved_weights(model: torch.nn.Module, folder: Path) -> None:
 
 def final_results(steps: int, unit: str, units_seen: int, final: dict[str, float], keeper, use_best: bool,
                   history: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
-    """The figures of all_results.json: the final (or best) evaluation, the last logged training window, ``extra``."""
+    """The figures of all_results.json: the final (or best) evaluation, the last logged training loss, ``extra``
+    (the metrics' summary: the run's mean throughput and MFU, the device, memory)."""
     last = next((h for h in reversed(history) if "train/loss" in h), {})
     best = keeper.step is not None
     return {
@@ -47,8 +48,6 @@ def final_results(steps: int, unit: str, units_seen: int, final: dict[str, float
         **({f"best_{keeper.metric}": keeper.value, "best_step": keeper.step} if best else {}),
         **({f"last_{k}": v for k, v in final.items()} if use_best else {}),
         "model_step": keeper.step if use_best else steps,
-        f"{unit}_per_s": last.get(f"train/{unit}_per_s"),
-        "mfu": last.get("train/mfu"),
         **extra,
     }
 
@@ -57,7 +56,9 @@ def save_run(task, model: torch.nn.Module, ema: EMA | None, use_best: bool, outp
              results: dict[str, Any], settings: dict[str, Any], history: list[dict[str, Any]], log=print) -> None:
     """Write the model, all_results.json, history.json, the curves and the card (main process only)."""
     with ema_weights(ema, enabled=not use_best):  # the best weights were evaluated (and saved) with EMA in place
+        log(f"saving the model to {output_dir}")
         task.save_pretrained(model, output_dir)
+        results.update(task.on_saved(model, output_dir, log) or {})  # into the caller's results too
     (output_dir / "all_results.json").write_text(json.dumps({**results, "settings": settings}, indent=2))
     (output_dir / "history.json").write_text(json.dumps(history))
     plot_history(history, output_dir / "training_curves.png", task.unit, log)

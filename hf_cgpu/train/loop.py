@@ -15,13 +15,17 @@ of ``(seed, k)`` only (``schedule``), so a run resumed from a checkpoint at step
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..budget import TrainSetup, oom_advice, peak_tflops
+from ..bench import training_peak
+from ..budget import TrainSetup, oom_advice
 from ..errors import TrainingStopped
 from ..settings import TrainSettings, to_dict
+from ..tiers import validate_tier
 from .artifacts import final_results, save_run
 from .checkpoint import Checkpointer, TrainState
 from .guards import Guards, Verdict, diagnosis, free_after_oom
@@ -35,7 +39,28 @@ from .validation import BestKeeper, Validator
 
 
 def fit(task: Task, settings: TrainSettings) -> dict[str, Any]:
-    """Train ``task`` with ``settings``; returns the final figures (also written to all_results.json)."""
+    """Train ``task`` with ``settings``; returns the final figures (also written to all_results.json).
+
+    A run that fails before writing anything leaves no empty ``output_dir`` behind (one it created itself)."""
+    out = Path(settings.output_dir)
+    created = not out.exists()
+    try:
+        return _fit(task, settings)
+    except BaseException:
+        if created:
+            remove_if_empty(out)
+        raise
+
+
+def remove_if_empty(folder: Path) -> None:
+    """Delete ``folder`` when it holds no file at any depth (only empty folders)."""
+    if folder.is_dir() and not any(p.is_file() or p.is_symlink() for p in folder.rglob("*")):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fit(task: Task, settings: TrainSettings) -> dict[str, Any]:
+    validate_tier(settings.tier, settings.recompute, train_mode=task.train_mode)  # before any data is loaded
+    pusher = _hub_pusher(settings)  # before any data or model: a push that cannot work fails now
     run = prepare(task, settings)
     s, acc, optimizer, ema = run.settings, run.accelerator, run.optimizer, run.ema
     keeper = BestKeeper(task.best_metric, run.output_dir / "best", s.early_stopping_patience,
@@ -45,7 +70,7 @@ def fit(task: Task, settings: TrainSettings) -> dict[str, Any]:
     state = checkpointer.resume(s.resume_from_checkpoint, TrainState.start(s, task.fingerprint()))
     order = task.sample_order(s.seed)
     stepper = Stepper(task, run.model, acc, order, s.seed, s.max_grad_norm)
-    metrics = Metrics(acc, s, task.unit, run.flops_per_unit, peak_tflops(s.peak_tflops, acc.device.type == "cuda"))
+    metrics = Metrics(acc, s, task.unit, run.flops_per_unit, training_peak(s.peak_tflops, acc.device, acc.print))
     every = s.eval_steps if run.plan.eval_steps is None else run.plan.eval_steps
     validator = Validator(task, run.model, acc, ema, s, keeper, metrics, every, run.output_dir)
     guards = Guards(s, run.plan.expected_initial_loss, state.step, oom_advice(_ladder_setup(run)), metrics.write)
@@ -81,11 +106,15 @@ def fit(task: Task, settings: TrainSettings) -> dict[str, Any]:
                 metrics.record(step, result.loss, lr, result.grad_norm, result.units * acc.num_processes,
                                order.epoch_of(step, state.effective_batch))
                 if validator.due(step):
-                    validator.run(step)
+                    with metrics.paused():
+                        validator.run(step)
                     if validator.stop_early(step):
                         break
                 if checkpointer.due(step):
-                    checkpointer.save(step, state)
+                    with metrics.paused():
+                        saved = checkpointer.save(step, state)
+                    if pusher is not None:
+                        pusher.checkpoint(saved, step)
                 if stopping.out_of_time():
                     metrics.write(f"--max_minutes {s.max_minutes} reached at step {step}; finishing the run here")
                     break
@@ -98,8 +127,26 @@ def fit(task: Task, settings: TrainSettings) -> dict[str, Any]:
                 metrics.write(f"interrupted at step {state.step}: saving a checkpoint first")
                 checkpointer.save(state.step, state)
             raise
+    metrics.end_training()
     checkpointer.save_if_new(state)
-    return _finish(run, task, state, metrics, validator, keeper)
+    results = _finish(run, task, state, metrics, validator, keeper)
+    if pusher is not None:
+        pusher.finish(task.card_kind)
+    return results
+
+
+def _hub_pusher(s: TrainSettings):
+    """The main process's ``HubPusher`` when ``--push_to_hub`` (the repo created now), else None."""
+    if not s.push_to_hub:
+        return None
+    from accelerate import PartialState
+
+    from ..hub import HubPusher
+
+    if not PartialState().is_main_process:
+        return None
+    return HubPusher(s.hub_model_id or Path(s.output_dir).resolve().name, s.output_dir, private=s.hub_private,
+                     strategy=s.hub_strategy, log=print)
 
 
 def _ladder_setup(run: Run) -> TrainSetup:

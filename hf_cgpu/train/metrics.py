@@ -35,6 +35,15 @@ def counted_training_flops(model: torch.nn.Module, *inputs: Any) -> float:
     return 3.0 * counter.get_total_flops()
 
 
+def device_label(device: torch.device) -> str:
+    """The device a run trained on, as a card says it: 'NVIDIA GeForce RTX 5070 Ti', 'CPU (2 threads)'."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return f"CPU ({torch.get_num_threads()} threads)"
+    return device.type
+
+
 @dataclass
 class Window:
     """Training steps since the last log line."""
@@ -42,7 +51,12 @@ class Window:
     loss_sum: float = 0.0
     steps: int = 0
     units: int = 0
-    t0: float = field(default_factory=time.perf_counter)
+    t0: float = field(default_factory=lambda: time.perf_counter())
+    paused: float = 0.0
+    """Seconds of evaluation and checkpointing inside the window: not training time."""
+
+    def seconds(self) -> float:
+        return max(1e-9, time.perf_counter() - self.t0 - self.paused)
 
 
 class Metrics:
@@ -55,6 +69,7 @@ class Metrics:
         self.device = accelerator.device
         self.history: list[dict[str, Any]] = []
         self.window = Window()
+        self.run_units, self.run_seconds = 0, 0.0  # every logged window: the run's mean throughput
         self.bar = None
         if accelerator.is_main_process and settings.report_to != "none":
             accelerator.init_trackers("hf_cgpu", config={k: v for k, v in asdict(settings).items() if v is not None})
@@ -76,6 +91,15 @@ class Metrics:
                 self.bar.close()
             self.bar = None
 
+    @contextmanager
+    def paused(self):
+        """Time spent inside (evaluation, checkpoints) does not count as training time in the throughput."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window.paused += time.perf_counter() - t0
+
     # ---- training steps
     def record(self, step: int, loss: float, lr: float, grad_norm: float, units: int, epoch: float) -> None:
         """One optimizer step done (``step`` counts it); logs when the window is due."""
@@ -88,7 +112,9 @@ class Metrics:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        rate = w.units / (time.perf_counter() - w.t0)
+        seconds = w.seconds()
+        rate = w.units / seconds
+        self.run_units, self.run_seconds = self.run_units + w.units, self.run_seconds + seconds
         metrics = {"train/loss": w.loss_sum / w.steps, "train/lr": lr, "train/grad_norm": grad_norm,
                    f"train/{self.unit}_per_s": rate, "train/epoch": epoch}
         if self.peak and self.flops_per_unit:
@@ -110,6 +136,20 @@ class Metrics:
         self.history.append({"step": step, **metrics})
         self.write(f"step {step}: {text}")
 
+    def end_training(self) -> None:
+        """The loop is done: a window not yet logged (a run stopped between log lines) joins the run's totals."""
+        w = self.window
+        if w.steps:
+            self.run_units, self.run_seconds = self.run_units + w.units, self.run_seconds + w.seconds()
+        self.window = Window()
+
+    def mean_rate(self) -> float | None:
+        """Units per second over the whole run's training time (evaluation and checkpoints left out)."""
+        return self.run_units / self.run_seconds if self.run_units and self.run_seconds > 0 else None
+
     def summary(self) -> dict[str, Any]:
-        """What all_results.json says about the peak the MFU divides by, and the memory."""
-        return {"mfu_peak_tflops": self.peak or None, "mfu_peak_source": self.peak_source, **peak_memory(self.device)}
+        """What all_results.json says about throughput (the run's mean), MFU, its peak, the device and memory."""
+        rate = self.mean_rate()
+        mfu = self.flops_per_unit * rate / (self.peak * 1e12) if rate and self.peak and self.flops_per_unit else None
+        return {f"{self.unit}_per_s": rate, "mfu": mfu, "mfu_peak_tflops": self.peak or None,
+                "mfu_peak_source": self.peak_source, "device": device_label(self.device), **peak_memory(self.device)}
