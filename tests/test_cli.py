@@ -209,3 +209,35 @@ def test_launched_run_reports_the_child_error_in_one_line(tmp_path):
     assert errors[-1].startswith("error: dataset") and "not found" in errors[-1]
     assert "Traceback" not in done.stderr and "CalledProcessError" not in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_recipe_under_accelerate_launch_quiet_is_one_line(tmp_path):
+    """The README's advice for the recipes: `accelerate launch -q` keeps the child's line alone (exit 1 is
+    accelerate's)."""
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "-q", "--num_processes", "1",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           str(ROOT / "recipes" / "train_gpt.py"), "--n_embd", "100", "--n_head", "3"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()  # accelerate may note its CPU thread default first
+    assert lines[-1] == "error: n_embd=100 is not divisible by n_head=3; use n_head in [1, 2, 4, 5, 10, 20, 25]"
+    assert "Traceback" not in done.stderr and sum(line.startswith("error:") for line in lines) == 1
+
+
+def test_max_new_tokens_beyond_the_context_says_so():
+    from hf_cgpu.generate import continue_texts
+    from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
+    from hf_cgpu.data.text import train_tokenizer
+
+    tok = train_tokenizer(["some text to learn a few merges from, again and again"] * 20, vocab_size=300,
+                          show_progress=False)
+    model = CgptForCausalLM(CgptConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tok), n_positions=16,
+                                       eos_token_id=tok.eos_token_id))
+    notes = []
+    out = continue_texts(model, tok, ["some text"], max_new_tokens=40, log=notes.append, do_sample=False)
+    n_prompt = len(tok("some text").input_ids)
+    assert out[0].startswith("some text")  # generated up to the context, no position-table overflow
+    assert notes == [f"note: prompt 1 has {n_prompt} tokens and the model's context is 16: --max_new_tokens 40 is "
+                     f"cut to {16 - n_prompt} (at most 16 tokens in all)"]
+    assert continue_texts(model, tok, ["some text"], max_new_tokens=2, log=notes.append, do_sample=False)
+    assert len(notes) == 1  # within the context: nothing to say
