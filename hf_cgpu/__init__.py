@@ -1,13 +1,20 @@
 """hf_cgpu: train real small models on one consumer GPU with the Hugging Face stack.
 
-Heavy pieces are imported on first use, so ``import hf_cgpu`` stays quick.
+``import hf_cgpu`` imports neither torch nor transformers: every name below loads its module on first use, and
+the GPT's transformers Auto registration (``AutoModelForCausalLM.from_pretrained(dir)`` without
+``trust_remote_code``) runs when transformers itself is imported (a post-import hook, ``wrapt``), or at once
+when it already is.
 """
 
-from .models.cgpt import CgptConfig, CgptForCausalLM
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
 _LAZY = {
+    "CgptConfig": "hf_cgpu.models.cgpt",
+    "CgptForCausalLM": "hf_cgpu.models.cgpt",
     "FlowMatchPipeline": "hf_cgpu.flow.pipeline_flow_match",
     "FlowUNet2DModel": "hf_cgpu.flow.unet",
     "FlowMatchEulerScheduler": "hf_cgpu.flow.scheduling_flow_match",
@@ -19,10 +26,29 @@ _LAZY = {
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hf_cgpu' has no attribute {name!r}")
 
 
-__all__ = ["CgptConfig", "CgptForCausalLM", *_LAZY]
+def _register_auto_classes(_transformers=None) -> None:
+    """Register the GPT with transformers' Auto classes (importing ``hf_cgpu.models.cgpt`` does it)."""
+    importlib.import_module("hf_cgpu.models.cgpt")
+
+
+def _install_registration_hook() -> None:
+    import sys
+
+    if "transformers" in sys.modules:  # already paid for: register now
+        _register_auto_classes()
+        return
+    try:
+        from wrapt import register_post_import_hook
+    except ImportError:  # without wrapt: register eagerly, as before
+        _register_auto_classes()
+        return
+    register_post_import_hook(_register_auto_classes, "transformers")
+
+
+_install_registration_hook()
+
+__all__ = [*_LAZY]

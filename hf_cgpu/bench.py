@@ -10,7 +10,6 @@ the trainer's MFU and for ``hf-cgpu budget``'s hours. Datasheet numbers are uppe
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -21,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import SettingsError, UserError
+from .errors import ArgumentParser, SettingsError, UserError
 
 COPY_BYTES = 256 * 1024**2
 """Size of the copied tensor: large enough to defeat the L2 cache (64-96 MB on current cards)."""
@@ -171,6 +170,45 @@ def run_bench(sizes: Sequence[int] = MATMUL_SIZES, copy_bytes: int = COPY_BYTES,
     )
 
 
+QUICK = {"sizes": (4096, 8192), "copy_bytes": 64 * 1024**2, "warmup": 2, "iters": 5, "repeats": 3}
+"""The bench a training run does by itself when no peak is stored: a few seconds on any current GPU."""
+
+
+def quick_bench() -> BenchResult:
+    """``run_bench`` shortened to a few seconds (two matmul sizes, fewer repeats): the MFU denominator of a run
+    that found no stored bench; ``hf-cgpu bench`` measures more carefully."""
+    q = dict(QUICK)
+    return run_bench(q.pop("sizes"), q.pop("copy_bytes"), **q)
+
+
+def training_peak(explicit: float, device, log=print, measure: Callable[[], BenchResult] | None = None,
+                  path: str | Path | None = None) -> tuple[float, str]:
+    """The bf16 peak a training run's MFU divides by, and where it came from; the log says which.
+
+    ``--peak_tflops`` when given; else the stored ``hf-cgpu bench`` of this GPU (``bench.json``); else, on CUDA,
+    ``measure()`` (default ``quick_bench``) now, stored where ``hf-cgpu bench`` stores it, so the next run reuses it.
+    A stored bench of another GPU model is measured again. On the CPU there is no MFU.
+    """
+    if explicit > 0:
+        peak, source = explicit, "--peak_tflops"
+    elif getattr(device, "type", str(device)) != "cuda":
+        return 0.0, "none (MFU is reported for CUDA runs)"
+    else:
+        import torch
+
+        name = torch.cuda.get_device_name(device)
+        stored = load_result(path)
+        if stored is not None and stored.peak_bf16_tflops > 0 and stored.device_name == name:
+            peak, source = stored.peak_bf16_tflops, f"hf-cgpu bench of {stored.measured_at or 'an earlier run'}"
+        else:
+            log(f"MFU: no stored bf16 peak for {name}; measuring it now (a few seconds)")
+            result = (measure or quick_bench)()
+            saved = save_result(result, path)
+            peak, source = result.peak_bf16_tflops, f"measured at the start of this run, stored in {saved}"
+    log(f"MFU denominator: {peak:,.1f} TFLOP/s bf16 ({source})")
+    return peak, source
+
+
 def format_result(r: BenchResult) -> str:
     lines = [
         f"{r.device_name} | {r.total_memory_bytes / 1024**3:.1f} GiB | {r.capability} | torch {r.torch_version}"
@@ -183,8 +221,8 @@ def format_result(r: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hf-cgpu bench", description=__doc__.splitlines()[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="hf-cgpu bench", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=",".join(map(str, MATMUL_SIZES)), help="matmul sizes, comma separated")
     p.add_argument("--copy_mib", type=int, default=COPY_BYTES // 1024**2, help="copied tensor size in MiB")
     p.add_argument("--iters", type=int, default=ITERS, help="calls per timed repeat")

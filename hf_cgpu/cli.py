@@ -1,4 +1,8 @@
-"""``hf-cgpu``: one command with subcommands; each runs through ``errors.run_main`` (a user error: one line, exit 2)."""
+"""``hf-cgpu``: one command with subcommands; each runs through ``errors.run_main`` (a user error: one line, exit 2).
+
+A subcommand's module is imported only when it runs, so ``hf-cgpu --help`` and ``hf-cgpu budget`` import neither
+torch nor transformers. A new subcommand is one more row of ``COMMANDS``.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +11,38 @@ import sys
 
 from .errors import USER_ERROR_EXIT, run_main
 
-COMMANDS = {
-    "generate": ("hf_cgpu.generate", "continue text with a saved GPT"),
-    "sample": ("hf_cgpu.flow.sample", "sample images from a saved FlowMatchPipeline"),
-    "eval": ("hf_cgpu.evaluation.cli", "evaluate a saved model: LM loss/perplexity/bits per char, or image FD"),
-    "budget": ("hf_cgpu.budget.cli", "memory and time ledger: what fits on your card, how long it takes"),
-    "bench": ("hf_cgpu.bench", "measure this GPU's bandwidth and bf16 matmul rate (MFU denominator)"),
-    "push": ("hf_cgpu.hub", "push a trained directory to the Hub with a model card"),
-    "verify": ("hf_cgpu.verify", "check a model or checkpoint folder against its checksum manifest"),
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("hf_cgpu.recipes:train_main", "train a model: gpt, flow, lora, classifier (the recipes' settings)"),
+    "budget": ("hf_cgpu.budget.cli:main", "memory and time ledger: what fits on your card, how long it takes"),
+    "bench": ("hf_cgpu.bench:main", "measure this GPU's bandwidth and bf16 matmul rate (MFU denominator)"),
+    "generate": ("hf_cgpu.generate:main", "continue text with a saved GPT (or any causal LM)"),
+    "sample": ("hf_cgpu.flow.sample:main", "sample images from a saved FlowMatchPipeline"),
+    "eval": ("hf_cgpu.evaluation.cli:main", "evaluate a saved model: LM loss/perplexity/bits per char, or image FD"),
+    "push": ("hf_cgpu.hub:main", "push a trained directory to the Hub with a model card"),
+    "verify": ("hf_cgpu.verify:main", "check a model or checkpoint folder against its checksum manifest"),
+    "flow2d": ("hf_cgpu.recipes:flow2d_main", "the 2D flow-matching toy on CPU (~20 s): table + scatter plot"),
 }
+"""name -> ("module:function", one line of help); the function takes the remaining argv and returns an exit code."""
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS)) + 2
+    lines = [f"  {name:<{width}}{help_}" for name, (_, help_) in COMMANDS.items()]
+    return ("usage: hf-cgpu COMMAND [ARGS]   (hf-cgpu COMMAND --help: its options)\n\ncommands:\n" + "\n".join(lines)
+            + "\n\nA user error ends in one line `error: ...` and exit code 2; HF_CGPU_DEBUG=1 shows its traceback.")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        lines = [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
-        msg = "usage: hf-cgpu COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines)
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"hf-cgpu: unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
-            return USER_ERROR_EXIT
-        print(msg)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
         return 0
-    module = importlib.import_module(COMMANDS[argv[0]][0])
-    return run_main(module.main, argv[1:])
+    if argv[0] not in COMMANDS:
+        print(f"error: unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)} (hf-cgpu --help)",
+              file=sys.stderr)
+        return USER_ERROR_EXIT
+    module, _, function = COMMANDS[argv[0]][0].partition(":")
+    return run_main(getattr(importlib.import_module(module), function or "main"), argv[1:])
 
 
 if __name__ == "__main__":

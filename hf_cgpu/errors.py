@@ -8,6 +8,7 @@ the exit code argparse uses for bad arguments. Anything else is a bug and keeps 
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -48,10 +49,24 @@ class TrainingStopped(UserError, RuntimeError):
     """The run stopped on purpose (diverged, out of memory at micro-batch 1, SIGTERM); a checkpoint was saved first."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the one error path: a bad flag or value is a ``SettingsError`` (one line, exit 2), not
+    argparse's usage block (dozens of lines for a settings parser) followed by the message."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise SettingsError(f"{self.prog}: {message}; `{self.prog} --help` lists the options")
+
+
 def require_model(spec: str, what: str = "model folder") -> None:
-    """A ``spec`` that looks like a local path must exist; an ``owner/name`` Hub id is left to the loader."""
-    if not Path(spec).expanduser().exists() and (spec.startswith((".", "/", "~")) or spec.count("/") != 1):
-        raise MissingPathError(f"{what} {spec!r} not found; pass a trained run's output_dir or a Hub id")
+    """A ``spec`` that looks like a local path must exist. ``owner/name`` is left to the Hub loader, unless ``owner``
+    is a local folder (``runs/nope``: a mistyped run, not a Hub id) or the Hub is switched off (HF_HUB_OFFLINE)."""
+    if Path(spec).expanduser().exists():
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    hub_like = spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not Path(spec.split("/")[0]).is_dir()
+    if not hub_like or offline:
+        why = " (and HF_HUB_OFFLINE is set, so no Hub id)" if hub_like else ""
+        raise MissingPathError(f"{what} {spec!r} not found{why}; pass a trained run's output_dir or a Hub id")
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
-import argparse
+import sys
 from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from .errors import SettingsError
 
 
 def continue_texts(
     model, tokenizer, prompts: list[str], max_new_tokens: int = 60, temperature: float = 0.8, top_k: int = 50,
-    top_p: float = 0.95, seed: int = 0, do_sample: bool = True,
+    top_p: float = 0.95, seed: int = 0, do_sample: bool = True, log=None,
 ) -> list[str]:
-    """Continue each prompt (one at a time: no padding needed) and return prompt + continuation."""
+    """Continue each prompt (one at a time: no padding needed) and return prompt + continuation.
+
+    A continuation ends at the model's context (``n_positions``); ``log`` (default: stderr) says when that cuts
+    ``max_new_tokens`` short."""
+    if log is None:
+        def log(msg: str) -> None:
+            print(msg, file=sys.stderr)
+
     model.eval()
     device = next(model.parameters()).device
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
@@ -22,6 +33,9 @@ def continue_texts(
         if ids.shape[1] == 0:  # an empty prompt starts from the document separator
             ids = torch.tensor([[tokenizer.eos_token_id]], device=device)
         new = max_new_tokens if limit is None else max(0, min(max_new_tokens, limit - ids.shape[1]))
+        if new < max_new_tokens:
+            log(f"note: prompt {i + 1} has {ids.shape[1]} tokens and the model's context is {limit}: "
+                f"--max_new_tokens {max_new_tokens} is cut to {new} (at most {limit} tokens in all)")
         torch.manual_seed(seed + i)
         # compiled blocks would recompile for every cache length: decode eagerly
         stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
@@ -34,33 +48,86 @@ def continue_texts(
     return texts
 
 
+@dataclass(frozen=True)
+class GenerateSettings:
+    """How ``hf-cgpu generate`` decodes."""
+
+    max_new_tokens: int = 80
+    """Tokens to generate after each prompt (never beyond the model's context; a note says when it is cut)."""
+    temperature: float = 0.8
+    """Sampling temperature (lower = more conservative); ignored with --greedy."""
+    top_k: int = 50
+    """Sample among the k most likely tokens (0 = no limit)."""
+    top_p: float = 0.95
+    """Nucleus sampling: the smallest set of tokens whose probability reaches p."""
+    greedy: bool = False
+    """Greedy decoding (always the most likely token) instead of sampling."""
+    seed: int = 0
+    """Seed of the sampling (prompt i uses seed + i)."""
+    trust_remote_code: bool = False
+    """Allow the model's own code from its folder or repo (not needed for hf_cgpu's GPT)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .settings import build_parser
 
-    import hf_cgpu  # noqa: F401  (registers the cgpt model type)
-
-    p = argparse.ArgumentParser(prog="hf-cgpu generate", description="continue text with a saved model")
-    p.add_argument("model_dir")
-    p.add_argument("prompt", nargs="+")
-    p.add_argument("--max_new_tokens", type=int, default=80)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top_k", type=int, default=50)
-    p.add_argument("--top_p", type=float, default=0.95)
-    p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    from .errors import require_model
-
-    require_model(a.model_dir)
-    tok = AutoTokenizer.from_pretrained(a.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(a.model_dir)
-    from .data.text import check_vocab
-
-    check_vocab(tok, model.config.vocab_size)
+    parser = build_parser((GenerateSettings,), description="Continue text with a saved model: a run's output_dir "
+                          "(or its best/ or merged/ folder), any causal LM folder or a Hub id.", prog="hf-cgpu generate")
+    parser.add_argument("model_dir", help="a trained run's output_dir, its best/ or merged/ folder, or a Hub id")
+    parser.add_argument("prompt", nargs="+", help="one or more prompts, each continued separately")
+    parser.usage = "%(prog)s MODEL_DIR PROMPT [PROMPT ...] [--SETTING VALUE ...]"
+    ns = vars(parser.parse_args(argv))
+    model_dir, prompts = ns.pop("model_dir"), ns.pop("prompt")
+    s = GenerateSettings(**{k: v for k, v in ns.items() if v is not None})
+    if s.max_new_tokens < 1:
+        raise SettingsError(f"--max_new_tokens must be >= 1 (got {s.max_new_tokens})")
+    tok, model = load_causal_lm(model_dir, s.trust_remote_code)
     if torch.cuda.is_available():
         model = model.to("cuda", dtype=torch.bfloat16)
-    for text in continue_texts(model, tok, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed,
-                               do_sample=not a.greedy):
+    for text in continue_texts(model, tok, prompts, s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.seed,
+                               do_sample=not s.greedy):
         print(text)
         print("-" * 40)
     return 0
+
+
+def load_causal_lm(model_dir: str, trust_remote_code: bool = False):
+    """(tokenizer, model) of a causal LM folder or Hub id; what is not one ends in a one-line ``UserError``."""
+    from .errors import MissingPathError, UserError, require_model
+
+    require_model(model_dir)
+    path = Path(model_dir).expanduser()
+    if path.is_dir():
+        if (path / "model_index.json").is_file():
+            raise SettingsError(f"{model_dir} is a FlowMatchPipeline (model_index.json), not a language model; "
+                                f"use `hf-cgpu sample {model_dir}`")
+        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            hint = f" or {path / 'merged'}" if (path / "merged" / "config.json").is_file() else ""
+            raise SettingsError(f"{model_dir} holds a LoRA adapter, not a whole model; generate from its merged copy "
+                                f"(--merge true){hint}")
+        if not (path / "config.json").is_file():
+            raise MissingPathError(f"{model_dir} holds no config.json; pass a trained run's output_dir (or its "
+                                   "best/ or merged/ folder)")
+        if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json",
+                                                  "tokenizer.model")):
+            raise MissingPathError(f"{model_dir} has no tokenizer files; save the tokenizer beside the weights "
+                                   "(tokenizer.save_pretrained(dir))")
+    else:
+        from .hub import check_hub_model
+
+        check_hub_model(model_dir)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_cgpu.models.cgpt  # noqa: F401  (registers the cgpt model type)
+
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # a Hub id that does not resolve, offline, a gated repo, a foreign config
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UserError(f"cannot load {model_dir!r} as a causal LM ({first[:160]}); pass a trained run's output_dir "
+                        "or a causal LM Hub id (network needed)") from e
+    from .data.text import check_vocab
+
+    check_vocab(tok, model.config.vocab_size)
+    return tok, model

@@ -5,27 +5,26 @@ A card is rendered from a Jinja2 template (``model_cards/<kind>.md``) with YAML 
 files, the safetensors headers), so a card always describes the weights beside it.
 
 Where the templates live: one copy only, ``model_cards/`` at the repository root, where they are reviewed like
-docs. ``template_dir()`` looks, in order, at ``$HF_CGPU_MODEL_CARDS``, the source checkout (``<repo>/model_cards``,
-which also covers ``pip install -e .``) and ``<prefix>/share/hf_cgpu/model_cards``, where a wheel installs them
-through setup.cfg's ``[options.data_files]``. No copy inside the package, no symlink (symlinks are dropped or
+docs; setup.py maps that folder to the package ``hf_cgpu.model_cards``, so an installed hf_cgpu reads them with
+``importlib.resources`` (``template_dir()``). No copy inside ``hf_cgpu/``, no symlink (symlinks are dropped or
 duplicated by sdists and wheels, and break on Windows checkouts).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import site
 import struct
 import sys
-import sysconfig
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import IntegrityError, UserError
+from .errors import ArgumentParser, IntegrityError, UserError
 from .integrity import MANIFEST, atomic_output, verify_folder
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 KINDS: dict[str, dict[str, str]] = {
     "gpt": {"library_name": "transformers", "pipeline_tag": "text-generation"},
@@ -56,17 +55,60 @@ class HubError(UserError, RuntimeError):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Hub ids on the command line
+
+
+def check_hub_model(repo_id: str, what: str = "model", filename: str = "config.json",
+                    repo_type: str = "model") -> None:
+    """Before a loader retries for a minute: a Hub id must be in the local cache or answer one request.
+
+    A typo, a private repo without a token or no network then ends in one line naming the fix. Offline
+    (HF_HUB_OFFLINE) the loader is left to its cache.
+    """
+    from huggingface_hub import constants, repo_info, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(repo_id, filename, repo_type=repo_type), str):
+        return
+    try:
+        repo_info(repo_id, repo_type=repo_type, timeout=10)
+    except GatedRepoError:
+        raise HubError(f"{what} {repo_id!r} is gated; accept its terms on the Hub and log in (`hf auth login`)") from None
+    except RepositoryNotFoundError:
+        raise HubError(f"{what} {repo_id!r} is no local path and no Hub repo you can read; check the spelling "
+                       "(a local path must exist) or log in for a private repo (`hf auth login`)") from None
+    except Exception as e:  # no network, DNS, proxy, timeout
+        raise HubError(f"{what} {repo_id!r} is no local path and the Hub cannot be reached ({_one_line(e)}); "
+                       "pass a local path, check the network, or set HF_HUB_OFFLINE=1 to use the cache") from None
+
+
+def check_dataset(spec: str | None, builtin: str = "builtin") -> None:
+    """``--dataset``: ``builtin``, an existing local path, or a Hub dataset id that answers (see ``check_hub_model``)."""
+    if not spec or spec == builtin or Path(spec).expanduser().exists():
+        return
+    if spec.startswith((".", "/", "~")) or Path(spec.split("/")[0]).is_dir() or spec.count("/") > 1:
+        raise HubError(f"dataset {spec!r} not found; pass an existing folder or file, a Hub dataset id, or builtin")
+    check_hub_model(spec, "dataset", filename="README.md", repo_type="dataset")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Templates
 
 
-def template_dir() -> Path:
-    """Directory holding ``gpt.md``, ``flow.md`` and ``lora.md`` (see the module docstring for the order)."""
+def template_dir() -> Traversable:
+    """Directory holding ``gpt.md``, ``flow.md`` and ``lora.md``: ``$HF_CGPU_MODEL_CARDS`` if set, else the package
+    ``hf_cgpu.model_cards`` through ``importlib.resources`` (a wheel or an editable install maps the top-level
+    ``model_cards/`` folder to it, see setup.py), else ``<checkout>/model_cards`` (the source tree on sys.path)."""
     candidates = []
     if os.environ.get("HF_CGPU_MODEL_CARDS"):
         candidates.append(Path(os.environ["HF_CGPU_MODEL_CARDS"]).expanduser())
+    try:
+        from importlib.resources import files
+
+        candidates.append(files("hf_cgpu.model_cards"))
+    except (ModuleNotFoundError, TypeError):  # a source checkout: the mapping exists only once installed
+        pass
     candidates.append(Path(__file__).resolve().parent.parent / "model_cards")
-    prefixes = [sysconfig.get_path("data"), sys.prefix, getattr(site, "USER_BASE", None)]
-    candidates += [Path(p) / "share" / "hf_cgpu" / "model_cards" for p in prefixes if p]
     for directory in candidates:
         if (directory / "gpt.md").is_file():
             return directory
@@ -222,7 +264,7 @@ def _summary(results: dict[str, Any], n_params: int, kind: str = "gpt") -> str:
         parts.append(f"validation loss {_format_value(val_loss)}")
     rate = _by_suffix(results, "_per_s")
     if rate is not None:
-        parts.append(f"{_format_value(rate[1])} {rate[0][: -len('_per_s')]}/s")
+        parts.append(f"{_format_value(rate[1])} {rate[0][: -len('_per_s')]}/s on average")
     return "; ".join(parts) + "." if parts else "No results recorded (all_results.json missing)."
 
 
@@ -240,6 +282,61 @@ def _dataset_label(dataset: str | None) -> str:
     if _is_hub_id(dataset):
         return f"[{dataset}](https://huggingface.co/datasets/{dataset})"
     return f"`{Path(dataset).name or dataset}`"
+
+
+# The run's own figures in the card's model-index: (results key, metric type, metric name), by kind.
+METRICS: dict[str, list[tuple[str, str, str]]] = {
+    "gpt": [("val_loss", "loss", "validation loss (nats/token)"), ("val_perplexity", "perplexity", "validation perplexity"),
+            ("val_bpc", "bpc", "validation bits per character")],
+    "lora": [("val_loss", "loss", "validation loss (nats/token)"), ("val_bpc", "bpc", "validation bits per character")],
+    "flow": [("val_loss", "mse", "validation flow-matching loss (velocity MSE)")],
+}
+
+
+def _eval_results(kind: str, results: dict[str, Any], dataset: str | None) -> list:
+    """model-index entries (``huggingface_hub.EvalResult``) for the figures this run measured on held-out data."""
+    from huggingface_hub import EvalResult
+
+    if dataset == "builtin":
+        dataset_type = dataset_name = "pydoc_data.topics"
+    elif dataset:
+        dataset_type = dataset if _is_hub_id(dataset) else (Path(dataset).name or dataset)
+        dataset_name = dataset_type
+    else:
+        return []
+    out = []
+    for key, metric_type, name in METRICS.get(kind, []):
+        value = results.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out.append(EvalResult(task_type=KINDS[kind]["pipeline_tag"], dataset_type=dataset_type,
+                                  dataset_name=dataset_name, dataset_split="validation", metric_type=metric_type,
+                                  metric_name=name, metric_value=float(value)))
+    return out
+
+
+def _figures(d: Path, results: dict[str, Any]) -> list[tuple[str, str]]:
+    """(caption, relative path) of the pictures the run left beside the weights: curves and the last sample grid."""
+    figures = []
+    if (d / "training_curves.png").is_file():
+        figures.append(("Training curves: loss, learning rate, gradient norm, throughput", "training_curves.png"))
+    grid = results.get("sample_grid")
+    if not grid:
+        grids = sorted((d / "samples").glob("step_*.png")) if (d / "samples").is_dir() else []
+        grid = grids[-1].relative_to(d).as_posix() if grids else None
+    if grid and (d / grid).is_file():
+        figures.append((f"Samples of the saved weights ({Path(grid).stem.replace('_', ' ')}), one row per class",
+                        grid))
+    return figures
+
+
+def _file_size(path: Path) -> str:
+    n = path.stat().st_size if path.is_file() else 0
+    if not n:
+        return ""
+    for div, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} bytes"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -279,6 +376,8 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
         fields["description"] = (f"The base was de-quantised from the GGUF checkpoint `{Path(recorded['gguf_file']).name}` "
                                  "(`from_pretrained(..., gguf_file=...)`); load it that way before the adapter.")
     extra_tags = list(fields.pop("tags", None) or [])
+    model_name = fields.pop("model_name", None) or (repo_id.split("/")[-1] if repo_id else d.resolve().name)
+    eval_results = _eval_results(kind, results, dataset)
     card_data = ModelCardData(
         license=fields.pop("license", "apache-2.0"),
         language=fields.pop("language", None),
@@ -287,20 +386,26 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
         tags=["hf_cgpu", kind, *extra_tags],
         datasets=[dataset] if _is_hub_id(dataset) else None,
         base_model=base_model if kind == "lora" and (not public or _is_hub_id(base_model)) else None,
+        model_name=model_name if eval_results else None,
+        eval_results=eval_results or None,
     )
     template = template_dir() / f"{kind}.md"
     if not template.is_file():
         raise HubError(f"template {template} is missing; reinstall hf_cgpu or set HF_CGPU_MODEL_CARDS")
     card = ModelCard.from_template(
         card_data,
-        template_path=str(template),
-        model_name=fields.pop("model_name", None) or (repo_id.split("/")[-1] if repo_id else d.resolve().name),
+        template_str=template.read_text(encoding="utf-8"),
+        model_name=model_name,
         load_path=repo_id or str(d),
+        device=fields.pop("device", None) or results.get("device") or "",
+        figures=_figures(d, results),
+        adapter_size=_file_size(d / "adapter_model.safetensors"),
+        new_tokens=min(60, max(1, int(config.get("n_positions") or 120) // 2)),  # the snippet stays in the context
         description=fields.pop("description", ""),
         dataset_name=_dataset_label(dataset),
         summary=_summary(results, n_params, kind),
         num_parameters=n_params,
-        results_rows=_rows(results, skip={"settings", "samples"}, public=public),
+        results_rows=_rows(results, skip={"settings", "samples", "sample_grid"}, public=public),
         samples=[str(x) for x in results.get("samples") or []],
         settings_rows=_rows(settings, public=public),
         config_rows=_rows(config, skip=_CONFIG_NOISE, public=public),
@@ -352,6 +457,17 @@ def check_before_push(output_dir: Path, log=print) -> None:
         log(f"warning: {output_dir} has no {MANIFEST}; its files cannot be checked before the upload")
 
 
+def commit_operations(d: Path, repo_id: str, card_kind: str | None):
+    """The upload of a finished run as commit operations: the folder verified first, the card rendered for the
+    repo (when ``card_kind``), then ``upload_file_list`` file by file (no symlink is followed)."""
+    from huggingface_hub import CommitOperationAdd
+
+    check_before_push(d)
+    if card_kind:
+        render_model_card(card_kind, d, repo_id=repo_id)  # loads from the repo id, names no local path
+    return [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(d / rel)) for rel in upload_file_list(d)]
+
+
 def _one_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
@@ -374,8 +490,6 @@ def push_to_hub(
     """
     from huggingface_hub import HfApi, get_token
 
-    from huggingface_hub import CommitOperationAdd
-
     d = Path(output_dir)
     if not d.is_dir():
         raise HubError(f"{d} is not a directory; pass a trained run's output_dir")
@@ -384,11 +498,8 @@ def push_to_hub(
     token = token or get_token()
     if not token:
         raise HubError("no Hugging Face token: run `hf auth login`, set HF_TOKEN, or pass --token")
-    check_before_push(d)
-    if render_card or not (d / "README.md").is_file():
-        render_model_card(detect_kind(d), d, repo_id=repo_id)  # loads from the repo id, names no local path
-    files = upload_file_list(d)
-    operations = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(d / rel)) for rel in files]
+    render = render_card or not (d / "README.md").is_file()
+    operations = commit_operations(d, repo_id, detect_kind(d) if render else None)
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
@@ -402,16 +513,80 @@ def push_to_hub(
     return str(getattr(commit, "commit_url", commit))
 
 
+class HubPusher:
+    """``--push_to_hub`` of a training run, the HF Trainer's way: the repo is created before training (a missing
+    token or a bad repo id fails at once, not after hours), each checkpoint can go to ``last-checkpoint/`` in the
+    background (``hub_strategy checkpoint``; a new one is skipped while the last upload runs), and the finished
+    ``output_dir`` is uploaded at the end with its card rendered for the repo id."""
+
+    def __init__(self, repo_id: str, output_dir: str | os.PathLike, private: bool = False,
+                 strategy: str = "end", token: str | None = None, log=print):
+        from huggingface_hub import HfApi, get_token
+
+        self.output_dir, self.strategy, self.log = Path(output_dir), strategy, log
+        self.future = None
+        token = token or get_token()
+        if not token:
+            raise HubError("--push_to_hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN "
+                           "(or drop --push_to_hub and run `hf-cgpu push` later)")
+        self.api = HfApi(token=token)
+        try:
+            self.repo_id = self.api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
+        except Exception as e:
+            raise HubError(f"cannot create the Hub repo {repo_id!r} ({_one_line(e)}); check --hub_model_id, the "
+                           "network and that the token can write (`hf auth whoami`)") from e
+        log(f"push_to_hub: {self.api.endpoint}/{self.repo_id} ({'private' if private else 'public'}; "
+            f"{'each checkpoint and ' if strategy == 'checkpoint' else ''}the finished run)")
+
+    def checkpoint(self, folder: Path, step: int) -> None:
+        """Upload ``folder`` (a checkpoint) to ``last-checkpoint/`` in the background (``run_as_future``)."""
+        if self.strategy != "checkpoint":
+            return
+        if self.future is not None and not self.future.done():
+            self.log(f"push_to_hub: the previous checkpoint upload is still running; step {step} is not pushed")
+            return
+        self.future = self.api.upload_folder(
+            repo_id=self.repo_id, folder_path=str(folder), path_in_repo="last-checkpoint",
+            commit_message=f"Training in progress, step {step}", run_as_future=True,
+            delete_patterns=["*"],  # last-checkpoint/ holds one checkpoint, never a mix of two
+        )
+
+    def wait(self) -> None:
+        """Let a background checkpoint upload finish; its failure is a warning (the final push follows)."""
+        if self.future is None:
+            return
+        try:
+            self.future.result()
+        except Exception as e:
+            self.log(f"warning: checkpoint upload failed ({_one_line(e)})")
+        self.future = None
+
+    def finish(self, kind: str | None) -> str:
+        """Upload the finished run (card rendered for the repo id first); returns the commit URL."""
+        self.wait()
+        operations = commit_operations(self.output_dir, self.repo_id, kind)
+        try:
+            commit = self.api.create_commit(repo_id=self.repo_id, repo_type="model", operations=operations,
+                                            commit_message="Upload model trained with hf_cgpu")
+        except Exception as e:
+            raise HubError(f"push to {self.repo_id} failed ({_one_line(e)}); the run is saved in {self.output_dir}: "
+                           f"push it later with `hf-cgpu push {self.output_dir} {self.repo_id}`") from e
+        url = str(getattr(commit, "commit_url", commit))
+        self.log(f"push_to_hub: {url}")
+        return url
+
+
 def main(argv: list[str] | None = None) -> int:
     """``hf-cgpu push DIR REPO_ID [--private] [--token T] [--commit_message M]``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="hf-cgpu push", description="Upload a trained output directory to the Hub with a model card."
     )
     parser.add_argument("output_dir", help="a finished run's output directory")
     parser.add_argument("repo_id", help="target model repo, e.g. your-name/cgpt-zh-poetry")
     parser.add_argument("--private", action="store_true", help="create the repo private")
     parser.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or `hf auth login`)")
-    parser.add_argument("--commit_message", default="Upload model trained with hf_cgpu")
+    parser.add_argument("--commit_message", default="Upload model trained with hf_cgpu",
+                        help="the Hub commit's message (default: %(default)s)")
     parser.add_argument("--render_card", action="store_true",
                         help="re-render README.md for the repo (the default; kept for old scripts)")
     parser.add_argument("--keep_card", action="store_true",
@@ -435,6 +610,9 @@ __all__ = [
     "count_parameters",
     "detect_kind",
     "main",
+    "HubPusher",
+    "check_dataset",
+    "check_hub_model",
     "push_to_hub",
     "render_model_card",
     "template_dir",

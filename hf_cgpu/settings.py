@@ -12,15 +12,23 @@ import ast
 import dataclasses
 import inspect
 import json
+import sys
 import textwrap
 import typing
+from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import SettingsError
+from .errors import ArgumentParser, SettingsError
 from .tiers import TIERS
 
-PRESET_ROOT = Path(__file__).parent / "presets"
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+
+def preset_root() -> Traversable:
+    """``hf_cgpu/presets`` as the installed package holds it (``importlib.resources``: a wheel, a zip, a checkout)."""
+    return files("hf_cgpu") / "presets"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +64,8 @@ class TrainSettings:
     mixed_precision: str = "auto"
     """'auto' (bf16 on a GPU that has it, else fp32), 'bf16' or 'no'."""
     compile: bool = False
-    """torch.compile the model (static shapes, dynamic=False). Minutes of compile on the first step."""
+    """torch.compile the model on CUDA (static shapes, dynamic=False; minutes of compile on the first step). Skipped
+    with a note on the CPU, where compiling takes minutes and rarely pays off."""
     recompute: bool = False
     """Activation checkpointing of every block: ~17x less activation memory for ~30% more time."""
     tier: str = "full"
@@ -112,6 +121,16 @@ class TrainSettings:
     """On CUDA out-of-memory in the first steps, halve micro_batch_size and double accumulation, down to 1."""
     progress: bool = True
     """Show a progress bar."""
+    push_to_hub: bool = False
+    """Upload the finished run to the Hub (weights, tokenizer or pipeline code, card, figures) with huggingface_hub;
+    the token comes from HF_TOKEN or `hf auth login`, the repo is created before training starts."""
+    hub_model_id: str = ""
+    """Repo to push to: owner/name, or a name in your own namespace; empty = the output_dir's folder name."""
+    hub_private: bool = False
+    """Create the Hub repo private."""
+    hub_strategy: str = "end"
+    """end: push the finished run; checkpoint: also upload each checkpoint to last-checkpoint/ in the background (as
+    the HF Trainer does), so a crashed run can be resumed from the Hub."""
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
@@ -125,6 +144,8 @@ class TrainSettings:
             raise SettingsError("learning_rate must be > 0 and warmup_steps >= 0")
         if self.early_stopping_patience < 0 or self.eval_batches < 0:
             raise SettingsError("early_stopping_patience and eval_batches must be >= 0")
+        if self.hub_strategy not in ("end", "checkpoint"):
+            raise SettingsError(f"hub_strategy={self.hub_strategy!r}; choose end or checkpoint")
         if (self.load_best_at_end or self.early_stopping_patience) and not self.eval_steps:
             raise SettingsError("load_best_at_end/early_stopping_patience need evaluations: set --eval_steps N")
 
@@ -177,51 +198,108 @@ def _arg_type(tp: Any):
     raise TypeError(f"unsupported settings field type {tp}")
 
 
+def _family_files(family: str) -> dict[str, Traversable]:
+    folder = preset_root() / family
+    if not folder.is_dir():
+        return {}
+    return {f.name[: -len(".json")]: f for f in folder.iterdir() if f.name.endswith(".json")}
+
+
+def list_presets(family: str) -> list[str]:
+    return sorted(_family_files(family))
+
+
 def load_preset(name: str, family: str) -> dict[str, Any]:
-    """A preset by name (``hf_cgpu/presets/<family>/<name>.json``) or a path to a JSON file."""
-    path = Path(name)
-    if not path.suffix:
-        path = PRESET_ROOT / family / f"{name}.json"
-    if not path.is_file():
-        known = sorted(p.stem for p in (PRESET_ROOT / family).glob("*.json"))
-        raise SettingsError(f"unknown preset {name!r}; choose one of {', '.join(known)} or give a .json file")
-    return json.loads(path.read_text())
+    """A preset by name (``hf_cgpu/presets/<family>/<name>.json``, read with importlib.resources) or a JSON file."""
+    path = Path(name).expanduser()
+    if path.suffix:
+        if not path.is_file():
+            raise SettingsError(f"preset file {name!r} not found; give an existing .json file or a preset name "
+                                f"({', '.join(list_presets(family))})")
+        text = path.read_text(encoding="utf-8")
+    else:
+        found = _family_files(family).get(name)
+        if found is None:
+            raise SettingsError(f"unknown preset {name!r}; choose one of {', '.join(list_presets(family))} or give "
+                                "a .json file")
+        text = found.read_text(encoding="utf-8")
+    try:
+        preset = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SettingsError(f"preset {name!r} is not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
+    if not isinstance(preset, dict):
+        raise SettingsError(f"preset {name!r} must be a JSON object of setting names and values")
+    return preset
+
+
+def _shown(value: Any) -> str:
+    """A default as the user would type it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value == "":
+        return '""'
+    return str(value)
 
 
 def build_parser(
-    classes: tuple[type, ...], description: str = "", family: str | None = None, prog: str | None = None
+    classes: tuple[type, ...], description: str = "", family: str | None = None, prog: str | None = None,
+    preset: dict[str, Any] | None = None, preset_name: str | None = None, epilog: str | None = None,
 ) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """One flag per field; its help is the field's docstring and the value the run would use without the flag
+    (the preset's when ``preset`` is given, else the dataclass default). Parsed values are None when not given."""
+    usage = "%(prog)s" + (" [--preset NAME]" if family else "") + " [--SETTING VALUE ...]"
+    parser = ArgumentParser(prog=prog, description=description, epilog=epilog, usage=usage,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    preset = preset or {}
     if family:
-        parser.add_argument("--preset", default=None, help=f"preset name ({', '.join(list_presets(family))}) or JSON")
+        shown = f" (default: {preset_name})" if preset_name else ""
+        parser.add_argument("--preset", default=None,
+                            help=f"preset name ({', '.join(list_presets(family))}) or a .json file; the defaults "
+                                 f"below are the preset's where it sets them{shown}")
     seen: set[str] = set()
     for cls in classes:
-        group = parser.add_argument_group(cls.__name__)
+        group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().splitlines()[0] or None)
         docs, hints = field_docs(cls), typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.name in seen:
                 continue
             seen.add(f.name)
             kind = _arg_type(hints[f.name])
-            extra = {"nargs": "?", "const": True} if kind is _str2bool else {}
-            help_ = docs.get(f.name, "").replace("%", "%%")
+            extra = ({"nargs": "?", "const": True, "metavar": "true|false"} if kind is _str2bool
+                     else {"metavar": {int: "INT", float: "FLOAT"}.get(kind, "TEXT")})
+            value = preset.get(f.name, f.default)
+            origin = f"; preset {preset_name}" if f.name in preset and preset_name else ""
+            help_ = f"{docs.get(f.name, '')} (default: {_shown(value)}{origin})".strip().replace("%", "%%")
             group.add_argument(f"--{f.name}", type=kind, default=None, help=help_, **extra)
     return parser
 
 
-def list_presets(family: str) -> list[str]:
-    return sorted(p.stem for p in (PRESET_ROOT / family).glob("*.json"))
+def preset_in(argv: list[str] | None) -> str | None:
+    """The ``--preset`` value of a command line (the last one wins, as argparse would have it)."""
+    found = None
+    args = list(argv or [])
+    for i, arg in enumerate(args):
+        if arg.startswith("--preset="):
+            found = arg.split("=", 1)[1]
+        elif arg == "--preset" and i + 1 < len(args):
+            found = args[i + 1]
+    return found
 
 
 def parse_settings(
     classes: tuple[type, ...], argv: list[str] | None = None, family: str | None = None, description: str = "",
-    prog: str | None = None,
+    prog: str | None = None, default_preset: str | None = None, epilog: str | None = None,
 ) -> tuple:
-    """Parse ``argv`` into one instance per dataclass, with preset values under the command line."""
-    parser = build_parser(classes, description, family, prog)
+    """Parse ``argv`` into one instance per dataclass: command line > preset > dataclass defaults.
+
+    ``default_preset`` applies when ``argv`` names none. ``--help`` shows the values the run would use.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = (preset_in(argv) or default_preset) if family else None
+    preset = load_preset(name, family) if name else {}
+    parser = build_parser(classes, description, family, prog, preset, name, epilog)
     ns = vars(parser.parse_args(argv))
-    preset = load_preset(ns.pop("preset"), family) if family and ns.get("preset") else {}
+    ns.pop("preset", None)
     known = {f.name for cls in classes for f in dataclasses.fields(cls)}
     unknown = set(preset) - known - {"description"}
     if unknown:

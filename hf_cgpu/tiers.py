@@ -57,14 +57,13 @@ the "off" rows: the peer's checkpointing most likely did not (fully) engage. Eit
 from __future__ import annotations
 
 import warnings
-from typing import Any
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from .errors import SettingsError
-from .models.cgpt.modeling_cgpt import chunked_cross_entropy
+
+if TYPE_CHECKING:  # torch is imported where a function needs it: the names above stay cheap to import
+    import torch
+    from torch import nn
 
 TIERS = ("full", "adamw8bit", "lora", "qlora")
 """Every memory tier, least saving first: the one list the settings, the ladder and the loop read."""
@@ -134,6 +133,7 @@ def load_base_model(
     qlora stores linears in nf4 (the bitsandbytes default is fp4, worse for normal weights), double
     quantizes the block scales (~0.4 bit/param saved) and computes in bf16.
     """
+    import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if tier not in TIERS:
@@ -175,6 +175,7 @@ def apply_lora(
     (embeddings, head, norms), which doubles those weights and turns the residual stream fp32 (see
     the module docstring). Input grads for checkpointing are enabled by `apply_recompute`.
     """
+    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import PreTrainedModel
 
@@ -232,6 +233,8 @@ def apply_recompute(model: nn.Module) -> nn.Module:
 
 def _transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated decoder blocks: transformers' `GradientCheckpointingLayer`s, else the largest ModuleList."""
+    from torch import nn
+
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # pragma: no cover - older transformers
@@ -309,6 +312,8 @@ def build_optimizer(
     elements. `paged` uses `PagedAdamW8bit`, whose state can spill to host memory on a spike.
     `fused=None` turns on the fused torch kernel when every parameter is on CUDA.
     """
+    import torch
+
     if tier not in TIERS:
         raise SettingsError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
     use_8bit = tier == "adamw8bit" if optim_8bit is None else optim_8bit
@@ -389,6 +394,10 @@ def chunked_causal_lm_loss(
     `num_items_in_batch` divides the summed loss instead of the local token count (for gradient
     accumulation over micro-batches of uneven token counts).
     """
+    import torch.nn.functional as F
+
+    from .models.cgpt.modeling_cgpt import chunked_cross_entropy
+
     if shift:
         labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]  # (B, T), last position ignored
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # (N, d)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .errors import IntegrityError, MissingPathError
+from .errors import ArgumentParser, IntegrityError, MissingPathError
 from .integrity import MANIFEST, verify_folder
 from .train.checkpoint import checkpoint_root, list_checkpoints
 from .train.checkpoint import verify as verify_checkpoint
@@ -43,7 +43,7 @@ def check(folder: Path, hashes: bool = True) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-cgpu verify", description=__doc__.split("\n\n")[0],
+    parser = ArgumentParser(prog="hf-cgpu verify", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", help="an output folder, a model folder, best/, or a checkpoint step_N folder")
     parser.add_argument("--sizes_only", action="store_true", help="check presence and sizes, not checksums (fast)")

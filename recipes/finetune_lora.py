@@ -3,6 +3,7 @@
     accelerate launch --config_file accelerate_config.yaml recipes/finetune_lora.py --preset lora \
         --model EleutherAI/pythia-1.4b --dataset ../shared/data/zh-poetry --output_dir runs/pythia-lora
     ... --preset qlora      # 4-bit nf4 base
+    hf-cgpu train lora --model EleutherAI/pythia-1.4b ...   # the same, as a command
 Writes adapter_config.json + adapter_model.safetensors (+ merged/ with --merge), the tokenizer, all_results.json.
 """
 
@@ -16,10 +17,8 @@ from hf_cgpu.train import fit
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--preset" or a.startswith("--preset=") for a in argv):
-        argv = ["--preset", "lora", *argv]
-    cfg, train = parse_settings((FinetuneSettings, TrainSettings), argv, family="finetune", description=__doc__)
+    cfg, train = parse_settings((FinetuneSettings, TrainSettings), argv, family="finetune", description=__doc__,
+                                default_preset="lora")
     print(json.dumps(fit(FinetuneTask(cfg), train), indent=2))
     return 0
 

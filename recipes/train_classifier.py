@@ -4,6 +4,7 @@
         --dataset ../shared/data/cifar10 --output_dir runs/classifier
     python recipes/train_classifier.py --preset tiny --dataset ../shared/data/cifar10 --output_dir runs/clf_tiny  # CPU
     hf-cgpu eval runs/flow --classifier runs/classifier --dataset ../shared/data/cifar10
+    hf-cgpu train classifier --preset tiny --dataset ../shared/data/cifar10 --output_dir runs/clf_tiny  # as a command
 """
 
 import json

@@ -3,6 +3,7 @@
     accelerate launch --config_file accelerate_config.yaml recipes/train_flow.py --preset cifar10 \
         --dataset ../shared/data/cifar10 --output_dir runs/flow
     hf-cgpu sample runs/flow --class_labels 3 --guidance_scale 2 --num_inference_steps 20
+    hf-cgpu train flow --preset cifar10 --dataset ../shared/data/cifar10 --output_dir runs/flow   # as a command
 """
 
 import json

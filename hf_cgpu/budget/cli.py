@@ -28,6 +28,7 @@ from .memory import (
     fmt_gib,
     ledger,
     lora_trainable_params,
+    model_state_bytes,
     parse_memory,
     seed_activation_bytes,
     seed_model_state_bytes,
@@ -88,7 +89,7 @@ def gpt_preset_names() -> list[str]:
 def gpt_run_shape(preset: str, **overrides: Any) -> RunShape:
     """The run shape of a GPT preset: its ``GPTSettings`` (with ``overrides``) -> the ``CgptConfig`` training builds."""
     from ..settings import load_preset
-    from ..tasks.causal_lm import GPTSettings
+    from ..tasks.settings import GPTSettings
 
     names = {f.name for f in dataclasses.fields(GPTSettings)}
     values = {k: v for k, v in load_preset(preset, "gpt").items() if k in names}
@@ -157,7 +158,7 @@ def _source(argv: list[str]) -> tuple[list[str], str | None]:
 def describe_run(argv: Sequence[str] | None = None):
     """Parse a training command line: (RunShape, TrainSettings, BudgetSettings)."""
     from ..settings import TrainSettings, parse_settings
-    from ..tasks.causal_lm import GPTSettings
+    from ..tasks.settings import GPTSettings
 
     args, reference = _source(_rewrite(argv or []))
     chosen = any(a in ("--config", "--model", "--preset") or a.startswith(("--config=", "--model=", "--preset="))
@@ -192,11 +193,13 @@ def _preset_name(args: list[str]) -> str:
 
 
 def format_ledger(led: Ledger) -> str:
-    """The aligned table: one row per kind of memory, the totals, the verdict."""
+    """The aligned table: one row per kind of memory, the model-states subtotal, the totals, the verdict."""
     label_w = max(len(r.label) for r in led.rows) + 2
     lines = [f"  {'':<{label_w}}{'GiB':>8}   how"]
     for r in led.rows:
         lines.append(f"  {r.label:<{label_w}}{r.bytes / GiB:>8.2f}   {r.note}")
+        if r.key == "master":
+            lines.append(format_model_states(led, label_w))
     rule = f"  {'-' * (label_w + 8)}"
     lines.append(rule)
     phase = (f"peak at the {led.peak_phase}" if led.peak_phase == "backward start"
@@ -211,6 +214,15 @@ def format_ledger(led: Ledger) -> str:
         verdict = f"FITS ({fmt_gib(spare)} spare)" if led.fits else f"DOES NOT FIT ({fmt_gib(-spare)} over)"
         lines.append(f"  verdict vs {fmt_gib(led.memory_cap)} cap: {verdict}")
     return "\n".join(lines)
+
+
+def format_model_states(led: Ledger, label_w: int) -> str:
+    """The subtotal the seed's table quotes: weights + all gradients + optimizer state (+ master), per parameter."""
+    st = model_state_bytes(led.shape, led.setup)
+    total = st.weights + st.gradients + st.optimizer + st.master
+    per_param = total / led.shape.n_params
+    return (f"  {'= model states':<{label_w}}{total / GiB:>8.2f}   {per_param:.1f} B/param: weights + gradients + "
+            f"optimizer state (the seed's AdamW rule: 16 B/param, 5.2 GB at 350M)")
 
 
 def format_seed_comparison(shape: ModelShape, setup: TrainSetup, led: Ledger) -> str:
@@ -252,6 +264,9 @@ def run(argv: Sequence[str] | None = None) -> str:
     """Parse ``argv`` (a training command line plus ``BudgetSettings``) and return the report text."""
     run_shape, train, opts = describe_run(argv)
     shape = run_shape.model
+    if shape.max_positions and run_shape.seq_len > shape.max_positions:
+        raise SettingsError(f"--seq_len {run_shape.seq_len} is longer than the model's {shape.max_positions} "
+                            f"positions; training would refuse it: use --seq_len {shape.max_positions} or less")
     cap = parse_memory(train.memory_cap or DEFAULT_MEMORY_CAP)
     peer = {"stock_peft": True, "loss_chunk_size": 0} if opts.stock_peft else {}  # stock: the model's full logits
     setup = run_shape.setup(train, **peer)

@@ -25,7 +25,8 @@ ATTENTIONS = ("sdpa", "eager")
 
 REFERENCE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "pythia-1.4b": ("gpt_neox", dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
-                                     intermediate_size=8192, vocab_size=50304, tie_word_embeddings=False)),
+                                     intermediate_size=8192, vocab_size=50304, tie_word_embeddings=False,
+                                     max_position_embeddings=2048)),
 }
 """Shapes known without a download: the Pythia-1.4B config of the seed's LoRA exercise (``EleutherAI/pythia-1.4b``)."""
 
@@ -93,6 +94,8 @@ class ModelShape:
     """The config's attention implementation: sdpa (flash / memory-efficient kernels, no T x T scores) or eager
     (scores saved per head)."""
     name: str = ""
+    max_positions: int = 0
+    """Longest sequence the model takes (n_positions / max_position_embeddings); 0 = unknown."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -126,13 +129,11 @@ class ModelShape:
 
     @classmethod
     def reference(cls, name: str) -> ModelShape:
-        """A model of ``REFERENCE_CONFIGS`` (its config built here, no download)."""
-        from transformers import AutoConfig
-
+        """A model of ``REFERENCE_CONFIGS``, read as its ``config.json`` would be (no download, no transformers)."""
         if name not in REFERENCE_CONFIGS:
             raise SettingsError(f"unknown reference model {name!r}: choose one of {', '.join(REFERENCE_CONFIGS)}")
         model_type, kwargs = REFERENCE_CONFIGS[name]
-        return _shape_from_config(AutoConfig.for_model(model_type, **kwargs), name)
+        return _shape_from_config({"model_type": model_type, **kwargs}, name)
 
     @classmethod
     def from_config_file(cls, path: str | Path) -> ModelShape:
@@ -271,6 +272,8 @@ def _shape_from_config(config: Any, name: str = "") -> ModelShape:
         return default
 
     d = int(pick("hidden_size", "n_embd", "d_model"))
+    positions = next((int(cfg[k]) for k in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length")
+                      if isinstance(cfg.get(k), int) and cfg[k] > 0), 0)
     common = dict(
         n_layer=int(pick("num_hidden_layers", "n_layer", "num_layers")),
         d_model=d,
@@ -278,6 +281,7 @@ def _shape_from_config(config: Any, name: str = "") -> ModelShape:
         vocab_size=int(pick("vocab_size")),
         attention=attention,
         name=name or model_type,
+        max_positions=positions,
     )
     if model_type in _GPT_TYPES or ("n_embd" in cfg and model_type not in _NEOX_TYPES):
         gpt2 = model_type == "gpt2"

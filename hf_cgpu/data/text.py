@@ -430,7 +430,7 @@ class PackedTokens(torch.utils.data.Dataset):
         return f"PackedTokens(num_blocks={self.num_blocks}, seq_len={self.seq_len}, n_tokens={self.n_tokens})"
 
 
-DATA_ORDERS = ("shifted", "random", "fixed")
+from ..tasks.settings import DATA_ORDERS  # noqa: E402  (one list: the settings validate it before any data loads)
 
 
 class WindowOrder:

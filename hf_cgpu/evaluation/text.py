@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from ..errors import ArgumentParser
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, shifted targets) -> mean loss
 
@@ -143,7 +144,7 @@ def evaluate_language_model(
     """Load ``model_dir`` (a folder or Hub id) and its tokenizer, score ``split`` of ``dataset``; see ``score_stream``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import hf_cgpu  # noqa: F401  (registers the cgpt model type)
+    import hf_cgpu.models.cgpt  # noqa: F401  (registers the cgpt model type)
 
     from ..data.text import BUILTIN, check_vocab, load_text_dataset, pack_dataset
     from ..settings import SettingsError
@@ -152,8 +153,13 @@ def evaluate_language_model(
         raise SettingsError(f"--split {split!r}: choose train or validation")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     path = Path(model_dir)
-    if not path.exists() and (model_dir.startswith((".", "/", "~")) or model_dir.count("/") != 1):
-        raise SettingsError(f"model folder {model_dir!r} not found; pass a trained run's output_dir or a Hub id")
+    from ..errors import require_model
+
+    require_model(model_dir)
+    if not path.exists():
+        from ..hub import check_hub_model
+
+        check_hub_model(model_dir)
     if path.is_dir() and not (path / "config.json").is_file():
         raise SettingsError(f"{model_dir} holds no config.json; pass a trained run's output_dir (or its best/ folder)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -182,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(prog="hf-cgpu eval", description=__doc__,
+    p = ArgumentParser(prog="hf-cgpu eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", help="a trained run's output_dir (or its best/ folder), any causal LM folder or Hub id")
     p.add_argument("--dataset", required=True, help="text data as for training: a folder of parquet/json/txt, files, a Hub id or builtin")

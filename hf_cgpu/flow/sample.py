@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-from ..errors import SettingsError, require_model
+from ..errors import MissingPathError, SettingsError, require_model
 
 
 def image_grid(images: np.ndarray, rows: int) -> Image.Image:
@@ -42,27 +42,72 @@ def parse_labels(text: str, class_names: list[str], num_classes: int | None) -> 
     return out
 
 
+@dataclass(frozen=True)
+class SampleSettings:
+    """What ``hf-cgpu sample`` draws and how."""
+
+    num_images: int = 64
+    """Images to draw; the grid is about square."""
+    scheduler: str = "heun"
+    """ODE solver: heun (2 network calls per step, better at few steps) or euler (1 call per step)."""
+    num_inference_steps: int = 20
+    """Solver steps from noise (t = 0) to data (t = 1)."""
+    class_labels: str = ""
+    """Comma-separated class indices or names (see class_names.txt), cycled over the images; empty = unconditional
+    (the null class)."""
+    guidance_scale: float = 1.0
+    """Classifier-free guidance w (1 = the plain conditional model, one call per step; needs --class_labels)."""
+    seed: int = 0
+    """Seed of the starting noise."""
+    output_dir: str = ""
+    """Where the PNGs go; empty = MODEL_DIR/samples_cli."""
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in ("euler", "heun"):
+            raise SettingsError(f"--scheduler {self.scheduler!r}; choose euler or heun")
+        if self.num_images < 1 or self.num_inference_steps < 1:
+            raise SettingsError("--num_images and --num_inference_steps must be >= 1")
+        if self.guidance_scale != 1.0 and not self.class_labels:
+            raise SettingsError("--guidance_scale needs --class_labels (guidance contrasts a class with the null class)")
+
+
+def check_pipeline_folder(model_dir: str) -> None:
+    """A saved FlowMatchPipeline folder, or a one-line error naming what it is instead."""
+    require_model(model_dir, "pipeline folder")
+    d = Path(model_dir)
+    if not d.is_dir():
+        from ..hub import check_hub_model
+
+        check_hub_model(model_dir, "pipeline", filename="model_index.json")
+        return
+    if (d / "model_index.json").is_file():
+        return
+    if (d / "config.json").is_file() or (d / "adapter_config.json").is_file():
+        raise SettingsError(f"{model_dir} holds a language model, not a FlowMatchPipeline (no model_index.json); "
+                            f"use `hf-cgpu generate {model_dir} PROMPT`")
+    raise MissingPathError(f"{model_dir} holds no model_index.json; pass the output_dir of a flow run "
+                           "(hf-cgpu train flow)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    from ..settings import build_parser
+
+    parser = build_parser((SampleSettings,), description=__doc__, prog="hf-cgpu sample")
+    parser.add_argument("model_dir", help="output_dir of a flow run (a saved FlowMatchPipeline) or a Hub id")
+    parser.usage = "%(prog)s MODEL_DIR [--SETTING VALUE ...]"
+    ns = vars(parser.parse_args(argv))
+    model_dir = ns.pop("model_dir")
+    a = SampleSettings(**{k: v for k, v in ns.items() if v is not None})
+    check_pipeline_folder(model_dir)
     from ..flow.pipeline_flow_match import FlowMatchPipeline
     from ..flow.scheduling_flow_match import FlowMatchEulerScheduler, FlowMatchHeunScheduler
 
-    p = argparse.ArgumentParser(prog="hf-cgpu sample", description=__doc__)
-    p.add_argument("model_dir")
-    p.add_argument("--num_images", type=int, default=64)
-    p.add_argument("--scheduler", choices=("euler", "heun"), default="heun")
-    p.add_argument("--num_inference_steps", type=int, default=20)
-    p.add_argument("--class_labels", default="", help="comma-separated class indices or names, cycled over images")
-    p.add_argument("--guidance_scale", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output_dir", default="", help="default: MODEL_DIR/samples_cli")
-    a = p.parse_args(argv)
-    require_model(a.model_dir, "pipeline folder")
-    pipe = FlowMatchPipeline.from_pretrained(a.model_dir)
+    pipe = FlowMatchPipeline.from_pretrained(model_dir)
     sched_cls = FlowMatchHeunScheduler if a.scheduler == "heun" else FlowMatchEulerScheduler
     pipe.scheduler = sched_cls.from_config(pipe.scheduler.config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe.to(device)
-    names_file = Path(a.model_dir) / "class_names.txt"
+    names_file = Path(model_dir) / "class_names.txt"
     names = names_file.read_text().split() if names_file.is_file() else []
     labels = parse_labels(a.class_labels, names, pipe.unet.config.num_classes)
     if labels is not None:
@@ -70,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device=device).manual_seed(a.seed)
     out = pipe(batch_size=a.num_images, num_inference_steps=a.num_inference_steps, generator=gen,
                class_labels=labels, guidance_scale=a.guidance_scale, output_type="np").images
-    dest = Path(a.output_dir or Path(a.model_dir) / "samples_cli")
+    dest = Path(a.output_dir or Path(model_dir) / "samples_cli")
     dest.mkdir(parents=True, exist_ok=True)
     for i, img in enumerate(out):
         Image.fromarray((img * 255).round().astype(np.uint8)).save(dest / f"{i:04d}.png")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,75 +15,9 @@ from ..models.cgpt import CgptConfig, CgptForCausalLM
 from ..settings import TrainSettings
 from ..train import TaskPlan
 from .packed import PackedTokensTask
+from .settings import GPTSettings
 
 
-@dataclass(frozen=True)
-class GPTSettings:
-    """Model shape and data of a from-scratch GPT run."""
-
-    n_layer: int = 12
-    """Transformer blocks."""
-    n_embd: int = 768
-    """Residual width; must be divisible by n_head."""
-    n_head: int = 12
-    """Attention heads."""
-    mlp_ratio: int = 4
-    """MLP width = mlp_ratio * n_embd."""
-    dropout: float = 0.0
-    """Dropout (0 for single-epoch pretraining)."""
-    bias: bool = False
-    """Biases in linears and LayerNorms."""
-    seq_len: int = 1024
-    """Tokens per training sequence; also the model's n_positions."""
-    vocab_size: int = 32000
-    """Tokenizer vocabulary to train (ignored when --tokenizer is given: its size is used)."""
-    loss_chunk_size: int = 1024
-    """Tokens per chunk of the fp32 loss (0 = materialise all logits)."""
-    data_order: str = "shifted"
-    """How training windows are cut from the token stream: shifted (a new random offset and order every epoch),
-    random (nanoGPT: uniform random starts) or fixed (the same blocks every epoch; memorises a small corpus)."""
-    dataset: str = "builtin"
-    """Text source: 'builtin' (Python's pydoc topics), a directory/files of parquet/json/txt, or a Hub id."""
-    text_column: str = "text"
-    """Column holding the documents."""
-    tokenizer: str = ""
-    """Existing tokenizer directory to use; empty = train a byte-level BPE on the training split."""
-    tokenizer_train_docs: int = 50000
-    """Documents sampled to train the tokenizer (more = slower, slightly better compression)."""
-    num_proc: int = 0
-    """Processes for tokenisation (0 = automatic)."""
-    cache_dir: str = ""
-    """Where packed token files are cached (empty = ~/.cache/hf_cgpu/packed or $HF_CGPU_CACHE/packed)."""
-    prompts: str = ""
-    """'|'-separated prompts continued at the end of training (empty = taken from validation text)."""
-    max_new_tokens: int = 60
-    """Tokens generated per prompt at the end of training."""
-
-    def __post_init__(self) -> None:
-        if self.n_embd % self.n_head:
-            raise SettingsError(
-                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"use n_head in {[h for h in range(1, 33) if self.n_embd % h == 0]}"
-            )
-        if self.seq_len < 2:
-            raise SettingsError("seq_len must be at least 2")
-        from ..data.text import DATA_ORDERS
-
-        if self.data_order not in DATA_ORDERS:
-            raise SettingsError(f"data_order={self.data_order!r}; choose one of {', '.join(DATA_ORDERS)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise SettingsError(f"dropout={self.dropout} must be in [0, 1); e.g. 0.1 for many epochs of a small corpus")
-
-    def model_config(self, vocab_size: int, eos_token_id: int) -> CgptConfig:
-        return CgptConfig(
-            vocab_size=vocab_size, n_positions=self.seq_len, n_embd=self.n_embd, n_layer=self.n_layer,
-            n_head=self.n_head, mlp_ratio=self.mlp_ratio, dropout=self.dropout, bias=self.bias,
-            loss_chunk_size=self.loss_chunk_size, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
-        )
-
-    def run_shape(self, name: str = "", vocab_size: int | None = None) -> RunShape:
-        """What the ledger needs of this GPT, from the config training builds (``vocab_size``: the tokenizer's)."""
-        return cgpt_run_shape(self.model_config(vocab_size or self.vocab_size, eos_token_id=0), name)
 
 
 def cgpt_run_shape(config: CgptConfig, name: str = "") -> RunShape:
@@ -131,7 +64,10 @@ class CausalLMTask(PackedTokensTask):
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         from ..data.text import check_vocab, load_text_dataset, pack_dataset
 
+        from ..hub import check_dataset
+
         cfg, out = self.cfg, Path(settings.output_dir)
+        check_dataset(cfg.dataset)
         ds = load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column)
         with accelerator.main_process_first():
             self.tokenizer = self._tokenizer(ds, out, resume=bool(settings.resume_from_checkpoint))
@@ -195,6 +131,16 @@ class CausalLMTask(PackedTokensTask):
     def save_pretrained(self, model, output_dir: Path) -> None:
         model.save_pretrained(str(output_dir))
         self.tokenizer.save_pretrained(str(output_dir))
+
+    def on_saved(self, model, output_dir: Path, log=print) -> dict[str, Any]:
+        """Continue the prompts with the saved weights: printed, kept in all_results.json, shown on the card."""
+        from ..generate import continue_texts
+
+        was_training = model.training
+        samples = continue_texts(model, self.tokenizer, self.sample_prompts(), self.cfg.max_new_tokens, log=log)
+        model.train(was_training)
+        log("\n".join(f"--- sample {i + 1}\n{s}" for i, s in enumerate(samples)))
+        return {"samples": samples}
 
     def fingerprint(self) -> dict[str, Any]:
         """Model shape, the tokenizer's content and the packed data's content (not the path it was read from)."""

@@ -7,7 +7,6 @@ an index gather, a horizontal flip, a reflect-padded random crop and a scale to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,44 +17,9 @@ from ..errors import SettingsError
 from ..settings import TrainSettings
 from ..train import Task, TaskPlan
 from ..train.metrics import counted_training_flops
+from .settings import ClassifierSettings
 
 
-@dataclass(frozen=True)
-class ClassifierSettings:
-    """Data, shape and augmentation of a classifier run."""
-
-    dataset: str = "uoft-cs/cifar10"
-    """Images: a Hub id (online), a directory of parquet files (train.parquet/test.parquet) or an imagefolder."""
-    image_column: str = "img"
-    """Column holding the images."""
-    label_column: str = "label"
-    """Column holding the class labels."""
-    limit: int = 0
-    """Use only the first this many training images (0 = all); for smoke tests."""
-    test_limit: int = 0
-    """Evaluate on only the first this many test images (0 = the whole test split)."""
-    widths: str = "64,128,256,512"
-    """Channels of the four stages of the ResNet-9-style net (64,128,256,512 -> 6.57M parameters)."""
-    label_smoothing: float = 0.2
-    """Label smoothing of the training cross-entropy (evaluation uses none)."""
-    crop_padding: int = 4
-    """Random crop after reflect-padding by this many pixels (0 = no crop)."""
-    flip: bool = True
-    """Random horizontal flips."""
-
-    def __post_init__(self) -> None:
-        try:
-            widths = self.width_list
-        except ValueError:
-            widths = []
-        if len(widths) != 4:
-            raise SettingsError(f"widths={self.widths!r}; give four comma-separated integers, e.g. 64,128,256,512")
-        if not 0 <= self.label_smoothing < 1:
-            raise SettingsError("label_smoothing must be in [0, 1)")
-
-    @property
-    def width_list(self) -> list[int]:
-        return [int(w) for w in self.widths.split(",")]
 
 
 class ClassifierTask(Task):
@@ -67,8 +31,10 @@ class ClassifierTask(Task):
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         from ..data.images import load_image_dataset
         from ..evaluation.classifier import CifarResNet, ClassifierConfig
+        from ..hub import check_dataset
 
         cfg = self.cfg
+        check_dataset(cfg.dataset)
         with accelerator.main_process_first():
             train = load_image_dataset(cfg.dataset, split="train", image_column=cfg.image_column,
                                        label_column=cfg.label_column, limit=cfg.limit or None)

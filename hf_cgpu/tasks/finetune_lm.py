@@ -6,7 +6,6 @@ goes through ``causal_lm_loss_from_hidden`` so the (B, T, vocab) fp32 logits are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,46 +16,9 @@ from ..errors import SettingsError
 from ..settings import TrainSettings
 from ..train import TaskPlan
 from .packed import PackedTokensTask
+from .settings import FinetuneSettings
 
 
-@dataclass(frozen=True)
-class FinetuneSettings:
-    """Base model and data of a fine-tuning run."""
-
-    model: str = "EleutherAI/pythia-1.4b"
-    """Base causal LM: a Hub id (needs network once), a local directory (our own GPT works too) or a .gguf file."""
-    gguf_file: str = ""
-    """GGUF file inside --model (a folder or Hub id); de-quantised once into the cache, then loaded per tier."""
-    base_model_name: str = ""
-    """Hub id of the base recorded in the card's base_model (e.g. HuggingFaceTB/SmolLM2-135M-Instruct for its GGUF);
-    empty = --model."""
-    dataset: str = "builtin"
-    """Text or instruction data: a directory/files of parquet/json/txt, a Hub id, or 'builtin'."""
-    data_format: str = "auto"
-    """auto (instruction columns -> instruct, else text), instruct (messages, instruction/input/output or
-    prompt/response rows in the base's chat template, loss on the responses only) or text (plain text, packed)."""
-    text_column: str = "text"
-    """Column with plain text (data_format text)."""
-    seq_len: int = 1024
-    """Tokens per training sequence."""
-    loss_chunk_size: int = 1024
-    """Tokens per chunk of the fp32 loss (the full logits are never materialised)."""
-    merge: bool = False
-    """Also write the adapter merged into a copy of the base (output_dir/merged, with the tokenizer)."""
-    merge_dtype: str = "bfloat16"
-    """Weights of the merged copy: bfloat16 (half the size) or float32 (the adapter's outputs to float precision)."""
-    trust_remote_code: bool = False
-    """Allow the base model's own code from its repository."""
-    num_proc: int = 0
-    """Processes for tokenisation (0 = automatic)."""
-    cache_dir: str = ""
-    """Where packed token files are cached (empty = default cache)."""
-
-    def __post_init__(self) -> None:
-        if self.merge_dtype not in ("bfloat16", "float32", "float16"):
-            raise SettingsError(f"merge_dtype={self.merge_dtype!r}; choose bfloat16, float16 or float32")
-        if self.data_format not in ("auto", "instruct", "text"):
-            raise SettingsError(f"data_format={self.data_format!r}; choose auto, instruct or text")
 
 
 class FinetuneTask(PackedTokensTask):
@@ -71,10 +33,16 @@ class FinetuneTask(PackedTokensTask):
         from ..data.text import load_text_dataset, pack_dataset
         from ..tiers import count_parameters, load_base_model
 
+        from ..errors import require_model
         from ..finetune import resolve_base
+        from ..hub import check_dataset, check_hub_model
 
         cfg = self.cfg
         self.settings, self.accelerator = settings, accelerator
+        require_model(cfg.model, "base model")
+        if not Path(cfg.model).expanduser().exists():
+            check_hub_model(cfg.model, "base model", filename=cfg.gguf_file or "config.json")
+        check_dataset(cfg.dataset)
         with accelerator.main_process_first():
             self.base, self.base_info = resolve_base(cfg.model, cfg.gguf_file)
         self.tokenizer = AutoTokenizer.from_pretrained(self.base, trust_remote_code=cfg.trust_remote_code)

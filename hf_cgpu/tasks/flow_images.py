@@ -6,7 +6,6 @@ each micro-batch is an index gather + flip + scale, so a GPU training this UNet 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,40 +16,9 @@ from ..errors import SettingsError
 from ..settings import TrainSettings
 from ..train import Task, TaskPlan
 from ..train.metrics import counted_training_flops
+from .settings import FlowSettings
 
 
-@dataclass(frozen=True)
-class FlowSettings:
-    """UNet shape, data and sampling of a flow-matching image run."""
-
-    dataset: str = "uoft-cs/cifar10"
-    """Images: a Hub id (online), a directory of parquet files (train.parquet/test.parquet) or an imagefolder."""
-    image_column: str = "img"
-    """Column holding the images."""
-    label_column: str = "label"
-    """Column holding class labels (used when class_conditional)."""
-    limit: int = 0
-    """Use only the first this many training images (0 = all); for smoke tests."""
-    base_channels: int = 128
-    """UNet base width: 128 -> 6.1M parameters, 160 -> 9.3M, 192 -> 13.3M."""
-    class_conditional: bool = True
-    """Condition on the class label (with a null class for classifier-free guidance)."""
-    cond_drop_prob: float = 0.1
-    """Probability of replacing the label by the null class in training (CFG needs the unconditional field)."""
-    time_sampling: str = "logit_normal"
-    """Training time distribution: uniform or logit_normal (more signal mid-path)."""
-    sample_every_epochs: float = 10.0
-    """Write a sample grid (EMA weights) and evaluate every this many epochs (0 = every --eval_steps)."""
-    sample_steps: int = 20
-    """Heun steps for the sample grids (2 * steps - 1 network calls)."""
-    guidance_scale: float = 2.0
-    """Classifier-free guidance scale of the sample grids (1 = no guidance)."""
-
-    def __post_init__(self) -> None:
-        if self.time_sampling not in ("uniform", "logit_normal"):
-            raise SettingsError(f"time_sampling={self.time_sampling!r}; use uniform or logit_normal")
-        if not 0 <= self.cond_drop_prob < 1:
-            raise SettingsError("cond_drop_prob must be in [0, 1)")
 
 
 class FlowMatchingTask(Task):
@@ -64,8 +32,10 @@ class FlowMatchingTask(Task):
         from ..data.images import load_image_dataset
         from ..flow.matching import FlowMatcher
         from ..flow.unet import FlowUNet2DModel
+        from ..hub import check_dataset
 
         cfg = self.cfg
+        check_dataset(cfg.dataset)
         with accelerator.main_process_first():
             train = load_image_dataset(cfg.dataset, split="train", image_column=cfg.image_column,
                                        label_column=cfg.label_column if cfg.class_conditional else None,
@@ -102,6 +72,7 @@ class FlowMatchingTask(Task):
         if cfg.sample_every_epochs > 0:
             eval_steps = max(1, round(cfg.sample_every_epochs * len(self.images) / effective))
         params = sum(p.numel() for p in model.parameters())
+        self.show_progress, self.last_grid = settings.progress and accelerator.is_local_main_process, None
         accelerator.print(
             f"FlowUNet2DModel base {cfg.base_channels}: {params / 1e6:.2f}M parameters, "
             f"{'class-conditional (' + str(num_classes) + ' classes)' if num_classes else 'unconditional'}; "
@@ -160,7 +131,8 @@ class FlowMatchingTask(Task):
 
     def on_evaluate(self, model, step: int, output_dir: Path) -> None:
         pipe = self.pipeline(model)
-        pipe.set_progress_bar_config(disable=True)
+        pipe.set_progress_bar_config(disable=not getattr(self, "show_progress", False), leave=False,
+                                     desc=f"sample grid, step {step}")
         n_classes = model.config.num_classes
         if n_classes:
             labels = torch.arange(n_classes).repeat_interleave(8)  # one row per class
@@ -174,6 +146,12 @@ class FlowMatchingTask(Task):
         path = output_dir / "samples" / f"step_{step:07d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         image_grid(out.images, rows).save(path)
+        self.last_grid = path
+
+    def on_saved(self, model, output_dir: Path, log=print) -> dict[str, Any]:
+        """The card shows the last sample grid (the final evaluation's, with the saved weights)."""
+        grid = getattr(self, "last_grid", None)
+        return {"sample_grid": grid.relative_to(output_dir).as_posix()} if grid is not None and grid.is_file() else {}
 
     def save_pretrained(self, model, output_dir: Path) -> None:
         from ..flow.pipeline_flow_match import FlowMatchPipeline, save_for_remote_code

@@ -7,67 +7,20 @@ The training side (steps, batch, lr, warmup + cosine, EMA, seed) is ``TrainSetti
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from ..errors import SettingsError
 from ..integrity import MANIFEST, atomic_output, atomic_write_json, update_manifest
 from ..flow.matching import FlowMatcher
 from ..flow.toy2d import VelocityMLP, format_table, mode_centres, mode_stats, sample_modes, sample_rows, save_plot
 from ..settings import TrainSettings, to_dict
 from ..train import Task, TaskPlan, fit
+from .settings import Toy2DSettings
 
 
-@dataclass(frozen=True)
-class Toy2DSettings:
-    """Data, network and evaluation of the toy; with the preset, >= 90% within 0.3 at <= 20 evaluations in < 60 s."""
-
-    num_modes: int = 8
-    """Gaussians on the circle."""
-    radius: float = 2.0
-    """Circle radius."""
-    mode_std: float = 0.08
-    """Standard deviation of each Gaussian."""
-    hidden: int = 64
-    """MLP width."""
-    depth: int = 3
-    """Hidden layers of the MLP."""
-    time_embed_dim: int = 32
-    """Sinusoidal features of t fed to the MLP; 0 feeds raw t like the seed."""
-    time_sampling: str = "uniform"
-    """'uniform' or 'logit_normal' (see FlowMatcher)."""
-    logit_mean: float = 0.0
-    """Logit-normal mean (> 0 trains more near the data end)."""
-    logit_std: float = 1.0
-    """Logit-normal spread."""
-    num_samples: int = 2000
-    """Samples drawn for each evaluation row."""
-    nfe_budgets: str = "2,5,10,20,100"
-    """Comma-separated network-evaluation budgets; Heun takes N = (budget + 1) // 2 steps, 2N - 1 <= budget calls."""
-    hit_radius: float = 0.3
-    """A sample counts as on a mode when this close to its centre."""
-    threads: int = 1
-    """torch CPU threads. 1 on purpose: for matrices this small a second OpenMP thread gains little on an idle
-    machine and, on a shared one, spin-waiting makes a step 10x slower (measured 22 ms vs 359 ms)."""
-
-    def __post_init__(self) -> None:
-        FlowMatcher(self.time_sampling, self.logit_mean, self.logit_std)  # validates the time settings
-        self.budgets  # noqa: B018 - validates nfe_budgets
-
-    @property
-    def budgets(self) -> tuple[int, ...]:
-        """``nfe_budgets`` as ints."""
-        try:
-            budgets = tuple(int(b) for b in self.nfe_budgets.split(","))
-        except ValueError:
-            raise SettingsError(f"nfe_budgets={self.nfe_budgets!r}; write comma-separated integers like 2,5,10") from None
-        if min(budgets) < 1:
-            raise SettingsError(f"nfe_budgets={self.nfe_budgets!r}; every budget must be >= 1")
-        return budgets
 
 
 class FreshPoints:

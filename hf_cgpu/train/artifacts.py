@@ -47,7 +47,8 @@ def load_saved_weights(model: torch.nn.Module, folder: Path) -> None:
 
 def final_results(steps: int, unit: str, units_seen: int, final: dict[str, float], keeper, use_best: bool,
                   history: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
-    """The figures of all_results.json: the final (or best) evaluation, the last logged training window, ``extra``."""
+    """The figures of all_results.json: the final (or best) evaluation, the last logged training loss, ``extra``
+    (the metrics' summary: the run's mean throughput and MFU, the device, memory)."""
     last = next((h for h in reversed(history) if "train/loss" in h), {})
     best = keeper.step is not None
     return {
@@ -58,8 +59,6 @@ def final_results(steps: int, unit: str, units_seen: int, final: dict[str, float
         **({f"best_{keeper.metric}": keeper.value, "best_step": keeper.step} if best else {}),
         **({f"last_{k}": v for k, v in final.items()} if use_best else {}),
         "model_step": keeper.step if use_best else steps,
-        f"{unit}_per_s": last.get(f"train/{unit}_per_s"),
-        "mfu": last.get("train/mfu"),
         **extra,
     }
 
@@ -73,8 +72,11 @@ def save_run(task, model: torch.nn.Module, ema: EMA | None, use_best: bool, outp
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     with ema_weights(ema, enabled=not use_best):  # the best weights were evaluated (and saved) with EMA in place
+        log(f"saving the model to {output_dir}")
         task.save_pretrained(model, staging)
-    (staging / "all_results.json").write_text(json.dumps({**results, "settings": settings}, indent=2))
+        results.update(task.on_saved(model, output_dir, log) or {})  # into the caller's results too
+    (staging / "all_results.json").write_text(json.dumps({**results, "settings": settings}, indent=2,
+                                                         ensure_ascii=False))
     (staging / "history.json").write_text(json.dumps(history))
     plot_history(history, staging / "training_curves.png", task.unit, log=lambda msg: None)
     install_model(staging, output_dir, step=results.get("steps"))
@@ -86,9 +88,10 @@ def save_run(task, model: torch.nn.Module, ema: EMA | None, use_best: bool, outp
 
 def install_model(staging: Path, output_dir: Path, **meta: Any) -> None:
     """Hash ``staging``'s files, move them into ``output_dir`` and write the manifest last."""
-    manifest = build_manifest(staging, "model", **meta)
+    manifest = build_manifest(staging, "model", exclude=("README.md",), **meta)  # the card is re-rendered later
     (output_dir / MANIFEST).unlink(missing_ok=True)  # until the new one is written, the folder says "incomplete"
-    for rel in manifest.files:
+    card = ["README.md"] if (staging / "README.md").is_file() else []  # a library's card (peft): replaced later
+    for rel in [*manifest.files, *card]:
         src, dst = staging / rel, output_dir / rel
         with open(src, "rb") as fh:
             os.fsync(fh.fileno())

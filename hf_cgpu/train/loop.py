@@ -15,18 +15,23 @@ of ``(seed, k)`` only (``schedule``), so a run resumed from a checkpoint at step
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..budget import TrainSetup, oom_advice, peak_tflops
+from ..bench import training_peak
+from ..budget import TrainSetup, oom_advice
 from ..errors import OutputDirError, TrainingStopped, UserError
 from ..integrity import as_disk_error
 from ..settings import TrainSettings, to_dict
+from ..tiers import validate_tier
 from .artifacts import final_results, save_run
 from .checkpoint import Checkpointer, TrainState, list_checkpoints
 from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
 from .metrics import Metrics
+from .outdir import LOCK_NAME
 from .prepare import Run, prepare
 from .schedule import lr_at, set_lr
 from .step import Stepper
@@ -36,10 +41,31 @@ from .validation import BestKeeper, Validator
 
 
 def fit(task: Task, settings: TrainSettings) -> dict[str, Any]:
-    """Train ``task`` with ``settings``; returns the final figures (also written to all_results.json)."""
+    """Train ``task`` with ``settings``; returns the final figures (also written to all_results.json).
+
+    A run that fails before writing anything leaves no empty ``output_dir`` behind (one it created itself)."""
+    out = Path(settings.output_dir)
+    created = not out.exists()
+    try:
+        return _run(task, settings)
+    except BaseException:
+        if created:
+            remove_if_empty(out)
+        raise
+
+
+def remove_if_empty(folder: Path) -> None:
+    """Delete ``folder`` when it holds no file at any depth but the (released) run lock."""
+    if folder.is_dir() and not any((p.is_file() or p.is_symlink()) and p.name != LOCK_NAME for p in folder.rglob("*")):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run(task: Task, settings: TrainSettings) -> dict[str, Any]:
+    validate_tier(settings.tier, settings.recompute, train_mode=task.train_mode)  # before any data is loaded
+    pusher = _hub_pusher(settings)  # before any data or model: a push that cannot work fails now
     run = prepare(task, settings)
     try:
-        return _fit(run, task)
+        results = _fit(run, task, pusher)
     except Exception as err:  # a disk error anywhere (best weights, the final save, samples): one line
         disk = None if isinstance(err, UserError) else as_disk_error(err)
         if disk is None:
@@ -53,14 +79,30 @@ def fit(task: Task, settings: TrainSettings) -> dict[str, Any]:
     finally:
         if run.lock is not None:
             run.lock.release()
+    if pusher is not None:
+        pusher.finish(task.card_kind)
+    return results
 
 
+def _hub_pusher(s: TrainSettings):
+    """The main process's ``HubPusher`` when ``--push_to_hub`` (the repo created now), else None."""
+    if not s.push_to_hub:
+        return None
+    from accelerate import PartialState
 
-def _fit(run: Run, task: Task) -> dict[str, Any]:
+    from ..hub import HubPusher
+
+    if not PartialState().is_main_process:
+        return None
+    return HubPusher(s.hub_model_id or Path(s.output_dir).resolve().name, s.output_dir, private=s.hub_private,
+                     strategy=s.hub_strategy, log=print)
+
+
+def _fit(run: Run, task: Task, pusher) -> dict[str, Any]:
     s, acc, optimizer, ema = run.settings, run.accelerator, run.optimizer, run.ema
     keeper = BestKeeper(task.best_metric, run.output_dir / "best", s.early_stopping_patience,
                         save=s.save_best or s.load_best_at_end)
-    metrics = Metrics(acc, s, task.unit, run.flops_per_unit, peak_tflops(s.peak_tflops, acc.device.type == "cuda"))
+    metrics = Metrics(acc, s, task.unit, run.flops_per_unit, training_peak(s.peak_tflops, acc.device, acc.print))
     checkpointer = Checkpointer(acc, run.output_dir, s.checkpointing_steps, s.checkpoints_total_limit, ema, keeper,
                                 metrics.write, model=run.model, optimizer=optimizer, metrics=metrics)
     fresh = TrainState.start(s, {**task.fingerprint(), "seed": s.seed}, acc.num_processes)
@@ -72,7 +114,9 @@ def _fit(run: Run, task: Task) -> dict[str, Any]:
     guards = Guards(s, run.plan.expected_initial_loss, state.step, oom_advice(_ladder_setup(run)), metrics.write)
     try:
         with Stopping(s.max_minutes, catch_signals=True) as stopping, metrics.progress(state.step):
-            _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer, stopping)
+            _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer, stopping,
+                   pusher)
+            metrics.end_training()
             checkpointer.save_if_new(state)
             checkpointer.wait()
     except BaseException:
@@ -82,7 +126,7 @@ def _fit(run: Run, task: Task) -> dict[str, Any]:
 
 
 def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer,
-           stopping) -> None:
+           stopping, pusher) -> None:
     try:
         while state.step < s.max_steps:
             step, lr = state.step, lr_at(state.step, s)
@@ -116,12 +160,18 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
             metrics.record(step, result.loss, lr, result.grad_norm, result.units * acc.num_processes,
                            order.epoch_of(step, state.effective_batch * state.processes))
             if validator.due(step):
-                validator.run(step)
+                with metrics.paused():
+                    validator.run(step)
                 if validator.stop_early(step):
                     break
-            if checkpointer.due(step) and checkpointer.save(step, state) is None:
-                checkpointer.wait()
-                raise TrainingStopped(diverged(step, lr, checkpointer.good))
+            if checkpointer.due(step):
+                with metrics.paused():
+                    saved = checkpointer.save(step, state)
+                if saved is None:
+                    checkpointer.wait()
+                    raise TrainingStopped(diverged(step, lr, checkpointer.good))
+                if pusher is not None:
+                    pusher.checkpoint(saved, step)
             signalled, out_of_time = stopping.poll(acc)
             if out_of_time:
                 metrics.write(f"--max_minutes {s.max_minutes} reached at step {step}; finishing the run here")

@@ -35,6 +35,15 @@ def counted_training_flops(model: torch.nn.Module, *inputs: Any) -> float:
     return 3.0 * counter.get_total_flops()
 
 
+def device_label(device: torch.device) -> str:
+    """The device a run trained on, as a card says it: 'NVIDIA GeForce RTX 5070 Ti', 'CPU (2 threads)'."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return f"CPU ({torch.get_num_threads()} threads)"
+    return device.type
+
+
 @dataclass
 class Window:
     """Training steps since the last log line."""
@@ -42,7 +51,12 @@ class Window:
     loss_sum: float = 0.0
     steps: int = 0
     units: int = 0
-    t0: float = field(default_factory=time.perf_counter)
+    t0: float = field(default_factory=lambda: time.perf_counter())
+    paused: float = 0.0
+    """Seconds of evaluation and checkpointing inside the window: not training time."""
+
+    def seconds(self) -> float:
+        return max(1e-9, time.perf_counter() - self.t0 - self.paused)
 
 
 class Metrics:
@@ -62,6 +76,7 @@ class Metrics:
         self.seconds_before = 0.0
         """Training time of the processes before this one (restored from the checkpoint)."""
         self.started = time.perf_counter()
+        self.run_units, self.run_seconds = 0, 0.0  # every logged window: the run's mean throughput
         self.bar = None
         if accelerator.is_main_process and settings.report_to != "none":
             accelerator.init_trackers("hf_cgpu", config={k: v for k, v in asdict(settings).items() if v is not None})
@@ -70,13 +85,15 @@ class Metrics:
     def state_dict(self) -> dict[str, Any]:
         w = self.window
         return {"history": self.history, "train_seconds": self.train_seconds,
-                "window": {"loss_sum": w.loss_sum, "steps": w.steps, "units": w.units,
-                           "seconds": time.perf_counter() - w.t0}}
+                "run_units": self.run_units, "run_seconds": self.run_seconds,
+                "window": {"loss_sum": w.loss_sum, "steps": w.steps, "units": w.units, "seconds": w.seconds()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = list(state.get("history") or [])
         self.seconds_before = float(state.get("train_seconds") or 0.0)
         self.started = time.perf_counter()
+        self.run_units = int(state.get("run_units") or 0)
+        self.run_seconds = float(state.get("run_seconds") or 0.0)
         w = state.get("window") or {}
         self.window = Window(float(w.get("loss_sum", 0.0)), int(w.get("steps", 0)), int(w.get("units", 0)),
                              time.perf_counter() - float(w.get("seconds", 0.0)))
@@ -104,6 +121,15 @@ class Metrics:
                 self.bar.close()
             self.bar = None
 
+    @contextmanager
+    def paused(self):
+        """Time spent inside (evaluation, checkpoints) does not count as training time in the throughput."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window.paused += time.perf_counter() - t0
+
     # ---- training steps
     def record(self, step: int, loss: float, lr: float, grad_norm: float, units: int, epoch: float) -> None:
         """One optimizer step done (``step`` counts it); logs when the window is due."""
@@ -116,7 +142,9 @@ class Metrics:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        rate = w.units / (time.perf_counter() - w.t0)
+        seconds = w.seconds()
+        rate = w.units / seconds
+        self.run_units, self.run_seconds = self.run_units + w.units, self.run_seconds + seconds
         metrics = {"train/loss": w.loss_sum / w.steps, "train/lr": lr, "train/grad_norm": grad_norm,
                    f"train/{self.unit}_per_s": rate, "train/epoch": epoch}
         if self.peak and self.flops_per_unit:
@@ -138,7 +166,22 @@ class Metrics:
         self.history.append({"step": step, **metrics})
         self.write(f"step {step}: {text}")
 
+    def end_training(self) -> None:
+        """The loop is done: a window not yet logged (a run stopped between log lines) joins the run's totals."""
+        w = self.window
+        if w.steps:
+            self.run_units, self.run_seconds = self.run_units + w.units, self.run_seconds + w.seconds()
+        self.window = Window()
+
+    def mean_rate(self) -> float | None:
+        """Units per second over the whole run's training time (evaluation and checkpoints left out)."""
+        return self.run_units / self.run_seconds if self.run_units and self.run_seconds > 0 else None
+
     def summary(self) -> dict[str, Any]:
-        """What all_results.json says about the peak the MFU divides by, and the memory."""
-        return {"mfu_peak_tflops": self.peak or None, "mfu_peak_source": self.peak_source,
+        """What all_results.json says about throughput (the run's mean), MFU, its peak, the device, memory and the
+        training time."""
+        rate = self.mean_rate()
+        mfu = self.flops_per_unit * rate / (self.peak * 1e12) if rate and self.peak and self.flops_per_unit else None
+        return {f"{self.unit}_per_s": rate, "mfu": mfu, "mfu_peak_tflops": self.peak or None,
+                "mfu_peak_source": self.peak_source, "device": device_label(self.device),
                 "train_seconds": round(self.train_seconds, 3), **peak_memory(self.device)}

@@ -48,6 +48,23 @@ class Run:
         return flops_per_token(plan.shape.model, plan.shape.setup(self.settings), count_recompute=False)
 
 
+_ANNOUNCED: set[str] = set()
+
+
+def announce_cache(log=print) -> None:
+    """Say once per process where hf_cgpu's caches are and how large they are (packed tokens, decoded images,
+    features, the bench), so the disk they take is never a surprise."""
+    from ..bench import cache_dir
+
+    root = cache_dir()
+    if str(root) in _ANNOUNCED or not root.is_dir():
+        return
+    _ANNOUNCED.add(str(root))
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
+    log(f"cache: {root} holds {size / 1e6:,.0f} MB (packed tokens, decoded images, bench); set HF_CGPU_CACHE to "
+        "move it, delete it to free the space (it is rebuilt when needed)")
+
+
 def mixed_precision(s: TrainSettings) -> str:
     if s.mixed_precision != "auto":
         return s.mixed_precision
@@ -81,8 +98,13 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         s = autofit_settings(s, plan.shape, memory, accelerator.print)
     validate_tier(s.tier, s.recompute, train_mode=task.train_mode)
+    announce_cache(accelerator.print)
+    compile = s.compile and device.type == "cuda"
+    if s.compile and not compile:
+        accelerator.print(f"compile: skipped on {device.type} (torch.compile is applied on CUDA only: on a CPU the "
+                          "first step compiles for minutes and the steps are rarely faster)")
     model = apply_tiers(
-        plan.model, s.tier, recompute=s.recompute, compile=s.compile, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
+        plan.model, s.tier, recompute=s.recompute, compile=compile, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
         lora_dropout=s.lora_dropout, target_modules=[m for m in s.lora_target_modules.split(",") if m] or None,
     )
     if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "hf_device_map", None):

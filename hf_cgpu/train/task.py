@@ -85,6 +85,11 @@ class Task:
     def save_pretrained(self, model: torch.nn.Module, output_dir: Path) -> None:
         raise NotImplementedError
 
+    def on_saved(self, model: torch.nn.Module, output_dir: Path, log=print) -> dict[str, Any]:
+        """After ``save_pretrained``, with the saved weights in ``model`` (main process): figures of those weights
+        that go into all_results.json and the card (the GPT's continuations, the flow's final sample grid)."""
+        return {}
+
     def save_best(self, model: torch.nn.Module, folder: Path) -> None:
         """Write the best-so-far weights (``output_dir/best``); default: what ``save_pretrained`` writes."""
         self.save_pretrained(model, folder)

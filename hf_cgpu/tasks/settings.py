@@ -1,0 +1,265 @@
+"""The settings of every task, one frozen dataclass each, a docstring under every field (that is the ``--help``).
+
+They live apart from the tasks so that parsing a command line, ``--help`` and ``hf-cgpu budget`` import neither
+torch nor transformers: the task modules (``causal_lm``, ``flow_images``, ...) re-export them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import SettingsError
+
+if TYPE_CHECKING:
+    from ..budget.shape import RunShape
+    from ..models.cgpt.configuration_cgpt import CgptConfig
+
+DATA_ORDERS = ("shifted", "random", "fixed")
+"""How a language-model task cuts training windows from its token stream (``hf_cgpu.data.text.WindowOrder``)."""
+TIME_SAMPLINGS = ("uniform", "logit_normal")
+"""Training-time distributions of flow matching (``hf_cgpu.flow.matching.FlowMatcher``)."""
+
+
+@dataclass(frozen=True)
+class GPTSettings:
+    """Model shape and data of a from-scratch GPT run."""
+
+    n_layer: int = 12
+    """Transformer blocks."""
+    n_embd: int = 768
+    """Residual width; must be divisible by n_head."""
+    n_head: int = 12
+    """Attention heads."""
+    mlp_ratio: int = 4
+    """MLP width = mlp_ratio * n_embd."""
+    dropout: float = 0.0
+    """Dropout (0 for single-epoch pretraining)."""
+    bias: bool = False
+    """Biases in linears and LayerNorms."""
+    seq_len: int = 1024
+    """Tokens per training sequence; also the model's n_positions."""
+    vocab_size: int = 32000
+    """Tokenizer vocabulary to train (ignored when --tokenizer is given: its size is used)."""
+    loss_chunk_size: int = 1024
+    """Tokens per chunk of the fp32 loss (0 = materialise all logits)."""
+    data_order: str = "shifted"
+    """How training windows are cut from the token stream: shifted (a new random offset and order every epoch),
+    random (nanoGPT: uniform random starts) or fixed (the same blocks every epoch; memorises a small corpus)."""
+    dataset: str = "builtin"
+    """Text source: 'builtin' (Python's pydoc topics), a directory/files of parquet/json/txt, or a Hub id."""
+    text_column: str = "text"
+    """Column holding the documents."""
+    tokenizer: str = ""
+    """Existing tokenizer directory to use; empty = train a byte-level BPE on the training split."""
+    tokenizer_train_docs: int = 50000
+    """Documents sampled to train the tokenizer (more = slower, slightly better compression)."""
+    num_proc: int = 0
+    """Processes for tokenisation (0 = automatic)."""
+    cache_dir: str = ""
+    """Where packed token files are cached (empty = ~/.cache/hf_cgpu/packed or $HF_CGPU_CACHE/packed)."""
+    prompts: str = ""
+    """'|'-separated prompts continued at the end of training (empty = taken from validation text)."""
+    max_new_tokens: int = 60
+    """Tokens generated per prompt at the end of training."""
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise SettingsError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                f"use n_head in {[h for h in range(1, 33) if self.n_embd % h == 0]}"
+            )
+        if self.seq_len < 2:
+            raise SettingsError("seq_len must be at least 2")
+        if self.data_order not in DATA_ORDERS:
+            raise SettingsError(f"data_order={self.data_order!r}; choose one of {', '.join(DATA_ORDERS)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise SettingsError(f"dropout={self.dropout} must be in [0, 1); e.g. 0.1 for many epochs of a small corpus")
+
+    def model_config_kwargs(self, vocab_size: int, eos_token_id: int) -> dict[str, Any]:
+        """The ``CgptConfig`` arguments of this run: training builds the config from them, the ledger reads them."""
+        return dict(
+            vocab_size=vocab_size, n_positions=self.seq_len, n_embd=self.n_embd, n_layer=self.n_layer,
+            n_head=self.n_head, mlp_ratio=self.mlp_ratio, dropout=self.dropout, bias=self.bias,
+            loss_chunk_size=self.loss_chunk_size, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
+        )
+
+    def model_config(self, vocab_size: int, eos_token_id: int) -> CgptConfig:
+        from ..models.cgpt.configuration_cgpt import CgptConfig
+
+        return CgptConfig(**self.model_config_kwargs(vocab_size, eos_token_id))
+
+    def run_shape(self, name: str = "", vocab_size: int | None = None) -> RunShape:
+        """What the ledger needs of this GPT: the config training builds, read as ``config.json`` would be (no
+        transformers import, so ``hf-cgpu budget`` stays quick; ``vocab_size``: the tokenizer's)."""
+        from ..budget.shape import ModelShape, RunShape
+
+        kwargs = self.model_config_kwargs(vocab_size or self.vocab_size, eos_token_id=0)
+        shape = ModelShape.from_config({"model_type": "cgpt", **kwargs}, name or "cgpt")
+        return RunShape(shape, self.seq_len, self.loss_chunk_size)
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    """UNet shape, data and sampling of a flow-matching image run."""
+
+    dataset: str = "uoft-cs/cifar10"
+    """Images: a Hub id (online), a directory of parquet files (train.parquet/test.parquet) or an imagefolder."""
+    image_column: str = "img"
+    """Column holding the images."""
+    label_column: str = "label"
+    """Column holding class labels (used when class_conditional)."""
+    limit: int = 0
+    """Use only the first this many training images (0 = all); for smoke tests."""
+    base_channels: int = 128
+    """UNet base width: 128 -> 6.1M parameters, 160 -> 9.3M, 192 -> 13.3M."""
+    class_conditional: bool = True
+    """Condition on the class label (with a null class for classifier-free guidance)."""
+    cond_drop_prob: float = 0.1
+    """Probability of replacing the label by the null class in training (CFG needs the unconditional field)."""
+    time_sampling: str = "logit_normal"
+    """Training time distribution: uniform or logit_normal (more signal mid-path)."""
+    sample_every_epochs: float = 10.0
+    """Write a sample grid (EMA weights) and evaluate every this many epochs (0 = every --eval_steps)."""
+    sample_steps: int = 20
+    """Heun steps for the sample grids (2 * steps - 1 network calls)."""
+    guidance_scale: float = 2.0
+    """Classifier-free guidance scale of the sample grids (1 = no guidance)."""
+
+    def __post_init__(self) -> None:
+        if self.time_sampling not in TIME_SAMPLINGS:
+            raise SettingsError(f"time_sampling={self.time_sampling!r}; use uniform or logit_normal")
+        if not 0 <= self.cond_drop_prob < 1:
+            raise SettingsError("cond_drop_prob must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class FinetuneSettings:
+    """Base model and data of a fine-tuning run."""
+
+    model: str = "EleutherAI/pythia-1.4b"
+    """Base causal LM: a Hub id (needs network once), a local directory (our own GPT works too) or a .gguf file."""
+    gguf_file: str = ""
+    """GGUF file inside --model (a folder or Hub id); de-quantised once into the cache, then loaded per tier."""
+    base_model_name: str = ""
+    """Hub id of the base recorded in the card's base_model (e.g. HuggingFaceTB/SmolLM2-135M-Instruct for its GGUF);
+    empty = --model."""
+    dataset: str = "builtin"
+    """Text or instruction data: a directory/files of parquet/json/txt, a Hub id, or 'builtin'."""
+    data_format: str = "auto"
+    """auto (instruction columns -> instruct, else text), instruct (messages, instruction/input/output or
+    prompt/response rows in the base's chat template, loss on the responses only) or text (plain text, packed)."""
+    text_column: str = "text"
+    """Column with plain text (data_format text)."""
+    seq_len: int = 1024
+    """Tokens per training sequence."""
+    loss_chunk_size: int = 1024
+    """Tokens per chunk of the fp32 loss (the full logits are never materialised)."""
+    merge: bool = False
+    """Also write the adapter merged into a copy of the base (output_dir/merged, with the tokenizer)."""
+    merge_dtype: str = "bfloat16"
+    """Weights of the merged copy: bfloat16 (half the size) or float32 (the adapter's outputs to float precision)."""
+    trust_remote_code: bool = False
+    """Allow the base model's own code from its repository."""
+    num_proc: int = 0
+    """Processes for tokenisation (0 = automatic)."""
+    cache_dir: str = ""
+    """Where packed token files are cached (empty = default cache)."""
+
+    def __post_init__(self) -> None:
+        if self.merge_dtype not in ("bfloat16", "float32", "float16"):
+            raise SettingsError(f"merge_dtype={self.merge_dtype!r}; choose bfloat16, float16 or float32")
+        if self.data_format not in ("auto", "instruct", "text"):
+            raise SettingsError(f"data_format={self.data_format!r}; choose auto, instruct or text")
+
+
+@dataclass(frozen=True)
+class ClassifierSettings:
+    """Data, shape and augmentation of a classifier run."""
+
+    dataset: str = "uoft-cs/cifar10"
+    """Images: a Hub id (online), a directory of parquet files (train.parquet/test.parquet) or an imagefolder."""
+    image_column: str = "img"
+    """Column holding the images."""
+    label_column: str = "label"
+    """Column holding the class labels."""
+    limit: int = 0
+    """Use only the first this many training images (0 = all); for smoke tests."""
+    test_limit: int = 0
+    """Evaluate on only the first this many test images (0 = the whole test split)."""
+    widths: str = "64,128,256,512"
+    """Channels of the four stages of the ResNet-9-style net (64,128,256,512 -> 6.57M parameters)."""
+    label_smoothing: float = 0.2
+    """Label smoothing of the training cross-entropy (evaluation uses none)."""
+    crop_padding: int = 4
+    """Random crop after reflect-padding by this many pixels (0 = no crop)."""
+    flip: bool = True
+    """Random horizontal flips."""
+
+    def __post_init__(self) -> None:
+        try:
+            widths = self.width_list
+        except ValueError:
+            widths = []
+        if len(widths) != 4:
+            raise SettingsError(f"widths={self.widths!r}; give four comma-separated integers, e.g. 64,128,256,512")
+        if not 0 <= self.label_smoothing < 1:
+            raise SettingsError("label_smoothing must be in [0, 1)")
+
+    @property
+    def width_list(self) -> list[int]:
+        return [int(w) for w in self.widths.split(",")]
+
+
+@dataclass(frozen=True)
+class Toy2DSettings:
+    """Data, network and evaluation of the toy; with the preset, >= 90% within 0.3 at <= 20 evaluations in < 60 s."""
+
+    num_modes: int = 8
+    """Gaussians on the circle."""
+    radius: float = 2.0
+    """Circle radius."""
+    mode_std: float = 0.08
+    """Standard deviation of each Gaussian."""
+    hidden: int = 64
+    """MLP width."""
+    depth: int = 3
+    """Hidden layers of the MLP."""
+    time_embed_dim: int = 32
+    """Sinusoidal features of t fed to the MLP; 0 feeds raw t like the seed."""
+    time_sampling: str = "uniform"
+    """'uniform' or 'logit_normal' (see FlowMatcher)."""
+    logit_mean: float = 0.0
+    """Logit-normal mean (> 0 trains more near the data end)."""
+    logit_std: float = 1.0
+    """Logit-normal spread."""
+    num_samples: int = 2000
+    """Samples drawn for each evaluation row."""
+    nfe_budgets: str = "2,5,10,20,100"
+    """Comma-separated network-evaluation budgets; Heun takes N = (budget + 1) // 2 steps, 2N - 1 <= budget calls."""
+    hit_radius: float = 0.3
+    """A sample counts as on a mode when this close to its centre."""
+    threads: int = 1
+    """torch CPU threads. 1 on purpose: for matrices this small a second OpenMP thread gains little on an idle
+    machine and, on a shared one, spin-waiting makes a step 10x slower (measured 22 ms vs 359 ms)."""
+
+    def __post_init__(self) -> None:
+        if self.time_sampling not in TIME_SAMPLINGS:
+            raise SettingsError(f"time_sampling={self.time_sampling!r}; use uniform or logit_normal")
+        if self.logit_std <= 0:
+            raise SettingsError(f"logit_std={self.logit_std} must be > 0")
+        self.budgets  # noqa: B018 - validates nfe_budgets
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """``nfe_budgets`` as ints."""
+        try:
+            budgets = tuple(int(b) for b in self.nfe_budgets.split(","))
+        except ValueError:
+            raise SettingsError(f"nfe_budgets={self.nfe_budgets!r}; write comma-separated integers like 2,5,10") from None
+        if min(budgets) < 1:
+            raise SettingsError(f"nfe_budgets={self.nfe_budgets!r}; every budget must be >= 1")
+        return budgets
+
+
+__all__ = ["ClassifierSettings", "DATA_ORDERS", "FinetuneSettings", "FlowSettings", "GPTSettings", "TIME_SAMPLINGS", "Toy2DSettings"]

@@ -1,0 +1,91 @@
+"""`hf-cgpu budget --preset P` prices the run `--preset P` trains: the same settings objects, the same run shape the
+task declares, so compile scope, loss form, tier and recompute cannot drift apart; the model-states subtotal; a
+sequence beyond the model's positions said at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from hf_cgpu.budget import autofit_settings, ledger
+from hf_cgpu.budget.cli import describe_run, run
+from hf_cgpu.budget.shape import REFERENCE_CONFIGS, ModelShape
+from hf_cgpu.errors import SettingsError
+from hf_cgpu.settings import TrainSettings, list_presets, parse_settings
+from hf_cgpu.tasks.causal_lm import cgpt_run_shape
+from hf_cgpu.tasks.settings import GPTSettings
+
+PRESETS = list_presets("gpt")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("extra", [[], ["--micro_batch_size", "4", "--recompute", "--compile", "false"],
+                                   ["--tier", "adamw8bit", "--loss_chunk_size", "0", "--seq_len", "256"]])
+def test_budget_describes_the_run_the_recipe_trains(preset, extra):
+    shape, train, _ = describe_run(["--preset", preset, *extra])
+    gpt, recipe_train = parse_settings((GPTSettings, TrainSettings), ["--preset", preset, *extra], family="gpt")
+    assert train == recipe_train  # one TrainSettings, parsed by the same code from the same command line
+    # the shape the training task declares (CausalLMTask.setup: cgpt_run_shape of the config it builds)
+    declared = cgpt_run_shape(gpt.model_config(gpt.vocab_size, eos_token_id=0), preset)
+    assert shape == declared
+    assert shape.setup(train) == declared.setup(recipe_train)  # what --autofit and the OOM advice start from
+
+
+def test_124m_is_priced_compiled_as_it_trains():
+    """The issue's case: 124m compiles the whole model with full logits, so the loss is fused (10.04 GiB measured)."""
+    shape, train, _ = describe_run(["--preset", "124m"])
+    setup = shape.setup(train)
+    assert train.compile and setup.loss_chunk_size == 0 and setup.compiled_loss
+    assert "full logits, compiled loss" in run(["--preset", "124m"])
+    eager = ledger(shape.model, dataclasses.replace(setup, compiled_loss=False))
+    assert ledger(shape.model, setup).allocated < eager.allocated
+    _, eager_train, _ = describe_run(["--preset", "124m", "--compile", "false"])
+    assert not shape.setup(eager_train).compiled_loss
+
+
+def test_autofit_starts_from_the_same_setup(monkeypatch):
+    shape, train, _ = describe_run(["--preset", "770m", "--memory_cap", "16GB"])
+    seen = []
+    import hf_cgpu.budget.ladder as ladder
+
+    real = ladder.autofit
+    monkeypatch.setattr(ladder, "autofit", lambda *a, **k: seen.append(k["base"]) or real(*a, **k))
+    autofit_settings(train, shape, None, log=lambda m: None)
+    assert seen == [shape.setup(train)]
+
+
+def test_reference_shape_needs_no_transformers_and_matches_its_config():
+    from transformers import AutoConfig
+
+    model_type, kwargs = REFERENCE_CONFIGS["pythia-1.4b"]
+    assert ModelShape.reference("pythia-1.4b") == ModelShape.from_config(
+        AutoConfig.for_model(model_type, **kwargs), "pythia-1.4b")
+
+
+def test_gpt_shape_read_as_config_json_equals_the_built_config():
+    for preset in PRESETS:
+        gpt = parse_settings((GPTSettings, TrainSettings), ["--preset", preset], family="gpt")[0]
+        assert gpt.run_shape(preset).model == ModelShape.from_config(gpt.model_config(gpt.vocab_size, 0), preset)
+
+
+def test_ledger_shows_the_model_states_subtotal():
+    text = run(["--preset", "350m"])
+    line = next(line for line in text.splitlines() if "= model states" in line)
+    assert "16.0 B/param" in line and "5.2 GB at 350M" in line
+    gib = float(line.split()[3])
+    assert gib == pytest.approx(16 * 335.9e6 / 2**30, rel=0.01)  # the seed's 16 bytes/param
+    qlora = next(line for line in run(["--preset", "pythia-1.4b", "--tier", "qlora"]).splitlines()
+                 if "= model states" in line)
+    assert float(qlora.split()[4]) < 2  # nf4 base: well under 2 bytes/param
+
+
+def test_a_sequence_beyond_the_models_positions_is_refused(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "intermediate_size": 512, "vocab_size": 1000,
+                                  "max_position_embeddings": 512}))
+    with pytest.raises(SettingsError, match="longer than the model's 512 positions; .* --seq_len 512"):
+        run(["--config", str(config), "--seq_len", "1024"])
+    assert "seq 512" in run(["--config", str(config), "--seq_len", "512"])
