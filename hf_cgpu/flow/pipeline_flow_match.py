@@ -140,7 +140,7 @@ class FlowMatchPipeline(DiffusionPipeline):
     def __call__(
         self,
         batch_size: int | None = None,
-        num_inference_steps: int = 50,
+        num_inference_steps: int = 8,
         generator: torch.Generator | list[torch.Generator] | None = None,
         class_labels: int | list[int] | torch.Tensor | None = None,
         guidance_scale: float = 1.0,
@@ -152,6 +152,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         Args:
             batch_size: number of images; default: one per class label (as DiTPipeline), or 1 without labels.
             num_inference_steps: scheduler steps N (Euler: N model calls; Heun: 2N - 1, doubled again with guidance).
+                8 with the saved Heun scheduler: the measured default (CIFAR-10 sweep in benchmarks/RESULTS.md).
             class_labels: one label for all images, one per image, or None (null class / unconditional model).
             guidance_scale: classifier-free guidance w in v_u + w (v_c - v_u); 1.0 is the plain conditional model
                 and costs a single forward per step.

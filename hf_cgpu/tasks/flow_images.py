@@ -155,10 +155,10 @@ class FlowMatchingTask(Task):
 
     def save_pretrained(self, model, output_dir: Path) -> None:
         from ..flow.pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
-        from ..flow.scheduling_flow_match import FlowMatchEulerScheduler
+        from ..flow.scheduling_flow_match import FlowMatchHeunScheduler
 
         model = model.to(memory_format=torch.contiguous_format)
-        pipe = FlowMatchPipeline(unet=model, scheduler=FlowMatchEulerScheduler())
+        pipe = FlowMatchPipeline(unet=model, scheduler=FlowMatchHeunScheduler())  # the measured default
         save_for_remote_code(pipe, output_dir)
         if self.class_names:
             (output_dir / "class_names.txt").write_text("\n".join(self.class_names) + "\n")
