@@ -20,6 +20,22 @@ def neox_dir(tmp_path_factory):
     GPTNeoXForCausalLM(tiny_neox_config()).save_pretrained(path)
     return path
 
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    """A tiny GPTNeoX base with a tokenizer trained on the built-in corpus (a fine-tuning run's --model)."""
+    from hf_cgpu.data.text import builtin_corpus, train_tokenizer
+
+    d = tmp_path_factory.mktemp("neox_base")
+    tok = train_tokenizer(builtin_corpus()[:20], vocab_size=400, show_progress=False)
+    # width 64: at 32, bitsandbytes 0.50.2 fails packing 4-bit weights for CPU inference on AVX512-BF16 CPUs
+    cfg = GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                        vocab_size=len(tok), max_position_embeddings=64, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
 # tests/upstream holds vendored mixin sources of transformers / diffusers: imported by our test modules, not collected.
 collect_ignore = ["upstream"]
 

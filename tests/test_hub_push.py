@@ -42,23 +42,6 @@ def hub():
 
 
 @pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory):
-    import torch
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    from hf_cgpu.data.text import builtin_corpus, train_tokenizer
-
-    d = tmp_path_factory.mktemp("neox")
-    tok = train_tokenizer(builtin_corpus()[:20], vocab_size=400, show_progress=False)
-    cfg = GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                        vocab_size=len(tok), max_position_embeddings=64, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    GPTNeoXForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
 def pushed(hub, tmp_path_factory, synthetic_data, tiny_base):
     tmp = tmp_path_factory.mktemp("push")
     logs = {

@@ -273,6 +273,8 @@ class Checkpointer:
         self.model, self.optimizer, self.metrics = model, optimizer, metrics
         self.last_saved = 0
         self.good: Path | None = None
+        self.on_sealed: Callable[[Path, int], None] | None = None
+        """Called (in the sealing thread) with each checkpoint once it is sealed in place: the Hub upload."""
         """The newest checkpoint known finite and whole (resumed from, or sealed by this run)."""
         self._sealer = _Sealer()
 
@@ -340,6 +342,8 @@ class Checkpointer:
                                   "--resume_from_checkpoint latest") from err
         self.good = final
         prune(self.output_dir, self.keep if prune_old else 0, protect=final)
+        if self.on_sealed is not None:
+            self.on_sealed(final, step)
 
     def save_if_new(self, state: TrainState) -> None:
         if state.step > self.last_saved:

@@ -105,6 +105,8 @@ def _fit(run: Run, task: Task, pusher) -> dict[str, Any]:
     metrics = Metrics(acc, s, task.unit, run.flops_per_unit, training_peak(s.peak_tflops, acc.device, acc.print))
     checkpointer = Checkpointer(acc, run.output_dir, s.checkpointing_steps, s.checkpoints_total_limit, ema, keeper,
                                 metrics.write, model=run.model, optimizer=optimizer, metrics=metrics)
+    if pusher is not None:
+        checkpointer.on_sealed = pusher.checkpoint  # a checkpoint goes up once it is sealed, never half-written
     fresh = TrainState.start(s, {**task.fingerprint(), "seed": s.seed}, acc.num_processes)
     state = checkpointer.resume(s.resume_from_checkpoint, fresh)
     order = task.sample_order(s.seed)
@@ -114,8 +116,7 @@ def _fit(run: Run, task: Task, pusher) -> dict[str, Any]:
     guards = Guards(s, run.plan.expected_initial_loss, state.step, oom_advice(_ladder_setup(run)), metrics.write)
     try:
         with Stopping(s.max_minutes, catch_signals=True) as stopping, metrics.progress(state.step):
-            _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer, stopping,
-                   pusher)
+            _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer, stopping)
             metrics.end_training()
             checkpointer.save_if_new(state)
             checkpointer.wait()
@@ -126,7 +127,7 @@ def _fit(run: Run, task: Task, pusher) -> dict[str, Any]:
 
 
 def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer,
-           stopping, pusher) -> None:
+           stopping) -> None:
     try:
         while state.step < s.max_steps:
             step, lr = state.step, lr_at(state.step, s)
@@ -170,8 +171,6 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
                 if saved is None:
                     checkpointer.wait()
                     raise TrainingStopped(diverged(step, lr, checkpointer.good))
-                if pusher is not None:
-                    pusher.checkpoint(saved, step)
             signalled, out_of_time = stopping.poll(acc)
             if out_of_time:
                 metrics.write(f"--max_minutes {s.max_minutes} reached at step {step}; finishing the run here")
