@@ -24,7 +24,9 @@ MODERN = dict(position_embedding="rotary", qk_norm=True, activation="relu2")
 
 def modern_model(seed=1, **kw):
     torch.manual_seed(seed)
-    base = dict(vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, loss_chunk_size=0, **MODERN)
+    # a wide init: attention far from uniform, so a wrong position moves the logits visibly
+    base = dict(vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, loss_chunk_size=0,
+                initializer_range=0.2, **MODERN)
     return CgptForCausalLM(CgptConfig(**{**base, **kw})).eval()
 
 
@@ -60,15 +62,20 @@ def test_rotary_score_depends_only_on_the_offset():
 def test_cached_greedy_equals_uncached_and_forward_loop(norm):
     model = modern_model(norm=norm)
     prompt = torch.randint(1, 97, (1, 7))
-    kw = dict(max_new_tokens=25, do_sample=False, pad_token_id=0, eos_token_id=None)
+    kw = dict(max_new_tokens=25, do_sample=False, pad_token_id=0, eos_token_id=None, return_dict_in_generate=True,
+              output_logits=True)
     with torch.no_grad():
-        dynamic = model.generate(prompt, use_cache=True, **kw)
-        static = model.generate(prompt, cache_implementation="static", **kw)
         uncached = model.generate(prompt, use_cache=False, **kw)
-        seq = prompt
+        seq, logits = prompt, []
         for _ in range(25):
-            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(dynamic, uncached) and torch.equal(static, uncached) and torch.equal(seq, uncached)
+            logits.append(model(seq, use_cache=False).logits[:, -1])
+            seq = torch.cat([seq, logits[-1].argmax(-1, keepdim=True)], 1)
+        assert torch.equal(seq, uncached.sequences) and len(set(seq[0, 7:].tolist())) > 3  # not one repeated token
+        for cached in (model.generate(prompt, use_cache=True, **kw),
+                       model.generate(prompt, cache_implementation="static", **kw)):
+            assert torch.equal(cached.sequences, uncached.sequences)
+            for got, want in zip(cached.logits, logits):  # the values too: argmax alone hides small shifts
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_left_padded_batch_matches_single():
@@ -78,9 +85,12 @@ def test_left_padded_batch_matches_single():
     mask = torch.ones_like(batch)
     mask[1, :4] = 0
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
-    both = model.generate(batch, attention_mask=mask, **kw)
-    assert torch.equal(both[1, 4:], model.generate(b, **kw)[0])
-    assert torch.equal(both[0], model.generate(a, **kw)[0])
+    both = model.generate(batch, attention_mask=mask, return_dict_in_generate=True, output_logits=True, **kw)
+    single = model.generate(b, return_dict_in_generate=True, output_logits=True, **kw)
+    assert torch.equal(both.sequences[1, 4:], single.sequences[0])
+    assert torch.equal(both.sequences[0], model.generate(a, **kw)[0])
+    for got, want in zip(both.logits, single.logits):
+        torch.testing.assert_close(got[1], want[0], rtol=1e-4, atol=1e-4)
 
 
 def test_attention_backends_agree():
