@@ -182,11 +182,13 @@ class CgptAttention(nn.Module):
         B, T, C = hidden_states.shape
         q, k, v = self.qkv(hidden_states).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if self.config.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.config.qk_norm:  # in the gains' dtype: fp32 under autocast, as autocast runs the LayerNorms
+            dtype = self.q_norm.weight.dtype
+            q, k = self.q_norm(q.to(dtype)), self.k_norm(k.to(dtype))
         if position_embeddings is not None:  # rotary: the cache stores rotated keys
             cos, sin = position_embeddings
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = q.to(v.dtype), k.to(v.dtype)  # back to the projection's dtype (bf16 under autocast)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, nh, past + T, hs), or the static cache's full length
 
