@@ -99,3 +99,12 @@ def test_muon_needs_the_full_tier():
         TrainSettings(optimizer="sgd")
     with pytest.raises(SettingsError, match="use --tier full or --optimizer adamw"):
         build_optimizer(_gpt(), "adamw8bit", lr=1e-3, optimizer="muon")
+
+
+def test_the_ledger_ladder_never_lowers_a_muon_run_to_an_8bit_or_adapter_tier():
+    from hf_cgpu.budget.ladder import LADDER
+    from hf_cgpu.budget.shape import TrainSetup
+
+    tiers = [r for r in LADDER if r.key in ("adamw8bit", "lora", "qlora")]
+    assert tiers and all(r.lower(TrainSetup(optimizer="muon"), 8192, 1) is None for r in tiers)
+    assert tiers[0].lower(TrainSetup(), 8192, 1).tier == "adamw8bit"
