@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ArgumentParser, SettingsError
-from .tiers import TIERS
+from .tiers import OPTIMIZERS, TIERS
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -59,6 +59,17 @@ class TrainSettings:
     """AdamW beta2."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
+    optimizer: str = "adamw"
+    """adamw (every weight) or muon: torch.optim.Muon (Nesterov momentum orthogonalised by 5 Newton-Schulz steps) on
+    the 2-D hidden weight matrices, AdamW (learning_rate, weight_decay, betas) on embeddings, head, norms and biases;
+    tier full only."""
+    muon_learning_rate: float = 0.02
+    """Peak learning rate of the Muon matrices (optimizer muon); follows the same warmup and cosine schedule."""
+    muon_momentum: float = 0.95
+    """Muon's Nesterov momentum (optimizer muon)."""
+    muon_weight_decay: float = 0.0
+    """Decoupled weight decay of the Muon matrices, times their learning rate (optimizer muon; Keller Jordan's
+    default 0)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
     mixed_precision: str = "auto"
@@ -144,6 +155,14 @@ class TrainSettings:
             raise SettingsError("learning_rate must be > 0 and warmup_steps >= 0")
         if self.early_stopping_patience < 0 or self.eval_batches < 0:
             raise SettingsError("early_stopping_patience and eval_batches must be >= 0")
+        if self.optimizer not in OPTIMIZERS:
+            raise SettingsError(f"optimizer={self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        if self.optimizer == "muon" and self.tier != "full":
+            raise SettingsError(f"optimizer muon has no {self.tier} form (it trains every weight in fp32); "
+                                "use --tier full or --optimizer adamw")
+        if self.muon_learning_rate <= 0 or not 0 <= self.muon_momentum < 1 or self.muon_weight_decay < 0:
+            raise SettingsError("muon_learning_rate must be > 0, muon_momentum in [0, 1) and muon_weight_decay >= 0; "
+                                "e.g. --muon_learning_rate 0.02 --muon_momentum 0.95")
         if self.hub_strategy not in ("end", "checkpoint"):
             raise SettingsError(f"hub_strategy={self.hub_strategy!r}; choose end or checkpoint")
         if (self.load_best_at_end or self.early_stopping_patience) and not self.eval_steps:

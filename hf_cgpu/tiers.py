@@ -66,6 +66,8 @@ if TYPE_CHECKING:  # torch is imported where a function needs it: the names abov
     from torch import nn
 
 TIERS = ("full", "adamw8bit", "lora", "qlora")
+OPTIMIZERS = ("adamw", "muon")
+"""``TrainSettings.optimizer``: AdamW everywhere, or Muon on the hidden matrices with AdamW on the rest (hf_cgpu.optim)."""
 """Every memory tier, least saving first: the one list the settings, the ladder and the loop read."""
 TRAIN_MODES = ("pretrain", "finetune")
 ADAPTER_TIERS = ("lora", "qlora")
@@ -303,6 +305,10 @@ def build_optimizer(
     paged: bool = False,
     fused: bool | None = None,
     optim_8bit: bool | None = None,
+    optimizer: str = "adamw",
+    muon_lr: float = 0.02,
+    muon_momentum: float = 0.95,
+    muon_weight_decay: float = 0.0,
 ) -> torch.optim.Optimizer:
     """AdamW over trainable parameters; weight decay only on >= 2-D weights.
 
@@ -311,11 +317,18 @@ def build_optimizer(
     LoRA adapters on `bnb.optim.AdamW8bit`. bitsandbytes keeps 32-bit state for tensors under 4096
     elements. `paged` uses `PagedAdamW8bit`, whose state can spill to host memory on a spike.
     `fused=None` turns on the fused torch kernel when every parameter is on CUDA.
+    `optimizer="muon"` (tier full only): `hf_cgpu.optim.MuonWithAdamW`, Muon at `muon_lr` on the 2-D hidden
+    matrices, this AdamW on the rest.
     """
     import torch
 
     if tier not in TIERS:
         raise SettingsError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
+    if optimizer not in OPTIMIZERS:
+        raise SettingsError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if optimizer == "muon" and (tier != "full" or optim_8bit or paged):
+        raise SettingsError(f"optimizer muon has no {tier if tier != 'full' else '8-bit'} form (it trains every "
+                            "weight in fp32); use --tier full or --optimizer adamw")
     use_8bit = tier == "adamw8bit" if optim_8bit is None else optim_8bit
     named = _trainable_parameters(model)
     if not named:
@@ -340,6 +353,12 @@ def build_optimizer(
         raise SettingsError("paged=True needs an 8-bit optimizer: use tier adamw8bit or optim_8bit=True")
     if fused is None:
         fused = all(p.is_cuda for _, p in named)
+    if optimizer == "muon":
+        from .optim import MuonWithAdamW, muon_param_groups
+
+        groups = muon_param_groups(model, named, lr, weight_decay, muon_lr, muon_momentum, muon_weight_decay)
+        return MuonWithAdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=muon_momentum,
+                             fused=fused)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
 
 

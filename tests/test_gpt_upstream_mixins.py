@@ -97,3 +97,17 @@ class CgptModelTest(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
         if UPSTREAM_MISSING:
             self.skipTest(UPSTREAM_MISSING)
         self.assertTrue(hasattr(self, "test_attention_outputs"))  # a ModelTesterMixin check
+
+
+class CgptModernModelTester(CgptModelTester):
+    """The same tiny shapes with the modern options on: rotary positions, q/k RMSNorm, ReLU squared, RMSNorm."""
+
+    def get_config(self) -> CgptConfig:
+        config = super().get_config()
+        config.position_embedding, config.qk_norm, config.activation, config.norm = "rotary", True, "relu2", "rmsnorm"
+        return config
+
+
+class CgptModernModelTest(CgptModelTest):
+    def setUp(self):
+        self.model_tester = CgptModernModelTester(self)

@@ -101,15 +101,16 @@ def test_bad_settings_are_one_line_errors():
         TrainSettings(micro_batch_size=0)
 
 
-def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, optimizer):
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
-    fit(ToyTask(), settings(full_dir))
+    fit(ToyTask(), settings(full_dir, optimizer=optimizer))
     with pytest.raises(KeyboardInterrupt):
-        fit(InterruptAt(6), settings(cut_dir))  # dies mid-run (after step 5's checkpoint-less progress)
+        fit(InterruptAt(6), settings(cut_dir, optimizer=optimizer))  # dies mid-run (after step 5's progress)
     # the interrupt saved step 6; drop it to resume from the periodic checkpoint at step 4 (mid-epoch)
     shutil.rmtree(ckpt_io.checkpoint_root(cut_dir) / "step_0000006")
     assert [p.name for p in ckpt_io.list_checkpoints(cut_dir)] == ["step_0000004"]
-    fit(ToyTask(), settings(cut_dir, resume_from_checkpoint="latest"))
+    fit(ToyTask(), settings(cut_dir, optimizer=optimizer, resume_from_checkpoint="latest"))
     full, cut = dict(losses(full_dir)), dict(losses(cut_dir))
     for step in range(5, 13):
         assert cut[step] == full[step], step

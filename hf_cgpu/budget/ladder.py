@@ -57,6 +57,8 @@ def _halve_sequence(s: TrainSetup, tokens: int, floor: int) -> TrainSetup | None
 
 def _tier_rung(tier: str, words: str, advice: str) -> Rung:
     def lower(s: TrainSetup, tokens: int, floor: int) -> TrainSetup | None:
+        if s.optimizer == "muon":  # Muon has no 8-bit or adapter form
+            return None
         return dataclasses.replace(s, tier=tier) if TIERS.index(s.tier) < TIERS.index(tier) else None
 
     return Rung(tier, advice, lower, lambda before, after: f"{words} (--tier {tier})", grow_back=True)

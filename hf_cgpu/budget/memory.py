@@ -57,6 +57,9 @@ BF16 = 2
 # ---- model states (exact: dtype sizes and library behaviour) -----------------------------------------------------
 ADAM_STATE_BYTES = 2 * FP32
 """AdamW keeps m and v in fp32: 8 bytes per trainable parameter."""
+MUON_STATE_BYTES = FP32
+"""torch.optim.Muon keeps one fp32 momentum buffer per parameter (Newton-Schulz runs on a bf16 copy of one matrix
+at a time, inside the workspace)."""
 ADAM8BIT_STATE_BYTES = 2
 """bitsandbytes AdamW8bit keeps m and v in one byte each."""
 BNB_MIN_8BIT_SIZE = 4096
@@ -228,6 +231,11 @@ def model_state_bytes(shape: ModelShape, setup: TrainSetup) -> StateBytes:
     numels = [m for _, m, _ in tensors]
     if setup.tier == "adamw8bit":
         opt, opt_note = adamw8bit_state_bytes(numels), "AdamW8bit: 2 B/param (+absmax); fp32 for tensors < 4096"
+    elif setup.optimizer == "muon":
+        n_muon = shape.n_block_linear_params
+        opt = MUON_STATE_BYTES * n_muon + ADAM_STATE_BYTES * (n - n_muon)
+        opt_note = (f"Muon momentum fp32 4 B/param on the {fmt_count(n_muon)} block matrices, AdamW m, v 8 B/param "
+                    "on the rest")
     else:
         opt, opt_note = ADAM_STATE_BYTES * n, "AdamW m, v fp32: 8 B/param"
     cast = BF16 * (shape.n_matmul_params + sum(m for _, m, k in tensors if k == "bias"))
@@ -351,6 +359,8 @@ def layer_activation_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> fl
     attn = r.attn * (q + 2 * kv)
     if shape.family == "gptneox" and r.proj_out == r.attn:
         attn += r.attn * (q + kv)
+    if shape.family == "gpt" and (shape.qk_norm or not shape.n_positions):
+        attn += r.attn * (q + kv)  # cgpt rotary / qk_norm: fresh q, k while v keeps the fused qkv buffer alive
     attn += r.attn * q  # output
     if shape.attention == "eager":
         attn += (EAGER_SCORE_BYTES if r.attn == BF16 else FP32) * H * T

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MissingPathError, SettingsError
-from ..tiers import ADAPTER_TIERS, TIERS
+from ..tiers import ADAPTER_TIERS, OPTIMIZERS, TIERS
 
 FAMILIES = ("gpt", "gptneox", "llama")
 ATTENTIONS = ("sdpa", "eager")
@@ -93,6 +93,8 @@ class ModelShape:
     attention: str = "sdpa"
     """The config's attention implementation: sdpa (flash / memory-efficient kernels, no T x T scores) or eager
     (scores saved per head)."""
+    qk_norm: bool = False
+    """RMSNorm gains on each head's queries and keys (cgpt ``qk_norm``): 2 * head_size parameters per block."""
     name: str = ""
     max_positions: int = 0
     """Longest sequence the model takes (n_positions / max_position_embeddings); 0 = unknown."""
@@ -213,6 +215,8 @@ class ModelShape:
                 out.append((f"h.{i}.norm{j}.weight", d, "norm"))
                 if self.norm_bias:
                     out.append((f"h.{i}.norm{j}.bias", d, "norm"))
+            if self.qk_norm:
+                out += [(f"h.{i}.q_norm.weight", self.head_size, "norm"), (f"h.{i}.k_norm.weight", self.head_size, "norm")]
             for lin in self.linears():
                 out.append((f"h.{i}.{lin.name}.weight", lin.d_in * lin.d_out, "linear"))
                 if lin.bias:
@@ -286,9 +290,12 @@ def _shape_from_config(config: Any, name: str = "") -> ModelShape:
     if model_type in _GPT_TYPES or ("n_embd" in cfg and model_type not in _NEOX_TYPES):
         gpt2 = model_type == "gpt2"
         ff = cfg.get("n_inner") or int(round(float(cfg.get("mlp_ratio", 4)) * d))
+        rotary = cfg.get("position_embedding") == "rotary"  # cgpt: no position table
         return ModelShape(
-            **common, family="gpt", d_ff=int(ff), n_positions=int(pick("n_positions", "max_position_embeddings")),
+            **common, family="gpt", d_ff=int(ff),
+            n_positions=0 if rotary else int(pick("n_positions", "max_position_embeddings")),
             bias=bool(cfg.get("bias", gpt2)), tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            norm_bias=False if cfg.get("norm") == "rmsnorm" else None, qk_norm=bool(cfg.get("qk_norm", False)),
         )
     if model_type in _NEOX_TYPES:
         return ModelShape(
@@ -330,6 +337,9 @@ class TrainSetup:
     """Module names (qkv, q_proj, ...), roles (attn, mlp) or 'all-linear' (every block linear, not the head)."""
     loss_chunk_size: int = 1024
     """Tokens per checkpointed loss chunk (hf_cgpu's GPT and tiers); 0 = full logits."""
+    optimizer: str = "adamw"
+    """adamw (m, v fp32 for every weight) or muon (one fp32 momentum buffer for the 2-D block matrices, AdamW's two
+    for embeddings, head, norms and biases; tier full)."""
     compiled_loss: bool = False
     """The full-logits cross-entropy runs inside torch.compile: our GPT compiled whole (``--compile`` with
     ``--loss_chunk_size 0``), as in the H200 anchors of a nanoGPT-style whole-model compile."""
@@ -348,6 +358,10 @@ class TrainSetup:
         if not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 0:
             raise SettingsError(f"loss_chunk_size must be 0 (full logits) or a positive token count, "
                                 f"got {self.loss_chunk_size!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise SettingsError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        if self.optimizer == "muon" and self.tier != "full":
+            raise SettingsError(f"optimizer muon has no {self.tier} form; use --tier full or --optimizer adamw")
         if isinstance(self.lora_target_modules, str):
             object.__setattr__(self, "lora_target_modules", _targets(self.lora_target_modules))
 
@@ -373,7 +387,7 @@ class TrainSetup:
             }[(self.tier, self.stock_peft)]
             what = f"{self.tier} r={self.lora_r} on {','.join(self.lora_target_modules)} ({regime})"
         else:
-            opt = "AdamW8bit" if self.tier == "adamw8bit" else "AdamW"
+            opt = {"adamw8bit": "AdamW8bit"}.get(self.tier, "Muon + AdamW" if self.optimizer == "muon" else "AdamW")
             what = f"{self.tier} ({opt}, fp32 weights + bf16 autocast)"
         loss = f"loss in chunks of {self.loss_chunk_size} tokens" if self.loss_chunk_size else (
             "full logits, compiled loss" if self.compiled_loss else "full logits, eager loss")
@@ -411,5 +425,6 @@ class RunShape:
             seq_len=self.seq_len, micro_batch_size=settings.micro_batch_size,
             gradient_accumulation_steps=settings.gradient_accumulation_steps, tier=settings.tier,
             recompute=settings.recompute, lora_r=settings.lora_r, lora_target_modules=_targets(settings.lora_target_modules),
-            loss_chunk_size=self.loss_chunk_size, compiled_loss=compiled, **peer,
+            loss_chunk_size=self.loss_chunk_size, compiled_loss=compiled,
+            optimizer=getattr(settings, "optimizer", "adamw"), **peer,
         )

@@ -19,6 +19,10 @@ DATA_ORDERS = ("shifted", "random", "fixed")
 """How a language-model task cuts training windows from its token stream (``hf_cgpu.data.text.WindowOrder``)."""
 TIME_SAMPLINGS = ("uniform", "logit_normal")
 """Training-time distributions of flow matching (``hf_cgpu.flow.matching.FlowMatcher``)."""
+POSITION_EMBEDDINGS = ("learned", "rotary")
+ACTIVATIONS = ("gelu", "relu2")
+NORMS = ("layernorm", "rmsnorm")
+"""The choices of the GPT's modern options (as ``CgptConfig`` checks them; repeated here to keep torch unimported)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,18 @@ class GPTSettings:
     """Tokenizer vocabulary to train (ignored when --tokenizer is given: its size is used)."""
     loss_chunk_size: int = 1024
     """Tokens per chunk of the fp32 loss (0 = materialise all logits)."""
+    position_embedding: str = "learned"
+    """learned (GPT-2's position table) or rotary (RoPE on queries and keys, no table)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (position_embedding rotary)."""
+    qk_norm: bool = False
+    """RMSNorm of each head's queries and keys before attention (OLMo 2, modded-nanogpt)."""
+    activation: str = "gelu"
+    """MLP nonlinearity: gelu (GPT-2) or relu2 (ReLU squared, modded-nanogpt)."""
+    norm: str = "layernorm"
+    """Block and final norms: layernorm (GPT-2) or rmsnorm (no bias)."""
+    tie_word_embeddings: bool = True
+    """The LM head shares the token embedding (GPT-2); false gives the head its own matrix."""
     data_order: str = "shifted"
     """How training windows are cut from the token stream: shifted (a new random offset and order every epoch),
     random (nanoGPT: uniform random starts) or fixed (the same blocks every epoch; memorises a small corpus)."""
@@ -73,6 +89,15 @@ class GPTSettings:
             raise SettingsError("seq_len must be at least 2")
         if self.data_order not in DATA_ORDERS:
             raise SettingsError(f"data_order={self.data_order!r}; choose one of {', '.join(DATA_ORDERS)}")
+        for name, allowed in (("position_embedding", POSITION_EMBEDDINGS), ("activation", ACTIVATIONS),
+                              ("norm", NORMS)):
+            if getattr(self, name) not in allowed:
+                raise SettingsError(f"{name}={getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        if self.position_embedding == "rotary" and (self.n_embd // self.n_head) % 2:
+            raise SettingsError(f"rotary positions need an even head size (n_embd / n_head = "
+                                f"{self.n_embd // self.n_head}); change n_head or use --position_embedding learned")
+        if self.rope_theta <= 0:
+            raise SettingsError(f"rope_theta={self.rope_theta} must be > 0, e.g. 10000")
         if not 0.0 <= self.dropout < 1.0:
             raise SettingsError(f"dropout={self.dropout} must be in [0, 1); e.g. 0.1 for many epochs of a small corpus")
 
@@ -82,6 +107,8 @@ class GPTSettings:
             vocab_size=vocab_size, n_positions=self.seq_len, n_embd=self.n_embd, n_layer=self.n_layer,
             n_head=self.n_head, mlp_ratio=self.mlp_ratio, dropout=self.dropout, bias=self.bias,
             loss_chunk_size=self.loss_chunk_size, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
+            position_embedding=self.position_embedding, rope_theta=self.rope_theta, qk_norm=self.qk_norm,
+            activation=self.activation, norm=self.norm, tie_word_embeddings=self.tie_word_embeddings,
         )
 
     def model_config(self, vocab_size: int, eos_token_id: int) -> CgptConfig:

@@ -110,7 +110,9 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "hf_device_map", None):
         model = model.to(device)  # before the optimizer, so AdamW can be fused on CUDA
     optimizer = build_optimizer(model, s.tier, lr=s.learning_rate, weight_decay=s.weight_decay,
-                                betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps, paged=s.paged_optimizer)
+                                betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps, paged=s.paged_optimizer,
+                                optimizer=s.optimizer, muon_lr=s.muon_learning_rate, muon_momentum=s.muon_momentum,
+                                muon_weight_decay=s.muon_weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
     if accelerator.is_main_process:

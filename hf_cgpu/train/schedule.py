@@ -23,8 +23,9 @@ def lr_at(step: int, s) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group gets ``lr``; a group with ``lr_scale`` (Muon's: its peak over ``learning_rate``) that multiple."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -6,9 +6,15 @@ Kept free of any hf_cgpu import: ``save_pretrained`` copies this file next to th
 
 from transformers import PretrainedConfig
 
+POSITION_EMBEDDINGS = ("learned", "rotary")
+ACTIVATIONS = ("gelu", "relu2")
+NORMS = ("layernorm", "rmsnorm")
+
 
 class CgptConfig(PretrainedConfig):
     r"""GPT-2 style decoder: pre-norm blocks, learned positions, tied embeddings, optional biases.
+
+    The modern options below are off by default, so a config without them is the plain GPT-2 it always was.
 
     Args:
         vocab_size: tokens in the vocabulary (the tokenizer's ``len()``).
@@ -23,6 +29,12 @@ class CgptConfig(PretrainedConfig):
         initializer_range: std of the normal init; residual projections use ``std / sqrt(2 * n_layer)``.
         loss_chunk_size: tokens per chunk when the loss is computed from hidden states without building all fp32
             logits at once (0 = build full logits). Saves ~``B*T*V*4`` bytes (1 GB at 124M, micro-batch 8).
+        position_embedding: "learned" (GPT-2's position table ``wpe``) or "rotary" (RoPE on queries and keys, no
+            table; ``n_positions`` still bounds the sequence length).
+        rope_theta: base of the rotary frequencies (position_embedding "rotary").
+        qk_norm: RMSNorm of each head's queries and keys (before RoPE), as in OLMo 2 and modded-nanogpt.
+        activation: MLP nonlinearity, "gelu" (tanh approximation, GPT-2) or "relu2" (ReLU squared, modded-nanogpt).
+        norm: "layernorm" (GPT-2) or "rmsnorm" for the block and final norms (RMSNorm has no bias).
     """
 
     model_type = "cgpt"
@@ -52,6 +64,11 @@ class CgptConfig(PretrainedConfig):
         eos_token_id: int = 0,
         pad_token_id: int | None = None,
         tie_word_embeddings: bool = True,
+        position_embedding: str = "learned",
+        rope_theta: float = 10000.0,
+        qk_norm: bool = False,
+        activation: str = "gelu",
+        norm: str = "layernorm",
         **kwargs,
     ):
         if n_embd % n_head != 0:
@@ -59,6 +76,15 @@ class CgptConfig(PretrainedConfig):
                 f"n_embd={n_embd} is not divisible by n_head={n_head}; pick n_head among "
                 f"{[h for h in range(1, 65) if n_embd % h == 0]}"
             )
+        for name, value, allowed in (
+            ("position_embedding", position_embedding, POSITION_EMBEDDINGS),
+            ("activation", activation, ACTIVATIONS),
+            ("norm", norm, NORMS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r}; choose one of {', '.join(allowed)}")
+        if position_embedding == "rotary" and (n_embd // n_head) % 2:
+            raise ValueError(f"rotary positions need an even head size, got {n_embd // n_head}; change n_head")
         self.vocab_size = vocab_size
         self.n_positions = n_positions
         self.n_embd = n_embd
@@ -71,6 +97,11 @@ class CgptConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.loss_chunk_size = loss_chunk_size
         self.use_cache = use_cache
+        self.position_embedding = position_embedding
+        self.rope_theta = float(rope_theta)
+        self.qk_norm = qk_norm
+        self.activation = activation
+        self.norm = norm
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,

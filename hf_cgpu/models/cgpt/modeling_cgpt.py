@@ -14,6 +14,11 @@ Follows the conventions of transformers' own decoders (GPT-2, Llama):
   returns tuples (``can_return_tuple``).
 - no Python branch on tensor values, so ``torch.export`` and ``torch.compile(fullgraph=True)`` trace it.
 
+Modern options, all off by default (``CgptConfig``): rotary positions (``position_embedding="rotary"``, Llama's
+rotate-half form, angles from ``position_ids`` so caches, left padding and packed sequences work as with the table),
+RMSNorm of queries and keys per head (``qk_norm``), ReLU squared (``activation="relu2"``), RMSNorm blocks
+(``norm="rmsnorm"``).
+
 Kept from before, better than upstream: the chunked fp32 loss (``loss_chunk_size``) that never builds all the logits.
 In eval mode a call with labels returns logits too (Trainer's evaluation reads them); training builds none.
 
@@ -98,6 +103,35 @@ def chunked_cross_entropy(
     return total / denominator
 
 
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin of the rotary angles ``position * theta ** (-2i / head_dim)``, each (B|1, T, head_dim)."""
+    exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+    freqs = position_ids.to(torch.float32)[..., None] / theta**exponent  # (B|1, T, head_dim / 2)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs ``(x[i], x[i + hs/2])`` of x (B, nh, T, hs) by the angles of cos, sin (B|1, T, hs), in fp32."""
+    cos, sin = cos[:, None], sin[:, None]
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+class ReLUSquared(nn.Module):
+    """relu(x)^2 (Primer; modded-nanogpt's MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x).square()
+
+
+def make_norm(config: CgptConfig, dim: int) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=config.layer_norm_epsilon)
+    return nn.LayerNorm(dim, eps=config.layer_norm_epsilon, bias=config.bias)
+
+
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -132,6 +166,9 @@ class CgptAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.proj.is_residual_projection = True  # read by _init_weights (a flag: parents are not visited)
         self.resid_dropout = nn.Dropout(config.dropout)
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.layer_norm_epsilon)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=config.layer_norm_epsilon)
 
     def forward(
         self,
@@ -139,11 +176,19 @@ class CgptAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         output_attentions: bool = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, C = hidden_states.shape
         q, k, v = self.qkv(hidden_states).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if self.config.qk_norm:  # in the gains' dtype: fp32 under autocast, as autocast runs the LayerNorms
+            dtype = self.q_norm.weight.dtype
+            q, k = self.q_norm(q.to(dtype)), self.k_norm(k.to(dtype))
+        if position_embeddings is not None:  # rotary: the cache stores rotated keys
+            cos, sin = position_embeddings
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = q.to(v.dtype), k.to(v.dtype)  # back to the projection's dtype (bf16 under autocast)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, nh, past + T, hs), or the static cache's full length
 
@@ -167,7 +212,7 @@ class CgptMLP(nn.Module):
     def __init__(self, config: CgptConfig):
         super().__init__()
         self.fc = nn.Linear(config.n_embd, config.mlp_ratio * config.n_embd, bias=config.bias)
-        self.act = nn.GELU(approximate="tanh")
+        self.act = ReLUSquared() if config.activation == "relu2" else nn.GELU(approximate="tanh")
         self.fc_out = nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd, bias=config.bias)
         self.fc_out.is_residual_projection = True
         self.dropout = nn.Dropout(config.dropout)
@@ -181,9 +226,9 @@ class CgptBlock(GradientCheckpointingLayer):
 
     def __init__(self, config: CgptConfig, layer_idx: int):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.ln_1 = make_norm(config, config.n_embd)
         self.attn = CgptAttention(config, layer_idx)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.ln_2 = make_norm(config, config.n_embd)
         self.mlp = CgptMLP(config)
 
     def forward(
@@ -191,9 +236,11 @@ class CgptBlock(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        attn_output, _ = self.attn(self.ln_1(hidden_states), attention_mask, cache=cache, **kwargs)
+        attn_output, _ = self.attn(self.ln_1(hidden_states), attention_mask, cache=cache,
+                                   position_embeddings=position_embeddings, **kwargs)
         hidden_states = hidden_states + attn_output
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
@@ -227,16 +274,19 @@ class CgptPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
             if module.bias is not None:
                 init.zeros_(module.bias)
+        elif isinstance(module, nn.RMSNorm):
+            init.ones_(module.weight)
 
 
 class CgptModel(CgptPreTrainedModel):
     def __init__(self, config: CgptConfig):
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        # GPT-2's learned position table; rotary positions have none (angles computed in forward)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd) if config.position_embedding == "learned" else None
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList([CgptBlock(config, i) for i in range(config.n_layer)])
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.ln_f = make_norm(config, config.n_embd)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -310,10 +360,17 @@ class CgptModel(CgptPreTrainedModel):
                 position_ids = (torch.arange(T, device=inputs_embeds.device) + past)[None]
 
         kwargs.pop("output_hidden_states", None)  # recorded by capture_outputs
-        hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
+        position_embeddings = None
+        if self.wpe is not None:
+            hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
+        else:
+            hidden_states = self.drop(inputs_embeds)
+            position_embeddings = rotary_cos_sin(position_ids, self.config.n_embd // self.config.n_head,
+                                                 self.config.rope_theta)
         for block in self.h:
             hidden_states = block(
-                hidden_states, causal_mask, cache=cache, output_attentions=output_attentions, **kwargs
+                hidden_states, causal_mask, cache=cache, output_attentions=output_attentions,
+                position_embeddings=position_embeddings, **kwargs
             )
         hidden_states = self.ln_f(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache})
@@ -418,4 +475,4 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["CgptForCausalLM", "CgptModel", "CgptPreTrainedModel", "chunked_cross_entropy"]
+__all__ = ["CgptForCausalLM", "CgptModel", "CgptPreTrainedModel", "apply_rotary", "chunked_cross_entropy", "rotary_cos_sin"]

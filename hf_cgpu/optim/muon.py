@@ -1,0 +1,96 @@
+"""Muon (``torch.optim.Muon``) on the 2-D hidden weight matrices, AdamW on embeddings, head, norms and biases.
+
+Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/) replaces each update of a weight matrix by the
+orthogonalised Nesterov momentum: 5 steps of the quintic Newton-Schulz iteration with coefficients
+(3.4445, -4.7750, 2.0315) in bf16, scaled by ``max(1, rows / cols) ** 0.5``. torch ships exactly that as
+``torch.optim.Muon`` (``adjust_lr_fn="original"``); this module only decides which parameters it gets and wraps it
+with ``torch.optim.AdamW`` into one optimizer, so the loop, accelerate and the checkpoints see a single
+``param_groups`` / ``state_dict`` and a resumed run continues exactly.
+
+Learning rates: every group carries ``lr_scale`` (its peak lr over the run's ``learning_rate``); the schedule
+(``hf_cgpu.train.schedule.set_lr``) sets ``lr = schedule * lr_scale`` for such groups, so Muon's peak is
+``muon_learning_rate`` and the AdamW groups get the schedule's value unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _output_weights(model: nn.Module) -> set[int]:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return {id(head.weight)} if head is not None and getattr(head, "weight", None) is not None else set()
+
+
+def is_muon_param(model: nn.Module) -> dict[int, bool]:
+    """By parameter id: True for 2-D weights of hidden layers (not an ``nn.Embedding``, not the output head)."""
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    outside = embeddings | _output_weights(model)
+    return {id(p): p.ndim == 2 and id(p) not in outside for p in model.parameters()}
+
+
+def muon_param_groups(
+    model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], lr: float, weight_decay: float, muon_lr: float,
+    muon_momentum: float, muon_weight_decay: float,
+) -> list[dict[str, Any]]:
+    """Three groups of the trainable ``named`` parameters: Muon matrices, AdamW decayed (other >= 2-D weights:
+    embeddings, an untied head), AdamW not decayed (norms, biases, 1-D tensors). Empty groups are dropped."""
+    muon = is_muon_param(model)
+    named = list(named)
+    groups = [
+        {"params": [p for _, p in named if muon.get(id(p), False)], "use_muon": True, "lr": muon_lr,
+         "lr_scale": muon_lr / lr, "momentum": muon_momentum, "weight_decay": muon_weight_decay},
+        {"params": [p for _, p in named if not muon.get(id(p), False) and p.ndim >= 2], "use_muon": False,
+         "weight_decay": weight_decay},
+        {"params": [p for _, p in named if not muon.get(id(p), False) and p.ndim < 2], "use_muon": False,
+         "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """One optimizer over groups marked ``use_muon``: those step with ``torch.optim.Muon`` (Nesterov, 5
+    Newton-Schulz steps), the others with ``torch.optim.AdamW``.
+
+    Both inner optimizers hold the very group dicts of ``param_groups`` and share ``state``, so ``set_lr``,
+    ``state_dict`` and ``load_state_dict`` (accelerate's ``save_state`` / ``load_state``) act on both.
+    """
+
+    def __init__(self, groups: list[dict[str, Any]], lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.1, momentum: float = 0.95, fused: bool = False):
+        groups = [dict(g) for g in groups]
+        muon = [g for g in groups if g.get("use_muon")]
+        adamw = [g for g in groups if not g.get("use_muon")]
+        self._muon = torch.optim.Muon(muon, lr=lr, momentum=momentum, nesterov=True, weight_decay=0.0,
+                                      adjust_lr_fn="original") if muon else None
+        self._adamw = torch.optim.AdamW(adamw, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                        fused=fused) if adamw else None
+        super().__init__(muon + adamw, {})
+        self._link()
+
+    def _link(self) -> None:
+        """Point the inner optimizers at this one's groups and state (after construction and after a load)."""
+        for inner, use_muon in ((self._muon, True), (self._adamw, False)):
+            if inner is not None:
+                inner.param_groups = [g for g in self.param_groups if bool(g.get("use_muon")) == use_muon]
+                inner.state = self.state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for inner in (self._muon, self._adamw):
+            if inner is not None:
+                inner.step()
+        return loss

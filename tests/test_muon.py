@@ -1,0 +1,110 @@
+"""Muon on the hidden matrices + AdamW on the rest (hf_cgpu.optim): the update, the grouping, the schedule, state."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_cgpu.errors import SettingsError
+from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
+from hf_cgpu.optim import MuonWithAdamW
+from hf_cgpu.settings import TrainSettings
+from hf_cgpu.tiers import build_optimizer
+from hf_cgpu.train.schedule import set_lr
+
+
+def _gpt(**kw):
+    torch.manual_seed(0)
+    base = dict(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, loss_chunk_size=0)
+    return CgptForCausalLM(CgptConfig(**{**base, **kw}))
+
+
+def _muon_step_delta(shape, lr=0.1):
+    """What one Muon step (momentum 0, so the update is NS(grad)) subtracts from a matrix of ``shape``, over lr."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(*shape))
+    opt = MuonWithAdamW([{"params": [w], "use_muon": True, "lr": lr, "lr_scale": 1.0, "momentum": 0.0,
+                          "weight_decay": 0.0}], lr=lr)
+    before = w.detach().clone()
+    w.grad = torch.randn(*shape)
+    opt.step()
+    return (before - w.detach()) / lr
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (32, 96), (96, 32)])
+def test_newton_schulz_update_is_nearly_orthogonal_and_scaled_by_aspect(shape):
+    delta = _muon_step_delta(shape)
+    scale = max(1.0, shape[0] / shape[1]) ** 0.5  # Keller Jordan's max(1, rows/cols)^0.5
+    sv = torch.linalg.svdvals(delta / scale)
+    # the quintic (3.4445, -4.7750, 2.0315) in bf16 aims at ~Uniform(0.5, 1.5), not exactly 1
+    assert sv.min() > 0.6 and sv.max() < 1.3, sv
+    assert abs(sv.mean().item() - 1.0) < 0.25, sv.mean()
+
+
+def test_grouping_puts_block_matrices_on_muon_and_the_rest_on_adamw():
+    for tie in (True, False):
+        model = _gpt(tie_word_embeddings=tie, position_embedding="rotary", qk_norm=True)
+        opt = build_optimizer(model, "full", lr=1e-3, optimizer="muon", muon_lr=0.02)
+        names = {id(p): n for n, p in model.named_parameters()}
+        muon = sorted(names[id(p)] for g in opt.param_groups if g["use_muon"] for p in g["params"])
+        want = sorted(n for n, p in model.named_parameters() if ".h." in n and p.ndim == 2)
+        assert muon == want and all(n.endswith(("qkv.weight", "proj.weight", "fc.weight", "fc_out.weight"))
+                                    for n in muon)
+        adam = {names[id(p)] for g in opt.param_groups if not g["use_muon"] for p in g["params"]}
+        assert "transformer.wte.weight" in adam and ("lm_head.weight" in adam) == (not tie)
+        assert len(muon) + len(adam) == len(names)
+
+
+def test_schedule_scales_muon_by_its_ratio_and_leaves_adamw_exact():
+    model = _gpt()
+    opt = build_optimizer(model, "full", lr=1e-3, optimizer="muon", muon_lr=0.02)
+    set_lr(opt, 3e-4)
+    for g in opt.param_groups:
+        assert g["lr"] == (pytest.approx(6e-3, rel=1e-12) if g["use_muon"] else 3e-4)
+    plain = build_optimizer(_gpt(), "full", lr=1e-3)
+    assert type(plain) is torch.optim.AdamW and all("lr_scale" not in g for g in plain.param_groups)
+    set_lr(plain, 3e-4)
+    assert all(g["lr"] == 3e-4 for g in plain.param_groups)
+
+
+def _train(model, opt, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, 97, (2, 16), generator=g)
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_state_dict_round_trip_continues_exactly():
+    model = _gpt(position_embedding="rotary", qk_norm=True, activation="relu2")
+    opt = build_optimizer(model, "full", lr=1e-3, optimizer="muon")
+    _train(model, opt, 3)
+    state = copy.deepcopy(opt.state_dict())
+    assert any("momentum_buffer" in s for s in state["state"].values())  # Muon's
+    assert any("exp_avg_sq" in s for s in state["state"].values())  # AdamW's
+    twin = copy.deepcopy(model)
+    twin_opt = build_optimizer(twin, "full", lr=1e-3, optimizer="muon")
+    twin_opt.load_state_dict(state)
+    _train(model, opt, 3, seed=2)
+    _train(twin, twin_opt, 3, seed=2)
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_muon_needs_the_full_tier():
+    with pytest.raises(SettingsError, match="use --tier full or --optimizer adamw"):
+        TrainSettings(optimizer="muon", tier="lora")
+    with pytest.raises(SettingsError, match="choose one of adamw, muon"):
+        TrainSettings(optimizer="sgd")
+    with pytest.raises(SettingsError, match="use --tier full or --optimizer adamw"):
+        build_optimizer(_gpt(), "adamw8bit", lr=1e-3, optimizer="muon")
+
+
+def test_the_ledger_ladder_never_lowers_a_muon_run_to_an_8bit_or_adapter_tier():
+    from hf_cgpu.budget.ladder import LADDER
+    from hf_cgpu.budget.shape import TrainSetup
+
+    tiers = [r for r in LADDER if r.key in ("adamw8bit", "lora", "qlora")]
+    assert tiers and all(r.lower(TrainSetup(optimizer="muon"), 8192, 1) is None for r in tiers)
+    assert tiers[0].lower(TrainSetup(), 8192, 1).tier == "adamw8bit"
