@@ -170,7 +170,8 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
                 if saved is None:
                     checkpointer.wait()
                     raise TrainingStopped(diverged(step, lr, checkpointer.good))
-                if pusher is not None:
+                if pusher is not None and pusher.strategy == "checkpoint":
+                    checkpointer.wait()  # the upload reads step_N, which exists once sealed (in the background)
                     pusher.checkpoint(saved, step)
             signalled, out_of_time = stopping.poll(acc)
             if out_of_time:
