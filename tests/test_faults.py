@@ -682,6 +682,23 @@ def test_a_kill_while_the_tokenizer_is_saved_leaves_no_broken_tokenizer(tmp_path
     assert len(tok) == len(again) and (out / "tokenizer" / "tokenizer_config.json").stat().st_size > 0
 
 
+def test_a_damaged_saved_tokenizer_is_one_line_at_resume_and_retrained_otherwise(tmp_path):
+    from hf_cgpu.data.text import load_text_dataset
+    from hf_cgpu.errors import CheckpointError
+    from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
+
+    task = CausalLMTask(GPTSettings(vocab_size=300, tokenizer_train_docs=20))
+    ds = load_text_dataset("builtin")
+    out = tmp_path / "run"
+    out.mkdir()
+    first = task._tokenizer(ds, out, resume=False)
+    (out / "tokenizer" / "tokenizer_config.json").write_bytes(b"")  # damaged on disk (the 0-byte file)
+    with pytest.raises(CheckpointError, match="tokenizer this run trained .* cannot be read"):
+        task._tokenizer(ds, out, resume=True)
+    again = task._tokenizer(ds, out, resume=False)  # no checkpoint depends on it yet: trained and saved anew
+    assert len(again) == len(first) and (out / "tokenizer" / "tokenizer_config.json").stat().st_size > 0
+
+
 # ---------------------------------------------------------------------------------------------------- bad data
 
 
