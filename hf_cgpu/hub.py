@@ -96,19 +96,20 @@ def check_dataset(spec: str | None, builtin: str = "builtin") -> None:
 
 
 def template_dir() -> Traversable:
-    """Directory holding ``gpt.md``, ``flow.md`` and ``lora.md``: ``$HF_CGPU_MODEL_CARDS`` if set, else the package
-    ``hf_cgpu.model_cards`` through ``importlib.resources`` (a wheel or an editable install maps the top-level
-    ``model_cards/`` folder to it, see setup.py), else ``<checkout>/model_cards`` (the source tree on sys.path)."""
+    """Directory holding ``gpt.md``, ``flow.md`` and ``lora.md``: ``$HF_CGPU_MODEL_CARDS`` if set, else
+    ``<checkout>/model_cards`` when this hf_cgpu runs from a source checkout (its own templates, also when another
+    checkout is installed editable), else the package ``hf_cgpu.model_cards`` through ``importlib.resources`` (a
+    wheel or an editable install maps the top-level ``model_cards/`` folder to it, see setup.py)."""
     candidates = []
     if os.environ.get("HF_CGPU_MODEL_CARDS"):
         candidates.append(Path(os.environ["HF_CGPU_MODEL_CARDS"]).expanduser())
+    candidates.append(Path(__file__).resolve().parent.parent / "model_cards")  # absent in a wheel's site-packages
     try:
         from importlib.resources import files
 
         candidates.append(files("hf_cgpu.model_cards"))
     except (ModuleNotFoundError, TypeError):  # a source checkout: the mapping exists only once installed
         pass
-    candidates.append(Path(__file__).resolve().parent.parent / "model_cards")
     for directory in candidates:
         if (directory / "gpt.md").is_file():
             return directory

@@ -682,6 +682,59 @@ def test_a_kill_while_the_tokenizer_is_saved_leaves_no_broken_tokenizer(tmp_path
     assert len(tok) == len(again) and (out / "tokenizer" / "tokenizer_config.json").stat().st_size > 0
 
 
+def test_a_damaged_saved_tokenizer_is_one_line_at_resume_and_retrained_otherwise(tmp_path):
+    from hf_cgpu.data.text import load_text_dataset
+    from hf_cgpu.errors import CheckpointError
+    from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
+
+    task = CausalLMTask(GPTSettings(vocab_size=300, tokenizer_train_docs=20))
+    ds = load_text_dataset("builtin")
+    out = tmp_path / "run"
+    out.mkdir()
+    first = task._tokenizer(ds, out, resume=False)
+    (out / "tokenizer" / "tokenizer_config.json").write_bytes(b"")  # damaged on disk (the issue's 0-byte file)
+    with pytest.raises(CheckpointError, match="tokenizer this run trained .* cannot be read"):
+        task._tokenizer(ds, out, resume=True)
+    again = task._tokenizer(ds, out, resume=False)  # no checkpoint depends on it yet: trained and saved anew
+    assert len(again) == len(first) and (out / "tokenizer" / "tokenizer_config.json").stat().st_size > 0
+
+
+def test_a_failed_sample_grid_save_leaves_the_previous_grid_whole(tmp_path, monkeypatch):
+    """The grid the card shows (and the push uploads) is written atomically: a full disk (or a kill) half way
+    through a save leaves the earlier grid of that step as it was and no partial file in view."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from PIL import Image
+
+    from hf_cgpu.tasks.flow_images import FlowMatchingTask
+
+    class Pipe:
+        def set_progress_bar_config(self, **kwargs):
+            pass
+
+        def __call__(self, batch_size, **kwargs):
+            return SimpleNamespace(images=np.full((batch_size, 4, 4, 3), 0.5, dtype=np.float32))
+
+    task = FlowMatchingTask.__new__(FlowMatchingTask)
+    task.cfg, task.images, task.show_progress = SimpleNamespace(sample_steps=1, guidance_scale=1.0), torch.zeros(1), False
+    monkeypatch.setattr(task, "pipeline", lambda model: Pipe())
+    model = SimpleNamespace(config=SimpleNamespace(num_classes=0))
+    task.on_evaluate(model, 5, tmp_path)
+    grid = tmp_path / "samples" / "step_0000005.png"
+    whole = grid.read_bytes()
+
+    def dies_half_way(self, fp, *args, **kwargs):
+        Path(fp).write_bytes(whole[:20])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Image.Image, "save", dies_half_way)
+    with pytest.raises(OSError):
+        task.on_evaluate(model, 5, tmp_path)
+    assert grid.read_bytes() == whole
+    assert [p.name for p in grid.parent.iterdir() if not p.name.startswith(".")] == [grid.name]
+
+
 # ---------------------------------------------------------------------------------------------------- bad data
 
 

@@ -5,6 +5,7 @@ dependencies from this interpreter's site-packages), and train from it outside t
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
 import venv
@@ -26,6 +27,19 @@ def wheel(tmp_path_factory) -> Path:
     return next(out.glob("hf_cgpu-*.whl"))
 
 
+def see_the_dependencies(py: Path, env: dict[str, str]) -> None:
+    """The fresh venv finds the dependencies where this interpreter has them. ``system_site_packages`` gives it the
+    base interpreter's site-packages only: when the suite itself runs in a virtual environment (the README's install
+    into a venv), they are in that venv's site-packages, which a ``.pth`` line then adds after the fresh venv's own
+    (listed directories are not scanned for ``.pth`` files, so an editable hf_cgpu there stays out)."""
+    if sys.prefix == sys.base_prefix:
+        return
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    outer = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    (Path(purelib) / "_outer_site_packages.pth").write_text("\n".join(outer) + "\n")
+
+
 def test_wheel_holds_every_subpackage_and_data_file(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     source = {p.relative_to(REPO).as_posix() for p in (REPO / "hf_cgpu").rglob("*")
@@ -42,6 +56,7 @@ def test_installed_wheel_trains_outside_the_checkout(wheel, tmp_path):
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
     py = env_dir / "bin" / "python"
     env = {**os.environ, "PYTHONPATH": "", "TOKENIZERS_PARALLELISM": "false", "HF_CGPU_CACHE": str(tmp_path / "c")}
+    see_the_dependencies(py, env)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
                    check=True, env=env)
     bin_ = env_dir / "bin"

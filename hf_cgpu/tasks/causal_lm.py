@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..budget.shape import ModelShape, RunShape
-from ..errors import SettingsError
+from ..errors import CheckpointError, SettingsError
 from ..models.cgpt import CgptConfig, CgptForCausalLM
 from ..settings import TrainSettings
 from ..train import TaskPlan
@@ -114,7 +114,16 @@ class CausalLMTask(PackedTokensTask):
             except (OSError, ValueError):
                 made_from = None
             if resume or made_from == key:  # resume: the same ids as the checkpoint (its fingerprint checks them)
-                return AutoTokenizer.from_pretrained(str(saved))
+                try:
+                    return AutoTokenizer.from_pretrained(str(saved))
+                except Exception as err:  # a file damaged on disk or by hand (json and tokenizers errors alike)
+                    if resume:
+                        why = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+                        raise CheckpointError(
+                            f"the tokenizer this run trained ({saved}) cannot be read ({why}); the checkpoints' "
+                            "token ids need it: copy the tokenizer files back from the model folder or best/, or "
+                            "start a fresh --output_dir") from None
+                    # not resuming: nothing depends on it yet, so a new one is trained (and saved atomically)
         train = ds["train"]
         if len(train) > cfg.tokenizer_train_docs:
             train = train.shuffle(seed=0).select(range(cfg.tokenizer_train_docs))

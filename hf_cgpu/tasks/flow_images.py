@@ -13,6 +13,7 @@ import torch
 
 from ..flow.sample import image_grid
 from ..errors import SettingsError
+from ..integrity import atomic_output
 from ..settings import TrainSettings
 from ..train import Task, TaskPlan
 from ..train.metrics import counted_training_flops
@@ -144,8 +145,8 @@ class FlowMatchingTask(Task):
                    generator=gen, class_labels=labels, guidance_scale=self.cfg.guidance_scale if n_classes else 1.0,
                    output_type="np")
         path = output_dir / "samples" / f"step_{step:07d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        image_grid(out.images, rows).save(path)
+        with atomic_output(path) as tmp:  # the card shows it and the push uploads it: never half a PNG
+            image_grid(out.images, rows).save(tmp, format="PNG")
         self.last_grid = path
 
     def on_saved(self, model, output_dir: Path, log=print) -> dict[str, Any]:
