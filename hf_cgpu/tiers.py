@@ -246,20 +246,21 @@ def _transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def apply_compile(model: nn.Module, enabled: bool, mode: str | None = None) -> nn.Module:
+def apply_compile(model: nn.Module, enabled: bool, mode: str | None = None, backend: str = "inductor") -> nn.Module:
     """`torch.compile(dynamic=False)` in place (`Module.compile`): parameter names keep no `_orig_mod.` prefix.
 
     A plain model is compiled whole, so the head and the loss fuse with the blocks: on an H200 the 124M GPT ran
     482k tok/s compiled whole against 339k with only its blocks compiled (benchmarks/RESULTS.md). An adapter
     (peft) model compiles each transformer block instead: peft's wrappers and `causal_lm_loss_from_hidden`,
     which calls the backbone directly, then still run compiled code. Identical blocks share one graph.
-    `dynamic=False` because a second shape would compile a dynamic graph (docs/gpu.md).
+    `dynamic=False` because a second shape would compile a dynamic graph (docs/gpu.md). `backend` is inductor but
+    for tests ("eager" and "aot_eager" trace with dynamo's guards, so recompiles are the same, without codegen).
     """
     if not enabled:
         return model
     blocks = _transformer_blocks(model) if hasattr(model, "peft_config") else []
     for block in blocks or [model]:
-        block.compile(dynamic=False, mode=mode)
+        block.compile(dynamic=False, mode=mode, backend=backend)
     return model
 
 
@@ -353,6 +354,7 @@ def apply_tiers(
     lora_dropout: float = 0.0,
     target_modules: list[str] | str | None = None,
     compile_mode: str | None = None,
+    compile_backend: str = "inductor",
 ) -> nn.Module:
     """Apply the tiers in the one fixed order: adapters -> recompute -> compile (accelerate: the loop).
 
@@ -366,7 +368,7 @@ def apply_tiers(
         model = apply_lora(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout, target_modules=target_modules)
     if recompute:
         model = apply_recompute(model)
-    model = apply_compile(model, compile, mode=compile_mode)
+    model = apply_compile(model, compile, mode=compile_mode, backend=compile_backend)
     model.train()
     return model
 
