@@ -106,7 +106,7 @@ class LiveBytes:
             del self.refs[key]
 
 
-def measure(a, mode: str, device: torch.device) -> dict:
+def measure(a, mode: str, device: torch.device, interleave: bool = False):
     from hf_cgpu.tiers import causal_lm_loss_from_hidden, unwrap_model
 
     model = build(a.shape, a.tier, mode, device)
@@ -150,18 +150,27 @@ def measure(a, mode: str, device: torch.device) -> dict:
     calls = {ph: {n: counts[(ph, n)] for n in watched if counts[(ph, n)]} for ph in ("forward", "backward")}
     for _ in range(a.warmup):
         step()
-    times = []
-    for _ in range(a.steps):
+
+    def timed() -> float:
         sync()
         t0 = time.perf_counter()
         step()
         sync()
-        times.append(time.perf_counter() - t0)
-    tokens = a.batch * a.seq
-    med = statistics.median(times)
-    return {"mode": mode, "median_s_per_step": med, "tok_per_s": tokens / med, "times": [round(t, 4) for t in times],
-            **probe, "calls": calls,
-            "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+        return time.perf_counter() - t0
+
+    row = {"mode": mode, **probe, "calls": calls, "times": []}
+    if interleave:
+        return row, timed
+    row["times"] = [timed() for _ in range(a.steps)]
+    row["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return row, None
+
+
+def finish(row: dict, tokens: int) -> dict:
+    med = statistics.median(row["times"])
+    row.update(median_s_per_step=med, tok_per_s=tokens / med, times=[round(t, 4) for t in row["times"]])
+    row.setdefault("peak_alloc_gib", None)
+    return row
 
 
 def _null():
@@ -180,16 +189,27 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--modes", default="off,full,selective")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
+    p.add_argument("--interleave", type=lambda v: v == "true", default=None,
+                   help="true: time the modes round-robin, one step each (default on the CPU); false: one after "
+                        "another (default on CUDA, where each mode's peak memory is measured alone)")
     p.add_argument("--json", default="")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = []
+    interleave = a.interleave if a.interleave is not None else device.type == "cpu"
+    rows, steps = [], []
     for mode in a.modes.split(","):
-        rows.append(measure(a, mode, device))
-        if device.type == "cuda":
+        row, step = measure(a, mode, device, interleave)
+        rows.append(row)
+        steps.append(step)
+        if device.type == "cuda" and not interleave:
             torch.cuda.empty_cache()
+    if interleave:  # round-robin over the modes: a load change on a shared machine hits every mode alike
+        for _ in range(a.steps):
+            for row, step in zip(rows, steps):
+                row["times"].append(step())
+    rows = [finish(r, a.batch * a.seq) for r in rows]
     base = next((r for r in rows if r["mode"] == "off"), rows[0])
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads; " \
                                                                        "ratios indicative only)"
