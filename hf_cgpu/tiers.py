@@ -204,16 +204,72 @@ def apply_lora(
     return peft_model
 
 
-def apply_recompute(model: nn.Module) -> nn.Module:
+RECOMPUTE_POLICIES = ("full", "selective")
+"""How much of each checkpointed block the backward recomputes: ``full`` everything (one more forward, the least
+memory), ``selective`` only what is cheap (norms, activations, rotary, casts, the low-rank LoRA up-projections):
+the outputs of the block's matmuls and of attention are kept."""
+
+
+def _attention_ops() -> set:
+    import torch
+
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_flash_attention_forward", "_efficient_attention_forward")
+    return {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+
+def selective_recompute_policy(ctx, op, *args, **kwargs):
+    """Selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): keep the
+    outputs of attention and of every matmul but a low-rank up-projection (a LoRA B: inner dimension at most an eighth
+    of the output's, where an MLP's up-projection is 4x at most; its input is the tiny A output), recompute the rest.
+
+    For a LoRA step the backward needs no input of a frozen matmul (dX = dY W), so a full recompute is one more
+    forward on top of a backward of about one forward: +50% by FLOPs. Kept matmul outputs make the replay skip every
+    large matmul and attention, so the backward pays only the memory-bound ops again."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    if op in _ATTENTION:
+        return CheckpointPolicy.MUST_SAVE
+    if op in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+        a, b = (args[1], args[2]) if op is aten.addmm.default else (args[0], args[1])
+        inner, out = a.shape[-1], b.shape[-1]
+        return CheckpointPolicy.PREFER_RECOMPUTE if 8 * inner <= out else CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_ATTENTION: set = set()
+
+
+def _checkpoint_kwargs(policy: str) -> dict[str, Any]:
+    if policy not in RECOMPUTE_POLICIES:
+        raise SettingsError(f"unknown recompute policy {policy!r}: choose one of {', '.join(RECOMPUTE_POLICIES)}")
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if policy == "selective":
+        import functools
+
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        _ATTENTION.update(_attention_ops())
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_recompute_policy)
+    return kwargs
+
+
+def apply_recompute(model: nn.Module, policy: str = "full") -> nn.Module:
     """Checkpoint every block (non-reentrant) through transformers' own mechanism; cache off.
 
+    ``policy`` (``RECOMPUTE_POLICIES``): ``full`` recomputes each block once in the backward, ``selective`` keeps the
+    matmul and attention outputs and recomputes the rest (``selective_recompute_policy``).
     Non-reentrant checkpointing needs no input that requires grad and supports autocast state and
-    keyword arguments; we still enable input grads on the embeddings, which costs one b x s x d
+    keyword arguments; transformers still enables input grads on the embeddings, which costs one b x s x d
     tensor and keeps reentrant-style custom layers working. Transformers only checkpoints in
     training mode and `from_pretrained` returns eval mode, so the model is put in training mode here:
     otherwise checkpointing is silently a no-op.
     """
-    kwargs = {"use_reentrant": False}
+    kwargs = _checkpoint_kwargs(policy)
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     elif hasattr(model, "gradient_checkpointing_enable"):
@@ -248,20 +304,21 @@ def _transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def apply_compile(model: nn.Module, enabled: bool, mode: str | None = None) -> nn.Module:
+def apply_compile(model: nn.Module, enabled: bool, mode: str | None = None, backend: str = "inductor") -> nn.Module:
     """`torch.compile(dynamic=False)` in place (`Module.compile`): parameter names keep no `_orig_mod.` prefix.
 
     A plain model is compiled whole, so the head and the loss fuse with the blocks: on an H200 the 124M GPT ran
     482k tok/s compiled whole against 339k with only its blocks compiled (benchmarks/RESULTS.md). An adapter
     (peft) model compiles each transformer block instead: peft's wrappers and `causal_lm_loss_from_hidden`,
     which calls the backbone directly, then still run compiled code. Identical blocks share one graph.
-    `dynamic=False` because a second shape would compile a dynamic graph (docs/gpu.md).
+    `dynamic=False` because a second shape would compile a dynamic graph (docs/gpu.md). `backend` is inductor but
+    for tests ("eager" and "aot_eager" trace with dynamo's guards, so recompiles are the same, without codegen).
     """
     if not enabled:
         return model
     blocks = _transformer_blocks(model) if hasattr(model, "peft_config") else []
     for block in blocks or [model]:
-        block.compile(dynamic=False, mode=mode)
+        block.compile(dynamic=False, mode=mode, backend=backend)
     return model
 
 
@@ -372,6 +429,8 @@ def apply_tiers(
     lora_dropout: float = 0.0,
     target_modules: list[str] | str | None = None,
     compile_mode: str | None = None,
+    compile_backend: str = "inductor",
+    recompute_policy: str = "full",
 ) -> nn.Module:
     """Apply the tiers in the one fixed order: adapters -> recompute -> compile (accelerate: the loop).
 
@@ -384,8 +443,8 @@ def apply_tiers(
     if tier in ADAPTER_TIERS:
         model = apply_lora(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout, target_modules=target_modules)
     if recompute:
-        model = apply_recompute(model)
-    model = apply_compile(model, compile, mode=compile_mode)
+        model = apply_recompute(model, recompute_policy)
+    model = apply_compile(model, compile, mode=compile_mode, backend=compile_backend)
     model.train()
     return model
 

@@ -109,12 +109,17 @@ def autofit(
     within ``effective_batch_tokens``. The micro-batch rung halves it (doubling accumulation) down to
     ``min_micro_batch`` (1 in the seed's ladder; a floor of 4 keeps a consumer GPU busier and reaches recompute
     sooner). Every later rung is switched on cumulatively, and after recompute and each tier the micro-batch (and
-    the sequence) grow back as far as they fit, because a memory saving is best spent on throughput.
+    the sequence) grow back as far as they fit, because a memory saving is best spent on throughput. When the
+    ``recompute`` rung is among ``rungs`` the walk starts without recompute, whatever ``base`` says: recompute
+    costs a forward (+72% measured for LoRA on the 1.4B shape, benchmarks/RESULTS.md), so it is only taken when
+    the run does not fit otherwise (Pythia-1.4B LoRA fits 16 GB without it).
     """
     unknown = set(rungs) - set(RUNGS)
     if unknown:
         raise SettingsError(f"unknown rungs {sorted(unknown)}: choose from {', '.join(RUNGS)}")
     base = dataclasses.replace(base or TrainSetup(), seq_len=seq_len)
+    if "recompute" in rungs:  # recompute is the ladder's to choose: a run that fits without it is faster
+        base = dataclasses.replace(base, recompute=False)
     if effective_batch_tokens is None:
         mb = micro_batch_size or base.micro_batch_size
         effective_batch_tokens = mb * (gradient_accumulation_steps or base.gradient_accumulation_steps) * seq_len

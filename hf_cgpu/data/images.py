@@ -390,6 +390,15 @@ def _read_cache(path: Path) -> ImageDataset:
 
 
 # ----------------------------------------------------------------------------- augmentation
+def to_device_async(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU index tensor on ``device`` without a host sync: a plain ``.to(cuda)`` of pageable memory waits for every
+    kernel queued before it (the whole previous step's optimizer and EMA), so the GPU idles while Python builds the
+    next step. Pinned and non-blocking, the copy joins the queue instead."""
+    if getattr(device, "type", str(device)) != "cuda" or indices.device.type != "cpu":
+        return indices.to(device)
+    return indices.pin_memory().to(device, non_blocking=True)
+
+
 def augment_on_device(
     x_uint8: torch.Tensor, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:

@@ -68,9 +68,9 @@ class ClassifierTask(Task):
         return len(self.images)
 
     def train_batch(self, indices, device, generator) -> dict:
-        from ..data.images import augment_on_device, random_crop_on_device
+        from ..data.images import augment_on_device, random_crop_on_device, to_device_async
 
-        idx = indices.to(self.images.device)
+        idx = to_device_async(indices, self.images.device)
         x = self.images[idx]
         if self.cfg.flip:
             x = augment_on_device(x, generator=generator)  # flipped, in [-1, 1]

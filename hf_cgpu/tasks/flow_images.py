@@ -86,9 +86,9 @@ class FlowMatchingTask(Task):
         return len(self.images)
 
     def train_batch(self, indices, device, generator) -> dict:
-        from ..data.images import augment_on_device
+        from ..data.images import augment_on_device, to_device_async
 
-        idx = indices.to(self.images.device)
+        idx = to_device_async(indices, self.images.device)
         x = augment_on_device(self.images[idx], generator=generator)  # (B, 3, H, W) in [-1, 1]
         batch = {"x1": x.contiguous(memory_format=torch.channels_last)}
         if self.labels is not None and self.cfg.class_conditional:

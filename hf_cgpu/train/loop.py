@@ -16,6 +16,7 @@ of ``(seed, k)`` only (``schedule``), so a run resumed from a checkpoint at step
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +63,11 @@ def remove_if_empty(folder: Path) -> None:
 
 def _run(task: Task, settings: TrainSettings) -> dict[str, Any]:
     validate_tier(settings.tier, settings.recompute, train_mode=task.train_mode)  # before any data is loaded
+    started = time.perf_counter()  # start-up (data, model, compile, first step) is timed from here
     pusher = _hub_pusher(settings)  # before any data or model: a push that cannot work fails now
     run = prepare(task, settings)
     try:
-        results = _fit(run, task, pusher)
+        results = _fit(run, task, pusher, started)
     except Exception as err:  # a disk error anywhere (best weights, the final save, samples): one line
         disk = None if isinstance(err, UserError) else as_disk_error(err)
         if disk is None:
@@ -77,6 +79,8 @@ def _run(task: Task, settings: TrainSettings) -> dict[str, Any]:
                              f"{intact}: free space (or fix the disk) and resume with --resume_from_checkpoint "
                              "latest") from err
     finally:
+        if run.recompiles is not None:
+            run.recompiles.close()
         if run.lock is not None:
             run.lock.release()
     if pusher is not None:
@@ -98,11 +102,12 @@ def _hub_pusher(s: TrainSettings):
                      strategy=s.hub_strategy, log=print)
 
 
-def _fit(run: Run, task: Task, pusher) -> dict[str, Any]:
+def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str, Any]:
     s, acc, optimizer, ema = run.settings, run.accelerator, run.optimizer, run.ema
     keeper = BestKeeper(task.best_metric, run.output_dir / "best", s.early_stopping_patience,
                         save=s.save_best or s.load_best_at_end)
     metrics = Metrics(acc, s, task.unit, run.flops_per_unit, training_peak(s.peak_tflops, acc.device, acc.print))
+    metrics.watch_start_up(started, run.recompiles)
     checkpointer = Checkpointer(acc, run.output_dir, s.checkpointing_steps, s.checkpoints_total_limit, ema, keeper,
                                 metrics.write, model=run.model, optimizer=optimizer, metrics=metrics)
     if pusher is not None:
@@ -206,7 +211,8 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
         "batch_changes": state.batch_changes, "mixed_precision": acc.mixed_precision})
     if acc.is_main_process:
         recorded = to_dict(*(x for x in (task.cfg, s) if x is not None))
-        save_run(task, acc.unwrap_model(run.model), run.ema, use_best, run.output_dir, results, recorded,
-                 metrics.history, metrics.write)
+        with torch.compiler.set_stance("force_eager"):  # the end-of-run samples: no compile for their shapes
+            save_run(task, acc.unwrap_model(run.model), run.ema, use_best, run.output_dir, results, recorded,
+                     metrics.history, metrics.write)
     acc.end_training()
     return results

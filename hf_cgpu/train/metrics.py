@@ -78,6 +78,7 @@ class Metrics:
         self.started = time.perf_counter()
         self.run_units, self.run_seconds = 0, 0.0  # every logged window: the run's mean throughput
         self.bar = None
+        self.run_started, self.first_step_seconds, self.recompiles = None, None, None
         if accelerator.is_main_process and settings.report_to != "none":
             accelerator.init_trackers("hf_cgpu", config={k: v for k, v in asdict(settings).items() if v is not None})
 
@@ -130,9 +131,29 @@ class Metrics:
         finally:
             self.window.paused += time.perf_counter() - t0
 
+    # ---- start-up and recompiles
+    def watch_start_up(self, run_started: float | None, recompiles=None) -> None:
+        """Time the first optimizer step from ``run_started`` (perf_counter at the start of ``fit``: data, model,
+        compile and the step itself) and tell ``recompiles`` (a ``RecompileWatch``) the step it is at."""
+        self.run_started, self.recompiles = run_started, recompiles
+
+    def _first_step(self, step: int) -> None:
+        if self.run_started is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        from .compiled import first_step_line
+
+        self.first_step_seconds = time.perf_counter() - self.run_started
+        self.write(first_step_line(self.first_step_seconds, self.recompiles is not None))
+
     # ---- training steps
     def record(self, step: int, loss: float, lr: float, grad_norm: float, units: int, epoch: float) -> None:
         """One optimizer step done (``step`` counts it); logs when the window is due."""
+        if self.first_step_seconds is None:
+            self._first_step(step)
+        if self.recompiles is not None:
+            self.recompiles.step = step
         w = self.window
         w.loss_sum, w.steps, w.units = w.loss_sum + loss, w.steps + 1, w.units + units
         if self.bar is not None:
@@ -184,4 +205,6 @@ class Metrics:
         mfu = self.flops_per_unit * rate / (self.peak * 1e12) if rate and self.peak and self.flops_per_unit else None
         return {f"{self.unit}_per_s": rate, "mfu": mfu, "mfu_peak_tflops": self.peak or None,
                 "mfu_peak_source": self.peak_source, "device": device_label(self.device),
-                "train_seconds": round(self.train_seconds, 3), **peak_memory(self.device)}
+                "train_seconds": round(self.train_seconds, 3), **peak_memory(self.device),
+                "seconds_to_first_step": None if self.first_step_seconds is None else round(self.first_step_seconds, 3),
+                "recompiles": self.recompiles.count if self.recompiles is not None else None}

@@ -17,6 +17,7 @@ from accelerate.utils import set_seed
 from ..budget import autofit_settings, flops_per_token
 from ..settings import TrainSettings
 from ..tiers import apply_tiers, build_optimizer, validate_tier
+from .compiled import RecompileWatch, use_compile_cache
 from .ema import EMA
 from .outdir import RunLock, check_free_space, checkpoint_bytes, claim
 from .task import Task, TaskPlan
@@ -38,6 +39,8 @@ class Run:
     output_dir: Path
     lock: RunLock | None = None
     """The output folder's lock (main process), released by ``fit``."""
+    recompiles: RecompileWatch | None = None
+    """Counts torch.compile recompilations (compiled runs only), closed by ``fit``."""
 
     @property
     def flops_per_unit(self) -> float:
@@ -47,6 +50,10 @@ class Run:
             return plan.flops_per_unit
         return flops_per_token(plan.shape.model, plan.shape.setup(self.settings), count_recompute=False)
 
+
+COMPILE_ON_CPU = "HF_CGPU_COMPILE_ON_CPU"
+"""Set to a torch.compile backend (eager, aot_eager, inductor) to compile on the CPU too: for tests of compiled
+runs (recompiles, start-up); --compile is otherwise applied on CUDA only."""
 
 _ANNOUNCED: set[str] = set()
 
@@ -99,13 +106,19 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
         s = autofit_settings(s, plan.shape, memory, accelerator.print)
     validate_tier(s.tier, s.recompute, train_mode=task.train_mode)
     announce_cache(accelerator.print)
-    compile = s.compile and device.type == "cuda"
+    cpu_backend = os.environ.get(COMPILE_ON_CPU, "")
+    compile = s.compile and (device.type == "cuda" or bool(cpu_backend))
     if s.compile and not compile:
         accelerator.print(f"compile: skipped on {device.type} (torch.compile is applied on CUDA only: on a CPU the "
                           "first step compiles for minutes and the steps are rarely faster)")
+    watch = None
+    if compile:
+        use_compile_cache(accelerator.print)  # before the first compile: a second run finds its kernels
+        watch = RecompileWatch(accelerator.print).install()
     model = apply_tiers(
         plan.model, s.tier, recompute=s.recompute, compile=compile, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
         lora_dropout=s.lora_dropout, target_modules=[m for m in s.lora_target_modules.split(",") if m] or None,
+        compile_backend=cpu_backend if device.type != "cuda" and cpu_backend else "inductor",
     )
     if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "hf_device_map", None):
         model = model.to(device)  # before the optimizer, so AdamW can be fused on CUDA
@@ -117,4 +130,4 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
     if accelerator.is_main_process:
         check_free_space(out_dir, checkpoint_bytes(accelerator.unwrap_model(model), s.tier, ema is not None))
-    return Run(s, accelerator, plan, model, optimizer, ema, out_dir, lock)
+    return Run(s, accelerator, plan, model, optimizer, ema, out_dir, lock, watch)

@@ -88,7 +88,8 @@ class Validator:
         acc, model = self.accelerator, self.model
         was_training = model.training
         model.eval()
-        with ema_weights(self.ema):
+        # eagerly: a compiled model would recompile for no_grad, eval() and the evaluation/sample batch shapes
+        with ema_weights(self.ema), torch.compiler.set_stance("force_eager"):
             with torch.no_grad(), acc.autocast():
                 raw = self.task.evaluate(model, self.settings, acc.device)
             unwrapped = acc.unwrap_model(model)

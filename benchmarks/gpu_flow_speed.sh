@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Flow UNet end to end, one device call (nvidia-h200): the seed's pipeline (benchmarks/bench_seed_flow_speed.py:
+# DataLoader with 8 workers and per-image transforms, loss.item() every step, AveragedModel EMA) against ours
+# (`recipes/train_flow.py --preset cifar10`: data, EMA, logging, guards included), same UNet (base 128), batch 256,
+# CIFAR-10 from .data/cifar10 (a copy of ../shared/data/cifar10, carried with the call), both compiled, bf16.
+#
+#   images/s in steady state: the seed's over STEPS timed steps after WARM untimed ones; ours, the median (and the
+#   mean) of its logged windows (every LOG steps) after step WARM, evaluation and checkpoints excluded as in the log;
+#   start-up: seconds to the end of the first step, ours cold (empty $HF_CGPU_CACHE/inductor) then warm (a second,
+#   short run on the cache the first one filled).
+#
+# GPU:   bash benchmarks/gpu_flow_speed.sh                  (STEPS=300 WARM=50 LOG=25 by default; ~5 minutes)
+# CPU:   bash benchmarks/gpu_flow_speed.sh --smoke          (tiny preset on DATA=a CIFAR-shaped folder; checks the
+#        script runs end to end, no figure to quote)
+# Writes under $OUT (default /tmp/flow_speed): env.txt, seed.log, seed.json, ours.log, ours_results.json,
+# ours_history.json, ours_warm.log, ours_warm_results.json, summary.json, summary.md.
+set -u
+SMOKE=0; [ "${1:-}" = "--smoke" ] && SMOKE=1
+if [ $SMOKE = 0 ] && ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site || exit 1
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+OUT=${OUT:-/tmp/flow_speed}; mkdir -p "$OUT"
+export HF_CGPU_CACHE=${HF_CGPU_CACHE:-/tmp/hfc} PYTHONUNBUFFERED=1
+DATA=${DATA:-.data/cifar10}
+RUNS=${RUNS:-/tmp/flow_speed_runs}; rm -rf "$RUNS"; mkdir -p "$RUNS"
+if [ $SMOKE = 1 ]; then
+  STEPS=${STEPS:-4}; WARM=${WARM:-2}; LOG=${LOG:-2}; PRESET=tiny; SEED_ARGS=(--smoke)
+else
+  STEPS=${STEPS:-300}; WARM=${WARM:-50}; LOG=${LOG:-25}; PRESET=cifar10; SEED_ARGS=()
+fi
+TOTAL=$((WARM + STEPS))
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"
+  python3 -c "import torch,diffusers;print('torch',torch.__version__,'diffusers',diffusers.__version__)"
+  echo "steps $STEPS after $WARM warm-up, log every $LOG, preset $PRESET, data $DATA"
+  python3 -c "from hf_cgpu.data.images import load_image_dataset as f; [f('$DATA', s) for s in ('train', 'test')]"
+} > "$OUT/env.txt" 2>&1
+
+timeout 300 python3 benchmarks/bench_seed_flow_speed.py --dataset "$DATA" --warmup "$WARM" --steps "$STEPS" \
+  --json "$OUT/seed.json" "${SEED_ARGS[@]}" > "$OUT/seed.log" 2>&1 || echo "seed run failed: see seed.log"
+
+COMMON=(--preset "$PRESET" --dataset "$DATA" --log_steps "$LOG" --eval_steps 0 --sample_every_epochs 0
+        --checkpointing_steps 0 --progress false)
+timeout 300 python3 recipes/train_flow.py "${COMMON[@]}" --output_dir "$RUNS/ours" --max_steps "$TOTAL" \
+  > "$OUT/ours.log" 2>&1 || echo "our run failed: see ours.log"
+cp "$RUNS/ours/all_results.json" "$OUT/ours_results.json" 2>/dev/null
+cp "$RUNS/ours/history.json" "$OUT/ours_history.json" 2>/dev/null
+timeout 200 python3 recipes/train_flow.py "${COMMON[@]}" --output_dir "$RUNS/ours_warm" --max_steps "$LOG" \
+  > "$OUT/ours_warm.log" 2>&1 || echo "warm start-up run failed: see ours_warm.log"
+cp "$RUNS/ours_warm/all_results.json" "$OUT/ours_warm_results.json" 2>/dev/null
+
+WARM=$WARM SMOKE=$SMOKE PRESET=$PRESET python3 - "$OUT" <<'EOF'
+import json, os, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1]); warm = int(os.environ["WARM"])
+def load(name):
+    try:
+        return json.loads((out / name).read_text())
+    except (OSError, ValueError):
+        return None
+seed, ours, ours_warm, hist = (load(n) for n in ("seed.json", "ours_results.json", "ours_warm_results.json",
+                                                  "ours_history.json"))
+windows = [h["train/img_per_s"] for h in (hist or []) if "train/img_per_s" in h and h["step"] > warm]
+steady = statistics.median(windows) if windows else None
+s = {"seed_img_per_s": seed and seed["img_per_s"], "ours_img_per_s_steady_median": steady,
+     "ours_img_per_s_steady_mean": statistics.fmean(windows) if windows else None, "ours_windows": len(windows),
+     "ours_img_per_s_run_mean": ours and ours.get("img_per_s"),
+     "speedup_steady": steady / seed["img_per_s"] if steady and seed else None,
+     "seed_seconds_to_first_step": seed and seed["seconds_to_first_step"],
+     "ours_seconds_to_first_step_cold": ours and ours.get("seconds_to_first_step"),
+     "ours_seconds_to_first_step_warm": ours_warm and ours_warm.get("seconds_to_first_step"),
+     "ours_recompiles": ours and ours.get("recompiles"), "device": (ours or {}).get("device"),
+     "smoke (CPU, tiny: no figure to quote)": os.environ["SMOKE"] == "1"}
+(out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+f = lambda v, p=0: "n/a" if v is None else f"{v:,.{p}f}"
+md = ["| pipeline | img/s steady state | s to first step | recompiles |", "|---|---|---|---|",
+      f"| seed (DataLoader x8, loss.item(), AveragedModel) | {f(s['seed_img_per_s'])} | "
+      f"{f(s['seed_seconds_to_first_step'], 1)} | |",
+      f"| ours `--preset {os.environ['PRESET']}` | {f(steady)} (median of {len(windows)} windows; run mean "
+      f"{f(s['ours_img_per_s_run_mean'])}) | cold {f(s['ours_seconds_to_first_step_cold'], 1)}, warm "
+      f"{f(s['ours_seconds_to_first_step_warm'], 1)} | {s['ours_recompiles']} |",
+      f"speed-up (steady state): {f(s['speedup_steady'], 2)}x on {s['device']}"]
+(out / "summary.md").write_text("\n".join(md) + "\n")
+print("\n".join(md))
+EOF

@@ -1,0 +1,140 @@
+"""Where the time of the GPT 124M training step goes: torch.profiler over a few steps after warm-up.
+
+The step is the one of the issue's table (12x768, vocab 32000, seq 1024, micro-batch 16, bf16 autocast, the whole
+model compiled, fused AdamW, clip 1.0); the model is ``CgptForCausalLM`` with the 124m preset's loss settings.
+Prints, and writes to ``--out`` (a folder):
+
+    top kernels by device time (name, calls, total ms, share),
+    shares of the device time: matmul, attention, loss (cross-entropy / log-softmax / the logits' chunks), optimizer
+    (AdamW, clipping's norms), elementwise/norm (the rest), and the gaps: wall time of the profiled steps minus the
+    device busy time (launch overhead, host syncs, Python),
+    profile.json (all of it) and trace.json (chrome://tracing or https://ui.perfetto.dev).
+
+GPU:   python benchmarks/gpu_gpt_profile.py --out $OUT/gpt_profile [--batch 8|16|32] [--compile false]
+CPU:   python benchmarks/gpu_gpt_profile.py --smoke --out /tmp/gpt_profile   (a tiny model; checks the script only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+
+CATEGORIES = (  # first match wins; patterns on the lower-cased kernel / op name
+    ("attention", r"flash|fmha|attention|sdpa|scaled_dot_product|softmax_fwd|efficient_attn"),
+    ("loss", r"cross_entropy|nll_loss|log_softmax|logsumexp|_softmax_backward"),
+    ("optimizer", r"adam|multi_tensor|foreach|fused_adam|clip|norm_kernel|lpnorm|_amp_"),
+    ("matmul", r"gemm|sm90|sm80|cutlass|cublas|matmul|aten::mm|aten::addmm|aten::bmm|xmma|nvjet|ampere_|hopper_"),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, pattern in CATEGORIES:
+        if re.search(pattern, low):
+            return cat
+    return "elementwise/norm/other"
+
+
+def build(args):
+    from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
+
+    if args.smoke:
+        cfg = CgptConfig(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=2, loss_chunk_size=0)
+    else:
+        cfg = CgptConfig(vocab_size=32000, n_positions=args.seq, n_embd=768, n_layer=12, n_head=12,
+                         loss_chunk_size=args.loss_chunk_size)
+    return CgptForCausalLM(cfg), cfg
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--loss_chunk_size", type=int, default=0, help="0 = full logits (the 124m preset)")
+    p.add_argument("--compile", default="true", choices=["true", "false"])
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=5, help="profiled steps")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default="gpt_profile")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 warm-up + 2 profiled steps")
+    a = p.parse_args()
+    cuda = torch.cuda.is_available() and not a.smoke
+    dev = torch.device("cuda" if cuda else "cpu")
+    if a.smoke:
+        a.batch, a.seq, a.warmup, a.steps, a.compile = 2, 64, 2, 2, "false"
+    torch.manual_seed(0)
+    model, cfg = build(a)
+    model = model.to(dev).train()
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=cuda)
+    step_model = torch.compile(model, dynamic=False) if a.compile == "true" else model
+    x = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), device=dev)
+
+    def step():
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = step_model(input_ids=x[:, :-1], shift_labels=x[:, 1:], use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(a.warmup):
+        step()
+    sync()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            step()
+        sync()
+        wall = time.perf_counter() - t0
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / "trace.json"))
+
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total
+        if dev_us > 0 and (cuda or not e.key.startswith("ProfilerStep")):
+            rows.append({"name": e.key, "calls": e.count, "ms": dev_us / 1e3, "category": category(e.key)})
+    if cuda:  # device kernels only: the CPU-side ops also carry self_device_time of the kernels they launched
+        kernels = {ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA}
+        rows = [r for r in rows if r["name"] in kernels]
+    rows.sort(key=lambda r: -r["ms"])
+    busy = sum(r["ms"] for r in rows)
+    shares: dict[str, float] = {}
+    for r in rows:
+        shares[r["category"]] = shares.get(r["category"], 0.0) + r["ms"]
+    wall_ms = wall * 1e3
+    gap = max(0.0, wall_ms - busy) if cuda else None
+    tokens = a.batch * a.seq * a.steps
+    summary = {
+        "device": torch.cuda.get_device_name() if cuda else "CPU (smoke: the script only, no figure to quote)",
+        "torch": torch.__version__, "batch": a.batch, "seq": a.seq, "compile": a.compile, "steps": a.steps,
+        "wall_ms_per_step": wall_ms / a.steps, "tok_per_s_profiled": tokens / wall,
+        "device_busy_ms_per_step": busy / a.steps,
+        "shares_of_wall": {**{k: v / wall_ms for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
+                           **({"gaps (wall - device busy)": gap / wall_ms} if gap is not None else {})},
+        "top": rows[: a.top],
+    }
+    (out / "profile.json").write_text(json.dumps(summary, indent=1))
+    print(f"{summary['device']} | torch {summary['torch']} | batch {a.batch} x seq {a.seq} | compile {a.compile} | "
+          f"{summary['wall_ms_per_step']:.2f} ms/step ({summary['tok_per_s_profiled']:,.0f} tok/s under the profiler)")
+    print("share of wall time: " + ", ".join(f"{k} {v:.1%}" for k, v in summary["shares_of_wall"].items()))
+    print(f"| kernel ({'device' if cuda else 'CPU self'} time) | calls | ms per step | share | category |")
+    print("|---|---|---|---|---|")
+    for r in rows[: a.top]:
+        print(f"| {r['name'][:90]} | {r['calls'] // a.steps} | {r['ms'] / a.steps:.3f} | {r['ms'] / wall_ms:.1%} | "
+              f"{r['category']} |")
+    print(f"wrote {out / 'profile.json'} and {out / 'trace.json'}")
+
+
+if __name__ == "__main__":
+    main()

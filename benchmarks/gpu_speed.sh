@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 12 (speed), one device call per part (nvidia-h200), carried: .whl (../shared/tools/device-wheels.sh) and, for
+# `flow`, .data/cifar10 (a copy of ../shared/data/cifar10). Results under $OUT; each part is bounded by `timeout`.
+#
+#   bash benchmarks/gpu_speed.sh flow          seed pipeline vs --preset cifar10: steady-state img/s, cold/warm start-up,
+#                                              recompiles (benchmarks/gpu_flow_speed.sh; ~5 min)
+#   bash benchmarks/gpu_speed.sh lora          LoRA recompute off/full/selective on the Pythia-1.4B shape, seq 1024 x 4:
+#                                              s/step, FLOPs per pass, bytes kept, peak memory (~2 min)
+#   bash benchmarks/gpu_speed.sh qlora         the same for QLoRA (nf4 base; ~3 min)
+#   bash benchmarks/gpu_speed.sh flow-sampling 10,000 images at 20 evaluations: eager fp32/bf16, compiled, CUDA graphs
+#   bash benchmarks/gpu_speed.sh gpt-profile   torch.profiler of the GPT 124M step at micro-batch 16 (and 8, 32 with
+#                                              BATCHES="8 16 32"): top kernels, attention/loss/optimizer/gap shares
+set -u
+PART=${1:-}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=$PWD:/tmp/site || exit 1
+OUT=${OUT:-/tmp/speed}; mkdir -p "$OUT"
+export HF_CGPU_CACHE=${HF_CGPU_CACHE:-/tmp/hfc} PYTHONUNBUFFERED=1
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch,transformers,peft;print('torch',torch.__version__,'transformers',transformers.__version__,'peft',peft.__version__)"
+} > "$OUT/env_$PART.txt" 2>&1
+case "$PART" in
+  flow) OUT=$OUT/flow bash benchmarks/gpu_flow_speed.sh ;;
+  lora|qlora)
+    timeout 400 python3 benchmarks/bench_lora_recompute.py --shape pythia-1.4b --tier "$PART" --seq 1024 --batch 4 \
+      --warmup 3 --steps 10 --json "$OUT/${PART}_recompute.json" 2>&1 | tee "$OUT/${PART}_recompute.log" ;;
+  flow-sampling)
+    timeout 400 python3 benchmarks/bench_flow_sampling.py --json "$OUT/flow_sampling.json" 2>&1 \
+      | tee "$OUT/flow_sampling.log" ;;
+  gpt-profile)
+    for B in ${BATCHES:-16}; do
+      timeout 300 python3 benchmarks/gpu_gpt_profile.py --batch "$B" --out "$OUT/gpt_profile_b$B" 2>&1 \
+        | tee "$OUT/gpt_profile_b$B.log"
+    done ;;
+  *) echo "usage: bash benchmarks/gpu_speed.sh flow|lora|qlora|flow-sampling|gpt-profile"; exit 2 ;;
+esac

@@ -1,0 +1,118 @@
+"""What recompute really reruns for a LoRA model (one forward of the blocks, never the embeddings or the head),
+the selective policy (no large matmul and no attention again, same gradients), and autofit choosing no recompute
+when the run fits without it."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import GPTNeoXForCausalLM
+
+from conftest import tiny_neox_config
+from hf_cgpu.tiers import apply_tiers, causal_lm_loss_from_hidden, unwrap_model
+
+BIG = ("aten.addmm.default", "aten._scaled_dot_product_flash_attention_for_cpu.default")
+"""GPTNeoX's base linears (with bias: addmm) and CPU attention; LoRA's own matmuls are aten.mm."""
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def lora_model(recompute: bool, policy: str = "full"):
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(tiny_neox_config())
+    model = apply_tiers(model, "lora", recompute=recompute, compile=False, lora_r=4, lora_alpha=8,
+                        recompute_policy=policy)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:  # non-zero B: every adapter is on the gradient path
+            torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(n)))
+    return model
+
+
+def step(model):
+    lm = unwrap_model(model)
+    ids = torch.randint(0, lm.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    calls = collections.Counter()
+    hooks = [m.register_forward_hook(lambda *_, n=n: calls.update([n]))
+             for n, m in (("embed", lm.get_input_embeddings()), ("head", lm.get_output_embeddings()),
+                          ("final_norm", lm.gpt_neox.final_layer_norm))]
+    fwd, bwd = Ops(), Ops()
+    with fwd:
+        loss = causal_lm_loss_from_hidden(model, ids, ids)
+    forward_calls = dict(calls)
+    with bwd:
+        loss.backward()
+    for h in hooks:
+        h.remove()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    again = {n: c - forward_calls.get(n, 0) for n, c in calls.items() if c - forward_calls.get(n, 0)}
+    return fwd.count, bwd.count, again, grads
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {mode: step(lora_model(mode != "off", "selective" if mode == "selective" else "full"))
+            for mode in ("off", "full", "selective")}
+
+
+def test_full_recompute_reruns_each_block_once_and_nothing_else(runs):
+    fwd_off, bwd_off, _, _ = runs["off"]
+    fwd, bwd, again, _ = runs["full"]
+    layers = tiny_neox_config().num_hidden_layers
+    assert fwd_off[BIG[0]] == 4 * layers  # qkv, dense, h_to_4h, 4h_to_h per block
+    for op in BIG:
+        assert bwd_off[op] == 0
+        assert bwd[op] == fwd[op], op  # every block's base matmuls and attention exactly once more
+    assert again == {}  # embeddings, final norm and head are not run again
+
+
+def test_selective_recompute_reruns_no_large_matmul_and_no_attention(runs):
+    _, bwd, again, _ = runs["selective"]
+    assert all(bwd[op] == 0 for op in BIG), {op: bwd[op] for op in BIG}
+    assert again == {}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_keeps_the_gradients(runs, mode):
+    ref, got = runs["off"][3], runs[mode][3]
+    assert ref.keys() == got.keys() and ref
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_unknown_recompute_policy_is_one_line():
+    with pytest.raises(ValueError, match="full, selective"):
+        lora_model(True, "sometimes")
+
+
+def test_autofit_takes_no_recompute_when_lora_fits_16gb():
+    """The 1.4B LoRA preset asked with recompute on: autofit drops it (12.6 GiB fits 16 GB) and keeps it at 6 GB."""
+    from hf_cgpu.budget import ModelShape, RunShape, autofit_settings
+    from hf_cgpu.settings import TrainSettings
+
+    shape = RunShape(ModelShape.reference("pythia-1.4b"), 1024, 1024, loss_in_forward=False)
+    asked = TrainSettings(tier="lora", recompute=True, micro_batch_size=4, gradient_accumulation_steps=8,
+                          memory_cap="16GB", autofit=True)
+    fitted = autofit_settings(asked, shape, None, log=lambda m: None)
+    assert (fitted.recompute, fitted.micro_batch_size, fitted.gradient_accumulation_steps) == (False, 4, 8)
+    small = autofit_settings(TrainSettings(tier="lora", recompute=False, micro_batch_size=4,
+                                           gradient_accumulation_steps=8, memory_cap="6GB", autofit=True),
+                             shape, None, log=lambda m: None)
+    assert small.recompute and small.micro_batch_size * small.gradient_accumulation_steps == 32
+
+
+def test_lora_presets_train_without_recompute():
+    from hf_cgpu.settings import load_preset
+
+    assert load_preset("lora", "finetune")["recompute"] is False
+    assert load_preset("qlora", "finetune")["recompute"] is False
