@@ -159,6 +159,9 @@ def nonfinite_tensors(model: torch.nn.Module | None, optimizer=None, ema=None) -
                       if torch.is_tensor(t)]
     if ema is not None:
         named += [(f"EMA {n}", t) for n, t in ema.shadow.items()]
+    from .parallel import local
+
+    named = [(n, local(t)) for n, t in named]  # this rank's shards under FSDP2
     named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
     if not named:
         return []
@@ -290,7 +293,9 @@ class Checkpointer:
         ones."""
         acc = self.accelerator
         self._sealer.wait()
-        bad = nonfinite_tensors(self.model, self.optimizer, self.ema)
+        from .parallel import gather_list
+
+        bad = gather_list(acc, nonfinite_tensors(self.model, self.optimizer, self.ema))  # every rank's shards
         if bad:
             self.log(f"step {step}: not checkpointed, {len(bad)} tensors are not finite (first: {bad[0]}); "
                      f"{self._intact()}")
@@ -305,9 +310,9 @@ class Checkpointer:
                 tmp.mkdir(parents=True)
             acc.wait_for_everyone()
             acc.save_state(str(tmp))
+            if self.ema is not None:
+                self.ema.save(tmp / "ema.safetensors", write=acc.is_main_process)
             if acc.is_main_process:
-                if self.ema is not None:
-                    self.ema.save(tmp / "ema.safetensors")
                 trainer_state = {**dataclasses.asdict(state), "step": step,
                                  "best": self.keeper.state_dict() if self.keeper is not None else {}}
                 (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))

@@ -19,6 +19,7 @@ from ..settings import TrainSettings
 from ..tiers import apply_tiers, build_optimizer, validate_tier
 from .ema import EMA
 from .outdir import RunLock, check_free_space, checkpoint_bytes, claim
+from .parallel import kind, make_accelerator, template_of
 from .task import Task, TaskPlan
 
 
@@ -38,6 +39,9 @@ class Run:
     output_dir: Path
     lock: RunLock | None = None
     """The output folder's lock (main process), released by ``fit``."""
+    template: torch.nn.Module | None = None
+    """FSDP2: a plain CPU copy of the model on the main process, the whole weights are gathered into it
+    (``parallel.full_model``); None otherwise."""
 
     @property
     def flops_per_unit(self) -> float:
@@ -75,7 +79,7 @@ def prepare(task: Task, s: TrainSettings) -> Run:
     out_dir = Path(s.output_dir)
     lock = claim(out_dir, s.resume_from_checkpoint, s.overwrite_output_dir) if _is_main() else None
     try:
-        accelerator = Accelerator(mixed_precision=mixed_precision(s), project_dir=str(out_dir),
+        accelerator = make_accelerator(mixed_precision=mixed_precision(s), project_dir=str(out_dir),
                                   log_with=None if s.report_to == "none" else s.report_to)
         accelerator.wait_for_everyone()  # the folder is claimed (and an earlier run cleared) before anyone reads it
         return _prepare(task, s, accelerator, out_dir, lock)
@@ -96,7 +100,8 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     plan = task.setup(s, accelerator)
     if s.autofit:
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        s = autofit_settings(s, plan.shape, memory, accelerator.print)
+        s = autofit_settings(s, plan.shape, memory, accelerator.print, processes=accelerator.num_processes,
+                             parallel=kind(accelerator))
     validate_tier(s.tier, s.recompute, train_mode=task.train_mode)
     announce_cache(accelerator.print)
     compile = s.compile and device.type == "cuda"
@@ -107,6 +112,7 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
         plan.model, s.tier, recompute=s.recompute, compile=compile, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
         lora_dropout=s.lora_dropout, target_modules=[m for m in s.lora_target_modules.split(",") if m] or None,
     )
+    template = template_of(accelerator, model)  # on the CPU, before prepare shards the parameters in place
     if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "hf_device_map", None):
         model = model.to(device)  # before the optimizer, so AdamW can be fused on CUDA
     optimizer = build_optimizer(model, s.tier, lr=s.learning_rate, weight_decay=s.weight_decay,
@@ -115,4 +121,4 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
     if accelerator.is_main_process:
         check_free_space(out_dir, checkpoint_bytes(accelerator.unwrap_model(model), s.tier, ema is not None))
-    return Run(s, accelerator, plan, model, optimizer, ema, out_dir, lock)
+    return Run(s, accelerator, plan, model, optimizer, ema, out_dir, lock, template)
