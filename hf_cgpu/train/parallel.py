@@ -27,11 +27,13 @@ def world_size_from_env() -> int:
 
 
 def make_accelerator(**kwargs: Any):
-    """``Accelerator(**kwargs)``; without CUDA and with several processes: CPU processes (gloo), FSDP included."""
+    """``Accelerator(**kwargs)``; several processes without CUDA (or with ``ACCELERATE_USE_CPU``): CPU processes
+    over gloo, FSDP included."""
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType
 
-    if world_size_from_env() > 1 and not torch.cuda.is_available():
+    cpu_asked = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
+    if world_size_from_env() > 1 and (cpu_asked or not torch.cuda.is_available()):
         kwargs["cpu"] = True
         if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
             state = PartialState(cpu=True)  # gloo process group, distributed type MULTI_CPU

@@ -96,6 +96,11 @@ def _is_main() -> bool:
 
 def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Path, lock: RunLock | None) -> Run:
     device = accelerator.device
+    if accelerator.num_processes > 1:
+        accelerator.print(f"parallel: {kind(accelerator)} over {accelerator.num_processes} processes "
+                          f"({accelerator.state.backend}, {device.type}); global batch {s.samples_per_step(accelerator.num_processes)}"
+                          f" = micro_batch_size {s.micro_batch_size} x gradient_accumulation_steps "
+                          f"{s.gradient_accumulation_steps} x {accelerator.num_processes} processes")
     set_seed(s.seed)
     plan = task.setup(s, accelerator)
     if s.autofit:

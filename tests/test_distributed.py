@@ -1,0 +1,167 @@
+"""Several processes on CPU (gloo), the configs users launch on GPUs: recipes/accelerate/ddp.yaml and fsdp2.yaml with
+``--num_processes 2``. At the same global batch (one process: micro-batch 2 x accumulation 2; two processes:
+micro-batch 2 x accumulation 1 each) a tiny GPT (with dropout) and a tiny UNet (with EMA) reach the losses of one
+process within fp32 tolerance, save whole weights that load with from_pretrained on one device, and a 2-process
+run killed with SIGKILL resumes to the weights of the uninterrupted 2-process run.
+
+A CUDA machine would launch NCCL processes; CUDA_VISIBLE_DEVICES is emptied so this stays the CPU proof."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+       "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+GPT = ["--preset", "tiny", "--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--seq_len", "32", "--vocab_size", "300",
+       "--dropout", "0.1", "--max_steps", "40", "--warmup_steps", "5", "--log_steps", "1", "--eval_steps", "20",
+       "--eval_batches", "1", "--checkpointing_steps", "10", "--progress", "false", "--max_new_tokens", "4"]
+FLOW = ["--preset", "tiny", "--base_channels", "8", "--limit", "64", "--max_steps", "4", "--log_steps", "1",
+        "--checkpointing_steps", "2", "--progress", "false", "--sample_steps", "2"]
+ONE = ["--micro_batch_size", "2", "--gradient_accumulation_steps", "2"]
+TWO = ["--micro_batch_size", "2", "--gradient_accumulation_steps", "1"]
+LOSS_RTOL = 1e-5
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_cmd(recipe: str, config: str, args) -> list[str]:
+    """``accelerate launch`` of a recipe: 'one' = one CPU process, else recipes/accelerate/CONFIG.yaml x 2."""
+    where = (["--cpu", "--num_processes", "1"] if config == "one" else
+             ["--config_file", str(REPO / "recipes" / "accelerate" / f"{config}.yaml"), "--num_processes", "2"])
+    return [sys.executable, "-m", "accelerate.commands.launch", *where, "--mixed_precision", "no", "--dynamo_backend",
+            "no", "--num_machines", "1", "--main_process_port", str(free_port()), str(REPO / "recipes" / recipe), *args]
+
+
+def run(recipe, config, args, timeout=300) -> str:
+    done = subprocess.run(launch_cmd(recipe, config, args), cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout + done.stderr
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {h["step"]: h["train/loss"] for h in json.loads((out / "history.json").read_text()) if "train/loss" in h}
+
+
+def assert_same_losses(a: Path, b: Path, steps: int) -> None:
+    la, lb = losses(a), losses(b)
+    assert sorted(la) == sorted(lb) == list(range(1, steps + 1))
+    for k in la:
+        assert lb[k] == pytest.approx(la[k], rel=LOSS_RTOL), (k, la[k], lb[k])
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(tmp_path_factory):
+    """The tiny GPT trained by one process and by two (DDP, FSDP2) at the same global batch of 4 sequences."""
+    root = tmp_path_factory.mktemp("dist_gpt")
+    cache = ["--cache_dir", str(root / "cache")]
+    logs = {}
+    for config, split in (("one", ONE), ("ddp", TWO), ("fsdp2", TWO)):
+        logs[config] = run("train_gpt.py", config, [*GPT, *split, *cache, "--output_dir", str(root / config)])
+    return root, logs
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp2"])
+def test_gpt_two_processes_reach_the_losses_of_one(gpt_runs, config):
+    from transformers import AutoModelForCausalLM
+
+    import hf_cgpu  # noqa: F401  (registers cgpt with the Auto classes)
+
+    root, logs = gpt_runs
+    assert f"parallel: {config} over 2 processes" in logs[config]
+    assert_same_losses(root / "one", root / config, 40)
+    one, two = (json.loads((root / c / "all_results.json").read_text()) for c in ("one", config))
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=LOSS_RTOL)
+    assert two["processes"] == 2 and two["toks_seen"] == one["toks_seen"] == 40 * 4 * 32
+    assert [p["rank"] for p in two["processes_peak_memory"]] == [0, 1]
+    a, b = weights(root / "one" / "model.safetensors"), weights(root / config / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)  # whole, unsharded
+    model = AutoModelForCausalLM.from_pretrained(root / config)  # one device: the CPU
+    assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in a.values())
+    assert (root / config / "best" / "model.safetensors").is_file()
+    # logging, cards and saving on the main process only: each step logged and each sample printed once
+    assert logs[config].count("step 7: loss=") == 1 and logs[config].count("--- sample 1") == 1
+    assert (root / config / "README.md").is_file() and (root / config / "training_curves.png").is_file()
+
+
+def _wait_for(path: Path, proc, seconds=240) -> None:
+    deadline = time.time() + seconds
+    while not path.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert path.exists(), f"the run never wrote {path}"
+
+
+def test_killed_two_process_run_resumes_to_the_same_weights(gpt_runs, tmp_path):
+    """SIGKILL to the launcher's whole process group (power cut) once step 10 is sealed; resumed by 2 processes."""
+    root, _ = gpt_runs
+    cut = tmp_path / "cut"
+    args = [*GPT, *TWO, "--cache_dir", str(root / "cache"), "--output_dir", str(cut)]
+    proc = subprocess.Popen(launch_cmd("train_gpt.py", "ddp", args), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    _wait_for(cut / "checkpoints" / "step_0000010" / "manifest.json", proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (cut / "all_results.json").exists(), "the run finished before it could be killed"
+    log = run("train_gpt.py", "ddp", [*args, "--resume_from_checkpoint", "latest"])
+    assert "resumed from" in log
+    assert losses(cut) == losses(root / "ddp")  # bit for bit, steps 1-10 from the checkpoint's history
+    a, b = weights(root / "ddp" / "model.safetensors"), weights(cut / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fsdp2_run_resumes_from_its_sharded_checkpoint_to_the_same_weights(gpt_runs, tmp_path):
+    root, _ = gpt_runs
+    cut = tmp_path / "cut"
+    shutil.copytree(root / "fsdp2", cut)
+    for p in sorted((cut / "checkpoints").iterdir())[1:]:
+        shutil.rmtree(p)  # only step 10 left: as if the run had died after it
+    for name in ("all_results.json", "history.json", "model.safetensors", "manifest.json"):
+        (cut / name).unlink(missing_ok=True)
+    run("train_gpt.py", "fsdp2", [*GPT, *TWO, "--cache_dir", str(root / "cache"), "--output_dir", str(cut),
+                                  "--resume_from_checkpoint", "latest"])
+    assert losses(cut) == losses(root / "fsdp2")
+    a, b = weights(root / "fsdp2" / "model.safetensors"), weights(cut / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp2"])
+def test_flow_two_processes_reach_the_losses_of_one(config, synthetic_data, tmp_path_factory):
+    """The UNet with EMA (tiny preset: 0.99): losses within fp32 tolerance, the EMA weights saved whole."""
+    from hf_cgpu import FlowMatchPipeline
+
+    root = tmp_path_factory.getbasetemp() / "dist_flow"
+    data = ["--dataset", str(synthetic_data)]
+    if not (root / "one" / "all_results.json").is_file():
+        run("train_flow.py", "one", [*FLOW, *ONE, *data, "--output_dir", str(root / "one")])
+    log = run("train_flow.py", config, [*FLOW, *TWO, *data, "--output_dir", str(root / config)])
+    assert f"parallel: {config} over 2 processes" in log
+    assert_same_losses(root / "one", root / config, 4)
+    unet = Path("unet") / "diffusion_pytorch_model.safetensors"
+    a, b = weights(root / "one" / unet), weights(root / config / unet)
+    # Adam's first steps move each weight by about the learning rate whatever its gradient's size, so fp32
+    # rounding of near-zero gradients (FSDP2 runs the convolutions without channels_last) shows at that scale
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=5e-3) for k in a)
+    ema = weights(sorted((root / config / "checkpoints").iterdir())[-1] / "ema.safetensors")
+    assert all(torch.equal(b[k], ema[k]) for k in ema)  # the saved UNet is the EMA, gathered whole
+    pipe = FlowMatchPipeline.from_pretrained(root / config)
+    assert pipe.unet.config.base_channels == 8 and (root / config / "samples").is_dir()
