@@ -165,3 +165,41 @@ def test_flow_two_processes_reach_the_losses_of_one(config, synthetic_data, tmp_
     assert all(torch.equal(b[k], ema[k]) for k in ema)  # the saved UNet is the EMA, gathered whole
     pipe = FlowMatchPipeline.from_pretrained(root / config)
     assert pipe.unet.config.base_channels == 8 and (root / config / "samples").is_dir()
+
+
+# ---------------------------------------------------------------------------------------------------- the ledger
+def test_ledger_per_gpu_under_ddp_and_fsdp2():
+    """DDP: a whole replica plus gradient buckets (the trainable gradients once more); FSDP2: weights, gradients and
+    optimizer state divided by the processes, plus the gathered units; activations stay per process."""
+    from hf_cgpu.budget import ledger
+    from hf_cgpu.budget.cli import preset_shape
+    from hf_cgpu.budget.shape import TrainSetup
+
+    shape = preset_shape("350m")
+    one = ledger(shape, TrainSetup(micro_batch_size=4, gradient_accumulation_steps=2))
+    ddp = ledger(shape, TrainSetup(micro_batch_size=4, gradient_accumulation_steps=2, processes=4))
+    fsdp = {p: ledger(shape, TrainSetup(micro_batch_size=4, gradient_accumulation_steps=2, processes=p, fsdp=True))
+            for p in (2, 4, 8)}
+    assert ddp.row("ddp_buckets") == one.row("gradients") > 0
+    assert ddp.allocated == pytest.approx(one.allocated + one.row("gradients"))
+    for p, led in fsdp.items():
+        for key in ("weights", "gradients", "optimizer"):
+            assert led.row(key) == pytest.approx(one.row(key) / p)
+        assert led.row("activations") == one.row("activations") and led.row("fsdp_unsharded") > 0
+    assert one.total > fsdp[2].total > fsdp[4].total > fsdp[8].total
+
+
+def test_autofit_and_budget_see_the_processes(capsys):
+    from hf_cgpu.budget import autofit_settings
+    from hf_cgpu.budget.cli import gpt_run_shape, main
+    from hf_cgpu.settings import TrainSettings
+
+    settings = TrainSettings(micro_batch_size=32, gradient_accumulation_steps=1, memory_cap="12GB", output_dir="x")
+    shape = gpt_run_shape("770m")
+    one = autofit_settings(settings, shape, None, log=lambda m: None)
+    eight = autofit_settings(settings, shape, None, log=lambda m: None, processes=8, parallel="fsdp2")
+    assert eight.micro_batch_size * eight.gradient_accumulation_steps == 32  # the per-process batch is kept
+    assert eight.micro_batch_size > one.micro_batch_size or (one.recompute and not eight.recompute)
+    assert main(["--preset", "350m", "--num_processes", "4", "--fsdp", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "x 4 FSDP2 processes" in out and "FSDP2 gathered units" in out and "1/4 per GPU" in out
