@@ -72,13 +72,33 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory):
-    """The tiny GPT trained by one process and by two (DDP, FSDP2) at the same global batch of 4 sequences."""
+    """The tiny GPT trained by one process and by two (DDP, FSDP2) at the same global batch of 4 sequences. The
+    one-process and DDP runs are the GPU benchmark's own (benchmarks/gpu_scaling.py on gloo CPU processes)."""
     root = tmp_path_factory.mktemp("dist_gpt")
     cache = ["--cache_dir", str(root / "cache")]
-    logs = {}
-    for config, split in (("one", ONE), ("ddp", TWO), ("fsdp2", TWO)):
-        logs[config] = run("train_gpt.py", config, [*GPT, *split, *cache, "--output_dir", str(root / config)])
+    bench = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_scaling.py"), "--cpu", "--recipe", "gpt",
+                            "--gpus", "2", "--config", "ddp", "--out", str(root), "--losses", "40", "--", *GPT, *TWO,
+                            *cache], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert bench.returncode == 0, (bench.stdout + bench.stderr)[-4000:]
+    (root / "gpt_ddp_1").rename(root / "one")
+    (root / "gpt_ddp_2").rename(root / "ddp")
+    logs = {"ddp": (root / "gpt_ddp_2.log").read_text(), "bench": bench.stdout}
+    logs["fsdp2"] = run("train_gpt.py", "fsdp2", [*GPT, *TWO, *cache, "--output_dir", str(root / "fsdp2")])
     return root, logs
+
+
+def test_gpu_benchmark_logic_on_two_cpu_processes(gpt_runs):
+    """benchmarks/gpu_scaling.py: one process at accumulation 2 vs two at 1, the same losses, a rate each, the
+    scaling factor, every process's peak memory (CPU figures: they check the logic, not any GPU)."""
+    root, logs = gpt_runs
+    report = json.loads((root / "scaling_gpt_ddp.json").read_text())
+    assert report["effective_batch"] == {"one": "2 x 2 x 1", "many": "2 x 1 x 2"} and report["gpus"] == 2
+    assert len(report["losses_one"]) == len(report["losses_many"]) == 40
+    assert report["max_abs_loss_difference"] < 1e-4
+    assert report["rate_one"] > 0 and report["rate_many"] > 0
+    assert report["scaling"] == pytest.approx(report["rate_many"] / report["rate_one"])
+    assert [m["rank"] for m in report["peak_memory_many"]] == [0, 1] and report["peak_memory_one"][0]["rank"] == 0
+    assert "scaling factor" in logs["bench"].lower() and (root / "scaling_gpt_ddp.md").is_file()
 
 
 @pytest.mark.parametrize("config", ["ddp", "fsdp2"])
@@ -203,3 +223,44 @@ def test_autofit_and_budget_see_the_processes(capsys):
     assert main(["--preset", "350m", "--num_processes", "4", "--fsdp", "true"]) == 0
     out = capsys.readouterr().out
     assert "x 4 FSDP2 processes" in out and "FSDP2 gathered units" in out and "1/4 per GPU" in out
+
+
+# ---------------------------------------------------------------------------------------------------- LoRA
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    """A tiny GPTNeoX with its tokenizer, saved locally (no downloads)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from hf_cgpu.data.text import builtin_corpus, train_tokenizer
+
+    d = tmp_path_factory.mktemp("neox_base")
+    tok = train_tokenizer(builtin_corpus()[:20], vocab_size=400, show_progress=False)
+    cfg = GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                        vocab_size=len(tok), max_position_embeddings=64, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp2"])
+def test_lora_two_processes_reach_the_losses_of_one(config, tiny_base, tmp_path_factory):
+    """Plain LoRA: the loss runs through the DDP/FSDP2 wrapper (DDP syncs only gradients of a forward it ran), the
+    adapters come out as one process trains them and load onto the base with peft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.getbasetemp() / "dist_lora"
+    lora = ["--preset", "lora", "--model", str(tiny_base), "--dataset", "builtin", "--seq_len", "32", "--max_steps",
+            "6", "--warmup_steps", "1", "--eval_steps", "0", "--eval_batches", "2", "--checkpointing_steps", "3",
+            "--learning_rate", "1e-2", "--progress", "false", "--lora_r", "4", "--recompute", "false",
+            "--log_steps", "1"]
+    if not (root / "one" / "all_results.json").is_file():
+        run("finetune_lora.py", "one", [*lora, *ONE, "--output_dir", str(root / "one")])
+    log = run("finetune_lora.py", config, [*lora, *TWO, "--output_dir", str(root / config)])
+    assert f"parallel: {config} over 2 processes" in log
+    assert_same_losses(root / "one", root / config, 6)
+    a, b = (weights(root / c / "adapter_model.safetensors") for c in ("one", config))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base), root / config)
+    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
