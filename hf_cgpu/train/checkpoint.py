@@ -310,8 +310,8 @@ class Checkpointer:
                 tmp.mkdir(parents=True)
             acc.wait_for_everyone()
             acc.save_state(str(tmp))
-            if self.ema is not None:
-                self.ema.save(tmp / "ema.safetensors", write=acc.is_main_process)
+            if self.ema is not None:  # every rank: FSDP2 shards are gathered
+                self.ema.save(tmp / "ema.safetensors" if acc.is_main_process else None)
             if acc.is_main_process:
                 trainer_state = {**dataclasses.asdict(state), "step": step,
                                  "best": self.keeper.state_dict() if self.keeper is not None else {}}

@@ -39,13 +39,13 @@ class EMA:
             p.copy_(self.shadow[n].to(p.dtype))
             self.shadow[n] = live
 
-    def save(self, path: Path, write: bool = True) -> None:
-        """Write whole tensors to ``path`` when ``write`` (the main process); with sharded weights every process
-        must call it (the gather is a collective)."""
+    def save(self, path: Path | None) -> None:
+        """Write whole tensors to ``path``; with sharded weights every process must call it (the gather is a
+        collective), those that do not write with ``path`` None."""
         from .parallel import full_tensor
 
         tensors = {n: full_tensor(t) for n, t in self.shadow.items()}
-        if write:
+        if path is not None:
             save_file({n: t.contiguous() for n, t in tensors.items()}, str(path))
 
     def load(self, path: Path) -> None:
