@@ -276,3 +276,19 @@ def test_lora_two_processes_reach_the_losses_of_one(config, tiny_base, tmp_path_
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base), root / config)
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
+
+
+def test_an_fsdp2_checkpoint_is_refused_without_fsdp_in_one_line(tmp_path):
+    from types import SimpleNamespace
+
+    from hf_cgpu.errors import CheckpointError
+    from hf_cgpu.train.checkpoint import Checkpointer
+
+    ckpt = tmp_path / "step_0000010"
+    ckpt.mkdir()
+    (ckpt / "pytorch_model_fsdp.bin").write_bytes(b"")
+    single = SimpleNamespace(num_processes=1)
+    with pytest.raises(CheckpointError, match="written by a run with FSDP2; this one runs without FSDP"):
+        Checkpointer(single, tmp_path, 0, 0)._check_sharding(ckpt)
+    (ckpt / "pytorch_model_fsdp.bin").unlink()
+    Checkpointer(single, tmp_path, 0, 0)._check_sharding(ckpt)  # a DDP or one-process checkpoint: fine

@@ -400,6 +400,7 @@ class Checkpointer:
             diff = {k: (theirs.get(k), ours.get(k)) for k in keys if theirs.get(k) != ours.get(k)}
             raise CheckpointError(f"{found} was written for a different model/data ({diff} as checkpoint vs now); "
                                   "resume with the settings it was made with, or use a fresh --output_dir")
+        self._check_sharding(found)
         state = TrainState.from_dict({**dataclasses.asdict(fresh), **saved, "fingerprint": ours})
         self._apply_batch(state, fresh, found)
         self.accelerator.load_state(str(found))
@@ -412,6 +413,18 @@ class Checkpointer:
         self.last_saved, self.good = state.step, found
         self.log(f"resumed from {found} at step {state.step}")
         return state
+
+    def _check_sharding(self, found: Path) -> None:
+        """accelerate writes FSDP checkpoints in its own layout (``pytorch_model_fsdp*``), which only an FSDP run
+        reads back; refuse the other way round in one line."""
+        from .parallel import is_sharded
+
+        written_fsdp = any(found.glob("pytorch_model_fsdp*"))
+        if written_fsdp != is_sharded(self.accelerator):
+            was, now = ("with FSDP2", "without FSDP") if written_fsdp else ("without FSDP", "with FSDP2")
+            raise CheckpointError(f"{found.name} was written by a run {was}; this one runs {now}: resume it with the "
+                                  "accelerate config it was trained with (e.g. recipes/accelerate/fsdp2.yaml), or "
+                                  "start a fresh --output_dir")
 
     def _apply_batch(self, state: TrainState, fresh: TrainState, found: Path) -> None:
         """Same effective batch: a new split of it is applied from this step and recorded; another one is refused
