@@ -149,7 +149,10 @@ def run_recipe(recipe: Recipe, argv: Sequence[str], prog: str) -> int:
     if launch.cpu:
         os.environ["ACCELERATE_USE_CPU"] = "true"  # what accelerate launch --cpu sets
     results = recipe.runner()(cfg, train)
-    print(json.dumps(results, indent=2, ensure_ascii=False))
+    from .train.parallel import is_main_process
+
+    if is_main_process():  # one copy of the figures, not one per process
+        print(json.dumps(results, indent=2, ensure_ascii=False))
     return 0
 
 

@@ -128,6 +128,7 @@ def test_gpt_two_processes_reach_the_losses_of_one(gpt_runs, config):
     assert (root / config / "best" / "model.safetensors").is_file()
     # logging, cards and saving on the main process only: each step logged and each sample printed once
     assert logs[config].count("step 7: loss=") == 1 and logs[config].count("--- sample 1") == 1
+    assert logs[config].count('"toks_seen"') == 1  # the recipe prints its figures once
     assert (root / config / "README.md").is_file() and (root / config / "training_curves.png").is_file()
 
 

@@ -26,6 +26,11 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def is_main_process() -> bool:
+    """The main process (rank 0), also before and after the Accelerator exists: what prints the results."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def make_accelerator(**kwargs: Any):
     """``Accelerator(**kwargs)``; several processes without CUDA (or with ``ACCELERATE_USE_CPU``): CPU processes
     over gloo, FSDP included."""
