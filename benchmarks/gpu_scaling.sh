@@ -25,5 +25,6 @@ else
   FLOW=(--preset cifar10 ${FLOW_DATA:+--dataset "$FLOW_DATA"} --sample_every_epochs 0)
 fi
 python benchmarks/gpu_scaling.py "${FLAGS[@]}" --recipe gpt --gpus "$N" --config ddp --out "$OUT" -- "${GPT[@]}" "${COMMON[@]}"
-python benchmarks/gpu_scaling.py "${FLAGS[@]}" --recipe gpt --gpus "$N" --config fsdp2 --out "$OUT" -- "${GPT[@]}" "${COMMON[@]}"
+# FSDP2 with torch.compile (the blocks compiled in place before fully_shard) is not checked yet: both runs eager
+python benchmarks/gpu_scaling.py "${FLAGS[@]}" --recipe gpt --gpus "$N" --config fsdp2 --out "$OUT" -- "${GPT[@]}" "${COMMON[@]}" --compile false
 python benchmarks/gpu_scaling.py "${FLAGS[@]}" --recipe flow --gpus "$N" --config ddp --out "$OUT" -- "${FLOW[@]}" "${COMMON[@]}"
