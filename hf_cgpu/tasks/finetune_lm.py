@@ -129,7 +129,7 @@ class FinetuneTask(PackedTokensTask):
     def target_loss(self, model, inputs, targets) -> torch.Tensor:
         from ..tiers import causal_lm_loss_from_hidden
 
-        if self.accelerator.num_processes > 1:
+        if getattr(self.accelerator, "num_processes", 1) > 1:
             # through the DDP/FSDP2 wrapper's forward: DDP syncs gradients only for a forward it ran, FSDP2 gathers
             # the root's weights (embeddings, head) in its forward hook. The model's own loss (full logits).
             targets = targets.contiguous()

@@ -30,9 +30,8 @@ from ..tiers import validate_tier
 from .artifacts import final_results, save_run
 from .checkpoint import Checkpointer, TrainState, list_checkpoints
 from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
-from .metrics import Metrics
 from .ema import ema_weights
-from .metrics import peak_memory
+from .metrics import Metrics, peak_memory
 from .outdir import LOCK_NAME
 from .parallel import full_model, is_sharded, peak_memory_per_process
 from .prepare import Run, prepare
