@@ -32,7 +32,9 @@ def clip_gradients(accelerator, params: list[torch.nn.Parameter], max_norm: floa
     if max_norm > 0:
         return scalar(accelerator.clip_grad_norm_(params, max_norm))
     grads = [p.grad.detach() for p in params if p.grad is not None]
-    return scalar(torch.nn.utils.get_total_norm(grads))  # a DTensor norm under FSDP2: reduced over the shards
+    if any(hasattr(g, "device_mesh") for g in grads):  # FSDP2 shards: torch reduces the norm over them
+        return scalar(torch.nn.utils.get_total_norm(grads))
+    return float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])))
 
 
 class Stepper:
