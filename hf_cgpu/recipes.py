@@ -149,7 +149,10 @@ def run_recipe(recipe: Recipe, argv: Sequence[str], prog: str) -> int:
     if launch.cpu:
         os.environ["ACCELERATE_USE_CPU"] = "true"  # what accelerate launch --cpu sets
     results = recipe.runner()(cfg, train)
-    print(json.dumps(results, indent=2, ensure_ascii=False))
+    from .train.parallel import is_main_process
+
+    if is_main_process():  # one copy of the figures, not one per process
+        print(json.dumps(results, indent=2, ensure_ascii=False))
     return 0
 
 
@@ -171,7 +174,11 @@ def _launch(recipe: Recipe, argv: list[str], launch: LaunchSettings) -> int:
         cmd += ["--config_file", launch.config_file]
     if launch.num_processes > 1 or not launch.config_file:
         cmd += ["--num_processes", str(launch.num_processes)]
-    if launch.cpu:
+    if launch.num_processes > 1 and not launch.config_file:
+        cmd += ["--multi_gpu"]  # torchrun's launcher (accelerate picks it by itself only where it sees 2+ GPUs)
+    if launch.cpu and launch.num_processes > 1:
+        os.environ["ACCELERATE_USE_CPU"] = "true"  # CPU processes over gloo (--cpu would start one process)
+    elif launch.cpu:
         cmd += ["--cpu"]
     command = ["train", recipe.name] if recipe.name in RECIPES else [recipe.name]
     cmd += ["-m", "hf_cgpu.cli", *command, *_launch_argv(argv)]

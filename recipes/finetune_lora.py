@@ -14,12 +14,15 @@ from hf_cgpu.errors import run_main
 from hf_cgpu.settings import TrainSettings, parse_settings
 from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
 from hf_cgpu.train import fit
+from hf_cgpu.train.parallel import is_main_process
 
 
 def main(argv=None):
     cfg, train = parse_settings((FinetuneSettings, TrainSettings), argv, family="finetune", description=__doc__,
                                 default_preset="lora")
-    print(json.dumps(fit(FinetuneTask(cfg), train), indent=2))
+    results = fit(FinetuneTask(cfg), train)
+    if is_main_process():  # one copy of the figures, not one per process
+        print(json.dumps(results, indent=2))
     return 0
 
 

@@ -14,12 +14,14 @@ from hf_cgpu.errors import run_main
 from hf_cgpu.settings import TrainSettings, parse_settings
 from hf_cgpu.tasks.classifier import ClassifierSettings, ClassifierTask
 from hf_cgpu.train import fit
+from hf_cgpu.train.parallel import is_main_process
 
 
 def main(argv=None):
     clf, train = parse_settings((ClassifierSettings, TrainSettings), argv, family="classifier", description=__doc__)
     results = fit(ClassifierTask(clf), train)
-    print(json.dumps(results, indent=2))
+    if is_main_process():  # one copy of the figures, not one per process
+        print(json.dumps(results, indent=2))
     return 0
 
 

@@ -13,12 +13,14 @@ from hf_cgpu.errors import run_main
 from hf_cgpu.settings import TrainSettings, parse_settings
 from hf_cgpu.tasks.flow_images import FlowMatchingTask, FlowSettings
 from hf_cgpu.train import fit
+from hf_cgpu.train.parallel import is_main_process
 
 
 def main(argv=None):
     flow, train = parse_settings((FlowSettings, TrainSettings), argv, family="flow", description=__doc__)
     results = fit(FlowMatchingTask(flow), train)
-    print(json.dumps(results, indent=2))
+    if is_main_process():  # one copy of the figures, not one per process
+        print(json.dumps(results, indent=2))
     return 0
 
 

@@ -13,12 +13,14 @@ from hf_cgpu.errors import run_main
 from hf_cgpu.settings import TrainSettings, parse_settings
 from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
 from hf_cgpu.train import fit
+from hf_cgpu.train.parallel import is_main_process
 
 
 def main(argv=None):
     gpt, train = parse_settings((GPTSettings, TrainSettings), argv, family="gpt", description=__doc__)
     results = fit(CausalLMTask(gpt), train)  # saves the model, tokenizer, card and the continuations
-    print(json.dumps(results, indent=2, ensure_ascii=False))
+    if is_main_process():  # one copy of the figures, not one per process
+        print(json.dumps(results, indent=2, ensure_ascii=False))
     return 0
 
 

@@ -1,5 +1,5 @@
 """accelerate_config.yaml (one GPU) and the configs under recipes/accelerate/ are what their names say, as accelerate's own launcher reads them
-(one GPU, DDP, FSDP2 wrapping the GPT's blocks); the multi-GPU runs themselves are checked on GPUs, not here."""
+(one GPU, DDP, FSDP2 wrapping each model's blocks); the 2-process runs themselves are in test_distributed.py (CPU, gloo)."""
 
 from pathlib import Path
 
@@ -27,8 +27,15 @@ def test_configs_mean_what_their_names_say(name, processes, multi_gpu, fsdp):
     assert not args.use_cpu  # and no dynamo_config: --compile of the recipe decides, so CPU runs stay eager
 
 
-def test_fsdp2_wraps_the_gpt_blocks():
+def test_fsdp2_wraps_the_blocks_each_model_names():
+    """No layer class in the config: accelerate wraps the model's ``_no_split_modules`` (GPT blocks, UNet blocks,
+    GPTNeoXLayer of a fine-tuned base), so one config serves every trainer."""
+    from hf_cgpu.flow.unet import FlowUNet2DModel
+
     args = launch_args("fsdp2")
     assert args.fsdp_version == 2 and args.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
-    assert isinstance(getattr(modeling, args.fsdp_transformer_layer_cls_to_wrap), type)  # a class the GPT has
+    assert args.fsdp_transformer_layer_cls_to_wrap is None
+    for model in (modeling.CgptForCausalLM, FlowUNet2DModel):
+        assert all(isinstance(getattr(__import__(model.__module__, fromlist=["x"]), name), type)
+                   for name in model._no_split_modules)  # classes the model has
     assert args.fsdp_state_dict_type == "FULL_STATE_DICT"  # save_pretrained gets whole tensors

@@ -69,8 +69,14 @@ class BudgetSettings:
     """Fraction of the bf16 peak sustained, for the hours."""
     stock_peft: bool = False
     """Count stock peft's LoRA/QLoRA (no autocast / kbit upcast, full logits), the benchmark's peer."""
+    num_processes: int = 1
+    """GPUs (one process each) the run is launched on: the ledger is per GPU, the micro-batch per process."""
+    fsdp: bool = False
+    """With --num_processes > 1: FSDP2 (recipes/accelerate/fsdp2.yaml, states sharded) instead of DDP (ddp.yaml)."""
 
     def __post_init__(self) -> None:
+        if self.num_processes < 1:
+            raise SettingsError(f"--num_processes must be >= 1, got {self.num_processes}")
         if not 0 < self.mfu <= 1:
             raise SettingsError(f"--mfu must be in (0, 1], got {self.mfu}: typical is 0.3-0.5")
         if self.config and self.model:
@@ -221,8 +227,10 @@ def format_model_states(led: Ledger, label_w: int) -> str:
     st = model_state_bytes(led.shape, led.setup)
     total = st.weights + st.gradients + st.optimizer + st.master
     per_param = total / led.shape.n_params
+    sharded = led.setup.processes if led.setup.fsdp and led.setup.processes > 1 else 1
+    where = f"; / {sharded} FSDP2 processes: {fmt_gib(total / sharded)} per GPU" if sharded > 1 else ""
     return (f"  {'= model states':<{label_w}}{total / GiB:>8.2f}   {per_param:.1f} B/param: weights + gradients + "
-            f"optimizer state (the seed's AdamW rule: 16 B/param, 5.2 GB at 350M)")
+            f"optimizer state (the seed's AdamW rule: 16 B/param, 5.2 GB at 350M){where}")
 
 
 def format_seed_comparison(shape: ModelShape, setup: TrainSetup, led: Ledger) -> str:
@@ -269,7 +277,7 @@ def run(argv: Sequence[str] | None = None) -> str:
                             f"positions; training would refuse it: use --seq_len {shape.max_positions} or less")
     cap = parse_memory(train.memory_cap or DEFAULT_MEMORY_CAP)
     peer = {"stock_peft": True, "loss_chunk_size": 0} if opts.stock_peft else {}  # stock: the model's full logits
-    setup = run_shape.setup(train, **peer)
+    setup = run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp, **peer)
     out = [f"hf-cgpu budget: {shape.describe()}", f"  {setup.describe()}", ""]
     if train.autofit:
         tokens = opts.effective_batch_tokens or None

@@ -188,7 +188,8 @@ def oom_advice(setup: TrainSetup) -> str:
     return f"CUDA out of memory even at micro_batch_size 1; next rung of the memory ladder: {steps} (see `hf-cgpu budget`)"
 
 
-def autofit_settings(settings: Any, run_shape: RunShape | None, device_memory: int | None, log=print) -> Any:
+def autofit_settings(settings: Any, run_shape: RunShape | None, device_memory: int | None, log=print,
+                     processes: int = 1, parallel: str = "single") -> Any:
     """``--autofit``: the trainer's ``settings`` (a ``TrainSettings``) with micro-batch, accumulation, recompute and
     8-bit AdamW chosen by the ladder so the run fits ``memory_cap`` (else ``device_memory``); a new object.
 
@@ -203,14 +204,16 @@ def autofit_settings(settings: Any, run_shape: RunShape | None, device_memory: i
         cap = device_memory
     else:
         raise SettingsError("--autofit without a GPU needs --memory_cap, e.g. --memory_cap 16GB")
-    base = run_shape.setup(settings)
+    base = run_shape.setup(settings, processes=processes, fsdp=parallel == "fsdp2")  # the ledger per GPU
     plan = autofit(run_shape.model, cap, seq_len=base.seq_len, micro_batch_size=base.micro_batch_size,
                    gradient_accumulation_steps=base.gradient_accumulation_steps, rungs=TRAINER_RUNGS, base=base)
     for reason in plan.reasons:
         log(f"autofit: {reason}")
     if not plan.fits:
+        shard = (f", or shard the states over the {processes} GPUs with recipes/accelerate/fsdp2.yaml"
+                 if processes > 1 and parallel != "fsdp2" else "")
         raise SettingsError(f"autofit: no micro-batch/recompute/8-bit setting fits {fmt_gib(cap)}; "
-                            "pick a smaller preset or fine-tune an existing model with --tier lora")
+                            f"pick a smaller preset or fine-tune an existing model with --tier lora{shard}")
     chosen = plan.setup
     return dataclasses.replace(settings, micro_batch_size=chosen.micro_batch_size, tier=chosen.tier,
                                gradient_accumulation_steps=chosen.gradient_accumulation_steps,

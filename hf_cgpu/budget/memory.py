@@ -109,6 +109,12 @@ LOGITS_CHUNK_BYTES = 16
 """One checkpointed loss chunk (``loss_chunk_size`` tokens x V): bf16 logits 2 + fp32 copy 4 + fp32 log-softmax 4 + its
 two fp32 gradients, not all at once. Meta-device trace, 350M, chunk 1024 x 32000: 17 bytes per entry."""
 
+# ---- several GPUs ------------------------------------------------------------------------------------------------
+FSDP_UNSHARDED_BLOCKS = 2
+"""FSDP2 all-gathers one block while the previous one computes (forward and backward prefetch): two blocks' whole
+bf16 parameters (accelerate's bf16 policy: param_dtype bf16) and, in backward, their bf16 gradients before the
+reduce-scatter. Structural (torch's FSDP2 prefetches one unit ahead), not yet measured on GPUs."""
+
 # ---- outside the tensors -----------------------------------------------------------------------------------------
 WORKSPACE_BYTES = 128 * MiB
 """cuBLAS + cuBLASLt workspaces (32 MiB each per stream on sm_90 and newer, allocated through PyTorch's caching
@@ -463,6 +469,31 @@ class Ledger:
         return out
 
 
+def parallel_rows(shape: ModelShape, setup: TrainSetup, rows: list[Row], st: StateBytes) -> list[Row]:
+    """The rows of one GPU of ``setup.processes``. DDP: a whole replica plus its gradient buckets (the reducer's flat
+    fp32 copies of the trainable gradients, allocated for the whole run). FSDP2: weights, gradients, optimizer state
+    (and master) divided by the processes; no autocast copies (the blocks are gathered in bf16); the gathered units:
+    the root's parameters (embeddings, head, final norm: not resharded between forward and backward) and
+    ``FSDP_UNSHARDED_BLOCKS`` blocks' parameters and gradients in bf16."""
+    p = setup.processes
+    if p == 1:
+        return rows
+    if not setup.fsdp:
+        return [*rows, Row("ddp_buckets", "DDP gradient buckets", st.gradients,
+                           f"fp32 copies of the trainable gradients for the all-reduce ({p} processes)")]
+    shard = {"weights", "gradients", "optimizer", "master"}
+    out = [Row(r.key, r.label, r.bytes / p, f"{r.note}; 1/{p} per GPU (FSDP2 shard)") if r.key in shard else r
+           for r in rows]
+    out = [Row(r.key, r.label, 0.0, "none: FSDP2 gathers the blocks in bf16") if r.key == "autocast_copies" else r
+           for r in out]
+    block = sum(n for name, n, _ in shape.param_tensors() if name.startswith("h.0."))
+    root = shape.n_params - shape.n_layer * block
+    blocks = min(FSDP_UNSHARDED_BLOCKS, shape.n_layer)
+    unsharded = BF16 * root + blocks * block * (BF16 + (BF16 if st.trainable_params == shape.n_params else 0))
+    return [*out, Row("fsdp_unsharded", "FSDP2 gathered units", unsharded,
+                      f"bf16 root (embeddings/head) + {blocks} blocks' bf16 weights and gradients being gathered")]
+
+
 def ledger(
     shape: ModelShape, setup: TrainSetup | None = None, memory_cap: float | None = None, **overrides: Any
 ) -> Ledger:
@@ -502,8 +533,12 @@ def ledger(
     if setup.recompute:  # the loss's backward frees the logits before the first block is re-run
         rows.append(Row("overlap", "not at the same time", -min(logits, recompute_layer),
                         "recomputed block and logits never coexist: only the larger counts"))
+    rows = parallel_rows(shape, setup, rows, st)
+    states = sum(r.bytes for r in rows if r.key in ("weights", "optimizer", "master", "ddp_buckets"))  # FSDP2
+    # units are resharded by the optimizer step
     backward_start = sum(r.bytes for r in rows)
-    optimizer_step = st.weights + st.gradients + st.optimizer + st.master + WORKSPACE_BYTES  # fused AdamW: no temp
+    grads_all = (st.gradients / setup.processes) if setup.processes > 1 and setup.fsdp else st.gradients
+    optimizer_step = states + grads_all + WORKSPACE_BYTES  # fused AdamW: no temp
     if optimizer_step > backward_start:
         allocated, phase = optimizer_step, "optimizer step"
     else:

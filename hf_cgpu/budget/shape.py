@@ -347,9 +347,14 @@ class TrainSetup:
     """The peer the benchmark trains beside ours, not an hf_cgpu tier: LoRA on a bf16 model without autocast (peft
     upcasts every adapted input to fp32 and saves it); QLoRA through prepare_model_for_kbit_training (embeddings,
     head, norms and so the residual stream in fp32)."""
+    processes: int = 1
+    """Data-parallel processes (one per GPU); the ledger is per GPU, the micro-batch is per process."""
+    fsdp: bool = False
+    """With ``processes`` > 1: FSDP2 (weights, gradients and optimizer state sharded over the processes) instead of
+    DDP (a whole replica per GPU, plus DDP's gradient buckets)."""
 
     def __post_init__(self) -> None:
-        for key in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "lora_r"):
+        for key in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "lora_r", "processes"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SettingsError(f"{key} must be a positive integer, got {value!r}")
@@ -391,9 +396,13 @@ class TrainSetup:
             what = f"{self.tier} ({opt}, fp32 weights + bf16 autocast)"
         loss = f"loss in chunks of {self.loss_chunk_size} tokens" if self.loss_chunk_size else (
             "full logits, compiled loss" if self.compiled_loss else "full logits, eager loss")
+        gpus = ""
+        if self.processes > 1:
+            gpus = (f" per GPU, x {self.processes} {'FSDP2' if self.fsdp else 'DDP'} processes = "
+                    f"{self.tokens_per_step * self.processes:,} tokens/step in all")
         return (
             f"{what}; seq {self.seq_len} x micro-batch {self.micro_batch_size} x accumulation "
-            f"{self.gradient_accumulation_steps} = {self.tokens_per_step:,} tokens/step; "
+            f"{self.gradient_accumulation_steps} = {self.tokens_per_step:,} tokens/step{gpus}; "
             f"{'recompute' if self.recompute else 'no recompute'}; {loss}"
         )
 

@@ -79,6 +79,7 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
     """
 
     _supports_gradient_checkpointing = True
+    _no_split_modules = ["ResBlock"]  # FSDP2 (TRANSFORMER_BASED_WRAP) shards each block as its own unit
 
     @register_to_config
     def __init__(

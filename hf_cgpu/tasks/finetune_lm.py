@@ -129,6 +129,11 @@ class FinetuneTask(PackedTokensTask):
     def target_loss(self, model, inputs, targets) -> torch.Tensor:
         from ..tiers import causal_lm_loss_from_hidden
 
+        if getattr(self.accelerator, "num_processes", 1) > 1:
+            # through the DDP/FSDP2 wrapper's forward: DDP syncs gradients only for a forward it ran, FSDP2 gathers
+            # the root's weights (embeddings, head) in its forward hook. The model's own loss (full logits).
+            targets = targets.contiguous()
+            return model(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False).loss
         with self.accelerator.autocast():  # the backbone is called directly, outside prepare's autocast
             return causal_lm_loss_from_hidden(model, inputs, targets, chunk_size=self.cfg.loss_chunk_size, shift=False)
 

@@ -67,7 +67,9 @@ class FlowMatchingTask(Task):
         size = self.images.shape[-1]
         labels = torch.zeros(1, dtype=torch.long) if num_classes is not None else None
         flops = counted_training_flops(model, torch.zeros(1, 3, size, size), torch.zeros(1), labels)
-        model = model.to(memory_format=torch.channels_last).train()
+        if not getattr(accelerator, "is_fsdp2", False):  # FSDP2 shards contiguous parameters only
+            model = model.to(memory_format=torch.channels_last)
+        model = model.train()
         effective = settings.samples_per_step(accelerator.num_processes)
         eval_steps = settings.eval_steps
         if cfg.sample_every_epochs > 0:

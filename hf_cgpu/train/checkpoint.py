@@ -159,6 +159,9 @@ def nonfinite_tensors(model: torch.nn.Module | None, optimizer=None, ema=None) -
                       if torch.is_tensor(t)]
     if ema is not None:
         named += [(f"EMA {n}", t) for n, t in ema.shadow.items()]
+    from .parallel import local
+
+    named = [(n, local(t)) for n, t in named]  # this rank's shards under FSDP2
     named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
     if not named:
         return []
@@ -292,7 +295,9 @@ class Checkpointer:
         ones."""
         acc = self.accelerator
         self._sealer.wait()
-        bad = nonfinite_tensors(self.model, self.optimizer, self.ema)
+        from .parallel import gather_list
+
+        bad = gather_list(acc, nonfinite_tensors(self.model, self.optimizer, self.ema))  # every rank's shards
         if bad:
             self.log(f"step {step}: not checkpointed, {len(bad)} tensors are not finite (first: {bad[0]}); "
                      f"{self._intact()}")
@@ -307,9 +312,9 @@ class Checkpointer:
                 tmp.mkdir(parents=True)
             acc.wait_for_everyone()
             acc.save_state(str(tmp))
+            if self.ema is not None:  # every rank: FSDP2 shards are gathered
+                self.ema.save(tmp / "ema.safetensors" if acc.is_main_process else None)
             if acc.is_main_process:
-                if self.ema is not None:
-                    self.ema.save(tmp / "ema.safetensors")
                 trainer_state = {**dataclasses.asdict(state), "step": step,
                                  "best": self.keeper.state_dict() if self.keeper is not None else {}}
                 (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
@@ -399,6 +404,7 @@ class Checkpointer:
             diff = {k: (theirs.get(k), ours.get(k)) for k in keys if theirs.get(k) != ours.get(k)}
             raise CheckpointError(f"{found} was written for a different model/data ({diff} as checkpoint vs now); "
                                   "resume with the settings it was made with, or use a fresh --output_dir")
+        self._check_sharding(found)
         state = TrainState.from_dict({**dataclasses.asdict(fresh), **saved, "fingerprint": ours})
         self._apply_batch(state, fresh, found)
         self.accelerator.load_state(str(found))
@@ -411,6 +417,18 @@ class Checkpointer:
         self.last_saved, self.good = state.step, found
         self.log(f"resumed from {found} at step {state.step}")
         return state
+
+    def _check_sharding(self, found: Path) -> None:
+        """accelerate writes FSDP checkpoints in its own layout (``pytorch_model_fsdp*``), which only an FSDP run
+        reads back; refuse the other way round in one line."""
+        from .parallel import is_sharded
+
+        written_fsdp = any(found.glob("pytorch_model_fsdp*"))
+        if written_fsdp != is_sharded(self.accelerator):
+            was, now = ("with FSDP2", "without FSDP") if written_fsdp else ("without FSDP", "with FSDP2")
+            raise CheckpointError(f"{found.name} was written by a run {was}; this one runs {now}: resume it with the "
+                                  "accelerate config it was trained with (e.g. recipes/accelerate/fsdp2.yaml), or "
+                                  "start a fresh --output_dir")
 
     def _apply_batch(self, state: TrainState, fresh: TrainState, found: Path) -> None:
         """Same effective batch: a new split of it is applied from this step and recorded; another one is refused

@@ -10,7 +10,10 @@ from safetensors.torch import load_file, save_file
 
 
 class EMA:
-    """shadow <- decay_at(step) * shadow + (1 - decay_at(step)) * weights, in fp32; saved as safetensors."""
+    """shadow <- decay_at(step) * shadow + (1 - decay_at(step)) * weights, in fp32; saved as safetensors.
+
+    Every process keeps the average of its own parameters: whole replicas under DDP (the same on every rank), its
+    shards under FSDP2 (``DTensor``: the update is elementwise, saving gathers whole tensors, loading cuts them)."""
 
     def __init__(self, model: torch.nn.Module, decay: float):
         self.decay = decay
@@ -36,13 +39,25 @@ class EMA:
             p.copy_(self.shadow[n].to(p.dtype))
             self.shadow[n] = live
 
-    def save(self, path: Path) -> None:
-        save_file({n: t.contiguous() for n, t in self.shadow.items()}, str(path))
+    def save(self, path: Path | None) -> None:
+        """Write whole tensors to ``path``; with sharded weights every process must call it (the gather is a
+        collective), those that do not write with ``path`` None."""
+        from .parallel import full_tensor
+
+        tensors = {n: full_tensor(t) for n, t in self.shadow.items()}
+        if path is not None:
+            save_file({n: t.contiguous() for n, t in tensors.items()}, str(path))
 
     def load(self, path: Path) -> None:
         loaded = load_file(str(path))
-        for n in self.shadow:
-            self.shadow[n].copy_(loaded[n])
+        for n, t in self.shadow.items():
+            if hasattr(t, "device_mesh"):  # a DTensor shard: this rank's part of the whole saved tensor
+                from torch.distributed.tensor import distribute_tensor
+
+                whole = loaded[n].to(t.to_local().device)
+                t.to_local().copy_(distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local())
+            else:
+                t.copy_(loaded[n])
 
 
 @contextmanager

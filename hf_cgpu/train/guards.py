@@ -101,7 +101,10 @@ class LabelLeakGuard:
 
 
 class OOMGuard:
-    """CUDA OOM in the first ``OOM_RETRY_STEPS`` steps: halve the micro-batch and double accumulation, down to 1."""
+    """CUDA OOM in the first ``OOM_RETRY_STEPS`` steps: halve the micro-batch and double accumulation, down to 1.
+
+    One process only: with several, the others wait in a collective of the step the failing one left, so a retry
+    cannot be agreed; the error ends the run (the launcher stops every process) with the ladder's advice."""
 
     def __init__(self, enabled: bool, first_step: int, advice: str):
         self.enabled, self.first_step, self.advice = enabled, first_step, advice
@@ -130,12 +133,13 @@ def free_after_oom(optimizer: torch.optim.Optimizer) -> None:
 class Guards:
     """The per-step checks in their order: label leak (first step), non-finite, spike (finite steps only)."""
 
-    def __init__(self, settings, expected_initial_loss: float | None, first_step: int, oom_advice: str, log=print):
+    def __init__(self, settings, expected_initial_loss: float | None, first_step: int, oom_advice: str, log=print,
+                 processes: int = 1):
         self.first_step, self.log = first_step, log
         self.label_leak = LabelLeakGuard(expected_initial_loss)
         self.finite = NonFiniteGuard(settings.nan_patience)
         self.spike = SpikeGuard(settings.spike_factor)
-        self.oom = OOMGuard(settings.oom_retry, first_step, oom_advice)
+        self.oom = OOMGuard(settings.oom_retry and processes == 1, first_step, oom_advice)
 
     def check(self, step: int, loss: float, grad_norm: float) -> Verdict:
         self.label_leak.check(step, self.first_step, loss, self.log)

@@ -31,8 +31,10 @@ from ..tiers import validate_tier
 from .artifacts import final_results, save_run
 from .checkpoint import Checkpointer, TrainState, list_checkpoints
 from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
-from .metrics import Metrics
+from .ema import ema_weights
+from .metrics import Metrics, peak_memory
 from .outdir import LOCK_NAME
+from .parallel import full_model, is_sharded, peak_memory_per_process
 from .prepare import Run, prepare
 from .schedule import lr_at, set_lr
 from .step import Stepper
@@ -117,8 +119,9 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     order = task.sample_order(s.seed)
     stepper = Stepper(task, run.model, acc, order, s.seed, s.max_grad_norm)
     every = s.eval_steps if run.plan.eval_steps is None else run.plan.eval_steps
-    validator = Validator(task, run.model, acc, ema, s, keeper, metrics, every, run.output_dir)
-    guards = Guards(s, run.plan.expected_initial_loss, state.step, oom_advice(_ladder_setup(run)), metrics.write)
+    validator = Validator(task, run.model, acc, ema, s, keeper, metrics, every, run.output_dir, run.template)
+    guards = Guards(s, run.plan.expected_initial_loss, state.step, oom_advice(_ladder_setup(run)), metrics.write,
+                    processes=acc.num_processes)
     try:
         with Stopping(s.max_minutes, catch_signals=True) as stopping, metrics.progress(state.step):
             _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer, stopping)
@@ -162,8 +165,8 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
             if ema is not None:
                 ema.update(step)
             state.step = step = step + 1
-            state.units_seen += result.units * acc.num_processes
-            metrics.record(step, result.loss, lr, result.grad_norm, result.units * acc.num_processes,
+            state.units_seen += result.units
+            metrics.record(step, result.loss, lr, result.grad_norm, result.units,
                            order.epoch_of(step, state.effective_batch * state.processes))
             if validator.due(step):
                 with metrics.paused():
@@ -209,10 +212,18 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
         **metrics.summary(), "skipped_steps": state.skipped_steps, "micro_batch_size": state.micro_batch_size,
         "gradient_accumulation_steps": state.gradient_accumulation_steps, "processes": state.processes,
         "batch_changes": state.batch_changes, "mixed_precision": acc.mixed_precision})
-    if acc.is_main_process:
-        recorded = to_dict(*(x for x in (task.cfg, s) if x is not None))
-        with torch.compiler.set_stance("force_eager"):  # the end-of-run samples: no compile for their shapes
+    if acc.num_processes > 1:
+        results["processes_peak_memory"] = peak_memory_per_process(acc, peak_memory(acc.device))
+    recorded = to_dict(*(x for x in (task.cfg, s) if x is not None))
+    with torch.compiler.set_stance("force_eager"):  # the end-of-run samples: no compile for their shapes
+        if is_sharded(acc):  # the EMA weights are put in place on every rank, then gathered whole
+            with ema_weights(run.ema, enabled=not use_best), full_model(acc, run.model, run.template) as whole:
+                if whole is not None:
+                    save_run(task, whole, None, use_best, run.output_dir, results, recorded, metrics.history,
+                             metrics.write)
+        elif acc.is_main_process:
             save_run(task, acc.unwrap_model(run.model), run.ema, use_best, run.output_dir, results, recorded,
                      metrics.history, metrics.write)
+    acc.wait_for_everyone()
     acc.end_training()
     return results

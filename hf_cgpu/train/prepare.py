@@ -20,6 +20,7 @@ from ..tiers import apply_tiers, build_optimizer, validate_tier
 from .compiled import RecompileWatch, use_compile_cache
 from .ema import EMA
 from .outdir import RunLock, check_free_space, checkpoint_bytes, claim
+from .parallel import kind, make_accelerator, template_of
 from .task import Task, TaskPlan
 
 
@@ -41,6 +42,9 @@ class Run:
     """The output folder's lock (main process), released by ``fit``."""
     recompiles: RecompileWatch | None = None
     """Counts torch.compile recompilations (compiled runs only), closed by ``fit``."""
+    template: torch.nn.Module | None = None
+    """FSDP2: a plain CPU copy of the model on the main process, the whole weights are gathered into it
+    (``parallel.full_model``); None otherwise."""
 
     @property
     def flops_per_unit(self) -> float:
@@ -82,7 +86,7 @@ def prepare(task: Task, s: TrainSettings) -> Run:
     out_dir = Path(s.output_dir)
     lock = claim(out_dir, s.resume_from_checkpoint, s.overwrite_output_dir) if _is_main() else None
     try:
-        accelerator = Accelerator(mixed_precision=mixed_precision(s), project_dir=str(out_dir),
+        accelerator = make_accelerator(mixed_precision=mixed_precision(s), project_dir=str(out_dir),
                                   log_with=None if s.report_to == "none" else s.report_to)
         accelerator.wait_for_everyone()  # the folder is claimed (and an earlier run cleared) before anyone reads it
         return _prepare(task, s, accelerator, out_dir, lock)
@@ -99,11 +103,17 @@ def _is_main() -> bool:
 
 def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Path, lock: RunLock | None) -> Run:
     device = accelerator.device
+    if accelerator.num_processes > 1:
+        accelerator.print(f"parallel: {kind(accelerator)} over {accelerator.num_processes} processes "
+                          f"({accelerator.state.backend}, {device.type}); global batch {s.samples_per_step(accelerator.num_processes)}"
+                          f" = micro_batch_size {s.micro_batch_size} x gradient_accumulation_steps "
+                          f"{s.gradient_accumulation_steps} x {accelerator.num_processes} processes")
     set_seed(s.seed)
     plan = task.setup(s, accelerator)
     if s.autofit:
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        s = autofit_settings(s, plan.shape, memory, accelerator.print)
+        s = autofit_settings(s, plan.shape, memory, accelerator.print, processes=accelerator.num_processes,
+                             parallel=kind(accelerator))
     validate_tier(s.tier, s.recompute, train_mode=task.train_mode)
     announce_cache(accelerator.print)
     cpu_backend = os.environ.get(COMPILE_ON_CPU, "")
@@ -120,6 +130,7 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
         lora_dropout=s.lora_dropout, target_modules=[m for m in s.lora_target_modules.split(",") if m] or None,
         compile_backend=cpu_backend if device.type != "cuda" and cpu_backend else "inductor",
     )
+    template = template_of(accelerator, model)  # on the CPU, before prepare shards the parameters in place
     if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "hf_device_map", None):
         model = model.to(device)  # before the optimizer, so AdamW can be fused on CUDA
     optimizer = build_optimizer(model, s.tier, lr=s.learning_rate, weight_decay=s.weight_decay,
@@ -130,4 +141,4 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
     if accelerator.is_main_process:
         check_free_space(out_dir, checkpoint_bytes(accelerator.unwrap_model(model), s.tier, ema is not None))
-    return Run(s, accelerator, plan, model, optimizer, ema, out_dir, lock, watch)
+    return Run(s, accelerator, plan, model, optimizer, ema, out_dir, lock, watch, template)

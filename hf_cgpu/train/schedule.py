@@ -33,6 +33,12 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919 + 17) % (2**62)
 
 
+def micro_batch_seed(seed: int, step: int, micro_batch: int) -> int:
+    """The seed of micro-batch ``micro_batch`` of step ``step`` (counted over all processes); micro-batch 0 draws
+    with ``step_seed``."""
+    return (step_seed(seed, step) + micro_batch * 1_000_000_007) % (2**62)
+
+
 class SampleOrder:
     """Sample indices of optimizer step ``k``: a fresh permutation each epoch, a function of (seed, k) alone."""
 

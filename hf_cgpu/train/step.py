@@ -1,4 +1,10 @@
-"""One optimizer step's forward/backward: the accumulation window over this process's samples, then clipping."""
+"""One optimizer step's forward/backward: the accumulation window over this process's samples, then clipping.
+
+Step ``k``'s global batch is ``order.indices(k, micro_batch_size x accumulation x processes)`` whatever the number
+of processes; process ``r`` takes the ``r``-th contiguous slice of it, so its micro-batch ``j`` is micro-batch
+``r x accumulation + j`` of the step. Every micro-batch draws its randomness (dropout, noise, times, flips) from a
+seed of ``(seed, k, its index in the step)``: one process with accumulation ``a x P`` and ``P`` processes with
+accumulation ``a`` train on the same micro-batches with the same draws, so they reach the same losses."""
 
 from __future__ import annotations
 
@@ -7,25 +13,28 @@ from dataclasses import dataclass
 
 import torch
 
-from .schedule import step_seed
+from .parallel import global_sum, scalar
+from .schedule import micro_batch_seed
 
 
 @dataclass(frozen=True)
 class StepResult:
     loss: float
-    """Mean loss over the micro-batches."""
+    """Mean loss over the micro-batches of every process (the same on every rank)."""
     grad_norm: float
     """Global gradient norm before clipping."""
     units: int
-    """Throughput units this process trained on (tokens, images)."""
+    """Throughput units all processes trained on (tokens, images)."""
 
 
 def clip_gradients(accelerator, params: list[torch.nn.Parameter], max_norm: float) -> float:
     """Clip the global gradient norm to ``max_norm`` (0 = no clipping) and return the norm before clipping."""
     if max_norm > 0:
-        return float(accelerator.clip_grad_norm_(params, max_norm))
-    norms = [p.grad.detach().float().norm() for p in params if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(norms)))
+        return scalar(accelerator.clip_grad_norm_(params, max_norm))
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if any(hasattr(g, "device_mesh") for g in grads):  # FSDP2 shards: torch reduces the norm over them
+        return scalar(torch.nn.utils.get_total_norm(grads))
+    return float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])))
 
 
 class Stepper:
@@ -41,11 +50,13 @@ class Stepper:
         effective = micro_batch_size * accumulation
         idx = self.order.indices(step, effective * acc.num_processes)
         idx = idx[acc.process_index * effective : (acc.process_index + 1) * effective]
-        torch.manual_seed(step_seed(self.seed, step))  # dropout and any other global draw
-        gen = torch.Generator(device=device).manual_seed(step_seed(self.seed, step))
+        gen = torch.Generator(device=device)
         loss_sum = torch.zeros((), device=device)
         units = 0
         for k in range(accumulation):
+            seed = micro_batch_seed(self.seed, step, acc.process_index * accumulation + k)
+            torch.manual_seed(seed)  # dropout and any other global draw
+            gen.manual_seed(seed)
             batch = self.task.train_batch(idx[k * micro_batch_size : (k + 1) * micro_batch_size], device, gen)
             with acc.no_sync(self.model) if k < accumulation - 1 else nullcontext():
                 loss = self.task.loss(self.model, batch, gen)
@@ -53,4 +64,6 @@ class Stepper:
             loss_sum += loss.detach().float()
             units += self.task.units(batch)
         grad_norm = clip_gradients(acc, self.trainable, self.max_grad_norm)
-        return StepResult((loss_sum / accumulation).item(), grad_norm, units)
+        loss_sum, total_units = global_sum(acc, loss_sum, torch.tensor(float(units), device=device))
+        micro_batches = accumulation * acc.num_processes
+        return StepResult((loss_sum / micro_batches).item(), grad_norm, int(total_units))

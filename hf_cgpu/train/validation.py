@@ -15,6 +15,7 @@ import torch
 from ..errors import IntegrityError
 from ..integrity import build_manifest, replace_dir, verify_folder, write_manifest
 from .ema import ema_weights
+from .parallel import full_model, is_sharded, load_full_state
 
 
 class BestKeeper:
@@ -75,9 +76,11 @@ class Validator:
     evaluation of the same step (an early stop or the deadline right after one)."""
 
     def __init__(self, task, model, accelerator, ema, settings, keeper: BestKeeper, metrics, every: int,
-                 output_dir: Path):
+                 output_dir: Path, template=None):
         self.task, self.model, self.accelerator, self.ema, self.settings = task, model, accelerator, ema, settings
         self.keeper, self.metrics, self.every, self.output_dir = keeper, metrics, every, output_dir
+        self.template = template
+        """FSDP2: the plain copy the whole weights are gathered into for sample grids and the best weights."""
         self.last: tuple[int | None, dict[str, float]] = (None, {})
 
     def due(self, step: int) -> bool:
@@ -91,12 +94,13 @@ class Validator:
         # eagerly: a compiled model would recompile for no_grad, eval() and the evaluation/sample batch shapes
         with ema_weights(self.ema), torch.compiler.set_stance("force_eager"):
             with torch.no_grad(), acc.autocast():
-                raw = self.task.evaluate(model, self.settings, acc.device)
-            unwrapped = acc.unwrap_model(model)
-            if acc.is_main_process:
-                self.task.on_evaluate(unwrapped, step, self.output_dir)
-            write = (lambda folder: self.task.save_best(unwrapped, folder)) if acc.is_main_process else None
-            improved = self.keeper.observe(raw, step, write)
+                raw = self.task.evaluate(model, self.settings, acc.device)  # every rank: the same figures
+            with full_model(acc, model, self.template) as whole:  # None on all but the main process
+                if whole is not None:
+                    whole.eval()
+                    self.task.on_evaluate(whole, step, self.output_dir)
+                write = (lambda folder: self.task.save_best(whole, folder)) if whole is not None else None
+                improved = self.keeper.observe(raw, step, write)
             acc.wait_for_everyone()
         model.train(was_training)
         metrics = {f"eval/{k}": v for k, v in raw.items()}
@@ -126,8 +130,21 @@ class Validator:
         if problem:
             self.metrics.write(f"warning: load_best_at_end: {problem}; the saved model is the last one (step {step})")
             return False
-        self.accelerator.wait_for_everyone()
-        self.task.load_saved_weights(self.accelerator.unwrap_model(self.model), k.folder)
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        if is_sharded(acc):  # every rank loads the whole best weights into its shards
+            from safetensors.torch import load_file
+
+            if (k.folder / "adapter_model.safetensors").is_file():
+                self.metrics.write("warning: load_best_at_end: adapter weights are not restored into FSDP2 shards; "
+                                   f"the saved model is the last one (step {step}); the best is in {k.folder}")
+                return False
+            state: dict[str, torch.Tensor] = {}
+            for f in sorted(k.folder.rglob("*.safetensors")):
+                state.update(load_file(str(f)))
+            load_full_state(acc, self.model, state)
+        else:
+            self.task.load_saved_weights(acc.unwrap_model(self.model), k.folder)
         self.metrics.write(f"load_best_at_end: the saved model is the one of step {k.step} ({k.metric} {k.value:.4g}; "
                            f"last step {step}: {final.get(k.metric, float('nan')):.4g})")
         return True
