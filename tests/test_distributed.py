@@ -239,23 +239,6 @@ def test_autofit_and_budget_see_the_processes(capsys):
 
 
 # ---------------------------------------------------------------------------------------------------- LoRA
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory):
-    """A tiny GPTNeoX with its tokenizer, saved locally (no downloads)."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    from hf_cgpu.data.text import builtin_corpus, train_tokenizer
-
-    d = tmp_path_factory.mktemp("neox_base")
-    tok = train_tokenizer(builtin_corpus()[:20], vocab_size=400, show_progress=False)
-    cfg = GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                        vocab_size=len(tok), max_position_embeddings=64, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    GPTNeoXForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
-
-
 @pytest.mark.parametrize("config", ["ddp", "fsdp2"])
 def test_lora_two_processes_reach_the_losses_of_one(config, tiny_base, tmp_path_factory):
     """Plain LoRA: the loss runs through the DDP/FSDP2 wrapper (DDP syncs only gradients of a forward it ran), the

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+from isolation import WITHOUT_HF_CGPU
 import torch
 from transformers import AutoModelForCausalLM, pipeline
 
@@ -15,7 +16,6 @@ from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM, chunked_cross_entro
 from hf_cgpu.settings import load_preset
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_config(**kw):
@@ -200,16 +200,8 @@ def test_text_generation_pipeline(saved_lm):
 
 
 def test_trust_remote_code_without_hf_cgpu(saved_lm, tmp_path):
-    script = textwrap.dedent(
+    script = WITHOUT_HF_CGPU + textwrap.dedent(
         f"""
-        import sys
-        sys.path = [p for p in sys.path if not p.startswith({REPO!r}) and p not in ('', '.')]
-        sys.modules['hf_cgpu'] = None  # also defeats an editable install's import hook
-        try:
-            import hf_cgpu
-            raise SystemExit('hf_cgpu importable: the test would prove nothing')
-        except ImportError:
-            pass
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         d = {str(saved_lm)!r}

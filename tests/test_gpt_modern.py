@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from isolation import WITHOUT_HF_CGPU
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -18,7 +19,6 @@ from hf_cgpu.models.cgpt.modeling_cgpt import apply_rotary, rotary_cos_sin
 from hf_cgpu.settings import TrainSettings
 from hf_cgpu.tasks.settings import GPTSettings
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODERN = dict(position_embedding="rotary", qk_norm=True, activation="relu2")
 
 
@@ -115,16 +115,8 @@ def test_save_load_round_trip_and_trust_remote_code_without_hf_cgpu(tmp_path):
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
     torch.save({"ids": ids, "want": want}, tmp_path / "io.pt")
-    script = textwrap.dedent(
+    script = WITHOUT_HF_CGPU + textwrap.dedent(
         f"""
-        import sys
-        sys.path = [p for p in sys.path if not p.startswith({REPO!r}) and p not in ('', '.')]
-        sys.modules['hf_cgpu'] = None  # also defeats an editable install's import hook
-        try:
-            import hf_cgpu
-            raise SystemExit('hf_cgpu importable: the test would prove nothing')
-        except ImportError:
-            pass
         import torch
         from transformers import AutoModelForCausalLM
         m = AutoModelForCausalLM.from_pretrained({str(tmp_path / "m")!r}, trust_remote_code=True).eval()
