@@ -36,6 +36,7 @@ KINDS: dict[str, dict[str, str]] = {
 UPLOAD_IGNORE_PATTERNS = [
     "checkpoints/*",
     "best/*",  # the best-by-validation copy; with load_best_at_end the top-level model is that copy
+    "tokenizer/*",  # the training copy of the tokenizer (resume reads it); the model folder has its own
     "*/checkpoints/*",
     "__pycache__/*",
     "*/__pycache__/*",

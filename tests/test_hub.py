@@ -105,8 +105,7 @@ def test_upload_file_list_skips_checkpoints_and_caches(tmp_path):
         (d / rel).write_text("x")
     assert hub.upload_file_list(d) == sorted([
         "all_results.json", "checkpoints_notes.txt", "config.json", "model.safetensors", "runs/events.out",
-        "tokenizer/tokenizer.json",
-    ])
+    ])  # tokenizer/ is the run's training copy; the model folder holds the tokenizer the repo loads
 
 
 def test_push_without_token_fails_at_once_with_one_line(tmp_path, monkeypatch, capsys):

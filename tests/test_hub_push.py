@@ -79,7 +79,7 @@ def test_what_each_repo_holds(hub, pushed):
     gpt, flow, lora = (set(hub.repos[f"someone/tiny-{k}"]) for k in ("gpt", "flow", "lora"))
     assert {"config.json", "model.safetensors", "configuration_cgpt.py", "modeling_cgpt.py", "tokenizer.json",
             "tokenizer_config.json", "README.md", "all_results.json", "training_curves.png"} <= gpt
-    assert not any(p.startswith(("checkpoints/", "best/")) for p in gpt)  # training state stays local...
+    assert not any(p.startswith(("checkpoints/", "best/", "tokenizer/")) for p in gpt)  # training state stays local...
     assert any(p.startswith("last-checkpoint/") for p in gpt)  # ...except the latest checkpoint (strategy checkpoint)
     assert {"model_index.json", "pipeline.py", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
             "scheduler/scheduler_config.json", "README.md"} <= flow
@@ -158,3 +158,14 @@ def test_push_without_a_token_fails_before_training(hub, tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("error: --push_to_hub needs a Hugging Face token")
     assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+
+
+def test_flow2d_pushes_its_table_and_plot(hub, tmp_path):
+    """flow2d writes its table and plot after the loop: the push comes after them, not with the loop's end."""
+    done = subprocess.run([sys.executable, "-m", "hf_cgpu.cli", "flow2d", "--output_dir", str(tmp_path / "toy"),
+                           "--max_steps", "40", "--num_samples", "200", "--nfe_budgets", "2,5", "--push_to_hub",
+                           "--hub_model_id", "someone/tiny-flow2d", "--progress", "false"],
+                          cwd=tmp_path, env=env(hub, tmp_path), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    repo = hub.repos["someone/tiny-flow2d"]
+    assert "flow2d_samples.png" in repo and "rows" in json.loads(repo["all_results.json"])

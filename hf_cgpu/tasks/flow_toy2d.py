@@ -6,6 +6,7 @@ The training side (steps, batch, lr, warmup + cosine, EMA, seed) is ``TrainSetti
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from ..flow.matching import FlowMatcher
 from ..flow.toy2d import VelocityMLP, format_table, mode_centres, mode_stats, sample_modes, sample_rows, save_plot
 from ..settings import TrainSettings, to_dict
 from ..train import Task, TaskPlan, fit
+from ..train.loop import hub_pusher
 from .settings import Toy2DSettings
 
 
@@ -86,9 +88,10 @@ def run_flow2d(cfg: Toy2DSettings, train: TrainSettings) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     task = Toy2DTask(cfg)
+    pusher = hub_pusher(train)  # created now (a missing token fails at once), pushed after the table and plot
     try:
         start = time.perf_counter()
-        fitted = fit(task, train)
+        fitted = fit(task, dataclasses.replace(train, push_to_hub=False))
         seconds = time.perf_counter() - start
     finally:
         torch.set_num_threads(threads)
@@ -108,6 +111,8 @@ def run_flow2d(cfg: Toy2DSettings, train: TrainSettings) -> dict:
     atomic_write_json(out / "all_results.json", results)
     if (out / MANIFEST).is_file():
         update_manifest(out, ["all_results.json", "flow2d_samples.png"])
+    if pusher is not None:
+        pusher.finish(task.card_kind)
     return results
 
 

@@ -66,7 +66,7 @@ def remove_if_empty(folder: Path) -> None:
 def _run(task: Task, settings: TrainSettings) -> dict[str, Any]:
     validate_tier(settings.tier, settings.recompute, train_mode=task.train_mode)  # before any data is loaded
     started = time.perf_counter()  # start-up (data, model, compile, first step) is timed from here
-    pusher = _hub_pusher(settings)  # before any data or model: a push that cannot work fails now
+    pusher = hub_pusher(settings)  # before any data or model: a push that cannot work fails now
     run = prepare(task, settings)
     try:
         results = _fit(run, task, pusher, started)
@@ -90,7 +90,7 @@ def _run(task: Task, settings: TrainSettings) -> dict[str, Any]:
     return results
 
 
-def _hub_pusher(s: TrainSettings):
+def hub_pusher(s: TrainSettings):
     """The main process's ``HubPusher`` when ``--push_to_hub`` (the repo created now), else None."""
     if not s.push_to_hub:
         return None
