@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_seed_image import FlipToTensor  # noqa: E402  (the seed's per-image transform, one definition)
+from bench_seed_image import FlipToTensor, seed_step  # noqa: E402  (the seed's transform and step, one definition)
 
 
 def cycle(loader):
@@ -72,19 +72,7 @@ def main() -> None:
     batches = cycle(loader)
 
     def step() -> float:
-        x1 = next(batches).to(dev, non_blocking=True).to(memory_format=torch.channels_last)
-        x0 = torch.randn_like(x1)
-        t = torch.rand(x1.shape[0], device=dev)
-        tb = t[:, None, None, None]
-        xt = (1 - tb) * x0 + tb * x1
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = ((model(xt, t).sample - (x1 - x0)) ** 2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        ema.update_parameters(model)
-        return loss.item()  # the seed's per-step host sync
+        return seed_step(model, opt, ema, next(batches), dev)
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     last = step()

@@ -47,6 +47,24 @@ class FlipToTensor(Dataset):
         return x / 127.5 - 1.0
 
 
+def seed_step(model, opt, ema, x1: torch.Tensor, dev: torch.device) -> float:
+    """One step of the seed's loop: uniform t, the straight path, MSE on the velocity in bf16 autocast (on CUDA),
+    clip 1.0, AdamW, AveragedModel EMA, and ``loss.item()`` (the seed's per-step host sync)."""
+    x1 = x1.to(dev, non_blocking=True).to(memory_format=torch.channels_last)
+    x0 = torch.randn_like(x1)
+    t = torch.rand(x1.shape[0], device=dev)
+    tb = t[:, None, None, None]
+    xt = (1 - tb) * x0 + tb * x1
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        loss = ((model(xt, t).sample - (x1 - x0)) ** 2).mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    ema.update_parameters(model)
+    return loss.item()
+
+
 def main() -> None:
     from hf_cgpu.data.images import load_image_dataset
     from hf_cgpu.flow.pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
@@ -85,19 +103,7 @@ def main() -> None:
     while not done:
         t0, total, n = time.perf_counter(), 0.0, 0
         for x1 in loader:
-            x1 = x1.to(dev, non_blocking=True).to(memory_format=torch.channels_last)
-            x0 = torch.randn_like(x1)
-            t = torch.rand(x1.shape[0], device=dev)
-            tb = t[:, None, None, None]
-            xt = (1 - tb) * x0 + tb * x1
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = ((model(xt, t).sample - (x1 - x0)) ** 2).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            ema.update_parameters(model)
-            last = loss.item()  # the seed's per-step host sync
+            last = seed_step(model, opt, ema, x1, dev)
             total, n, steps = total + last, n + 1, steps + 1
             if time.perf_counter() > deadline:
                 done = True
