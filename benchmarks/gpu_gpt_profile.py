@@ -100,13 +100,20 @@ def main() -> None:
     prof.export_chrome_trace(str(out / "trace.json"))
 
     rows = []
-    for e in prof.key_averages():
-        dev_us = getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total
-        if dev_us > 0 and (cuda or not e.key.startswith("ProfilerStep")):
-            rows.append({"name": e.key, "calls": e.count, "ms": dev_us / 1e3, "category": category(e.key)})
-    if cuda:  # device kernels only: the CPU-side ops also carry self_device_time of the kernels they launched
-        kernels = {ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA}
-        rows = [r for r in rows if r["name"] in kernels]
+    if cuda:  # device kernels only, summed from the kernel events themselves: a triton kernel's CPU-side launcher
+        # has the kernel's name and carries its device time too, so filtering key_averages() by name counted it twice
+        agg: dict[str, list[float]] = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                entry = agg.setdefault(ev.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += ev.device_time_total
+        rows = [{"name": k, "calls": n, "ms": us / 1e3, "category": category(k)} for k, (n, us) in agg.items()]
+    else:
+        for e in prof.key_averages():
+            if e.self_cpu_time_total > 0 and not e.key.startswith("ProfilerStep"):
+                rows.append({"name": e.key, "calls": e.count, "ms": e.self_cpu_time_total / 1e3,
+                             "category": category(e.key)})
     rows.sort(key=lambda r: -r["ms"])
     busy = sum(r["ms"] for r in rows)
     shares: dict[str, float] = {}

@@ -108,3 +108,42 @@ def test_the_ledger_ladder_never_lowers_a_muon_run_to_an_8bit_or_adapter_tier():
     tiers = [r for r in LADDER if r.key in ("adamw8bit", "lora", "qlora")]
     assert tiers and all(r.lower(TrainSetup(optimizer="muon"), 8192, 1) is None for r in tiers)
     assert tiers[0].lower(TrainSetup(), 8192, 1).tier == "adamw8bit"
+
+
+def test_batched_step_is_torch_muon_up_to_bf16_rounding():
+    """Our shape-batched Newton-Schulz step against torch.optim.Muon.step itself (batched=False), 3 steps with momentum
+    and weight decay: the same weights up to bf16 rounding of the orthogonalised update, the same momentum state."""
+    model = _gpt(position_embedding="rotary", qk_norm=True, activation="relu2")
+    twin = copy.deepcopy(model)
+    opts = []
+    for m, batched in ((model, True), (twin, False)):
+        opt = build_optimizer(m, "full", lr=1e-2, optimizer="muon", muon_weight_decay=0.5, muon_lr=0.05)
+        opt.batched = batched
+        opts.append(opt)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _train(model, opts[0], 3)
+    _train(twin, opts[1], 3)
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        moved = (b - start[name]).abs().max()
+        assert moved > 0, name
+        assert (a - b).abs().max() <= 0.02 * moved + 1e-6, name  # bf16 has 8 bits of mantissa
+    muon_params = [p for g in opts[0].param_groups if g["use_muon"] for p in g["params"]]
+    assert muon_params
+    twin_params = dict(zip([id(p) for p in model.parameters()], twin.parameters()))
+    for p in muon_params:
+        ours, theirs = opts[0].state[p]["momentum_buffer"], opts[1].state[twin_params[id(p)]]["momentum_buffer"]
+        torch.testing.assert_close(ours, theirs, rtol=0.05, atol=1e-4)
+
+
+def test_batched_newton_schulz_matches_torch_per_matrix():
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from hf_cgpu.optim.muon import newton_schulz_batched
+
+    torch.manual_seed(0)
+    for shape in [(48, 16), (16, 48), (32, 32)]:
+        g = torch.randn(3, *shape)
+        ours = newton_schulz_batched(g, (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
+        for i in range(3):
+            ref = _zeropower_via_newtonschulz(g[i], (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
+            assert (ours[i] - ref).abs().max() < 0.03, shape

@@ -116,3 +116,9 @@ def test_lora_presets_train_without_recompute():
 
     assert load_preset("lora", "finetune")["recompute"] is False
     assert load_preset("qlora", "finetune")["recompute"] is False
+
+
+
+def test_selective_recompute_without_compile_warns_with_the_fix():
+    with pytest.warns(UserWarning, match="compile=True or recompute_policy='full'"):
+        lora_model(True, "selective")

@@ -111,9 +111,10 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> t
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the pairs ``(x[i], x[i + hs/2])`` of x (B, nh, T, hs) by the angles of cos, sin (B|1, T, hs), in fp32."""
-    cos, sin = cos[:, None], sin[:, None]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
+    """Rotate the pairs ``(x[i], x[i + hs/2])`` of x by the angles of cos, sin (B|1, T, hs), in fp32; x is
+    (B, nh, T, hs) with ``unsqueeze_dim=1`` or (B, T, nh, hs) with ``unsqueeze_dim=2`` (the layout the model uses)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
@@ -180,15 +181,18 @@ class CgptAttention(nn.Module):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, C = hidden_states.shape
-        q, k, v = self.qkv(hidden_states).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        q, k, v = self.qkv(hidden_states).view(B, T, 3, self.n_head, self.head_dim).unbind(2)  # (B, T, nh, hs)
+        # q/k norm and rotary act on (B, T, nh, hs), the projection's memory order, before the transpose: on an H200
+        # the fused rotary kernel over the transposed (B, nh, T, hs) views cost 0.29 ms a layer (reads and writes
+        # across heads), a quarter of the zh-poetry step (benchmarks/RESULTS.md, issue 12).
         if self.config.qk_norm:  # in the gains' dtype: fp32 under autocast, as autocast runs the LayerNorms
             dtype = self.q_norm.weight.dtype
             q, k = self.q_norm(q.to(dtype)), self.k_norm(k.to(dtype))
         if position_embeddings is not None:  # rotary: the cache stores rotated keys
             cos, sin = position_embeddings
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rotary(q, cos, sin, unsqueeze_dim=2), apply_rotary(k, cos, sin, unsqueeze_dim=2)
         q, k = q.to(v.dtype), k.to(v.dtype)  # back to the projection's dtype (bf16 under autocast)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, nh, past + T, hs), or the static cache's full length
 
