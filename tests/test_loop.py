@@ -307,3 +307,67 @@ def test_tensorboard_tracker_and_curves_are_written(tmp_path):
     assert list(tmp_path.rglob("events.out.tfevents.*")), "accelerate's TensorBoard tracker wrote no event file"
     png = tmp_path / "training_curves.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- --fit_schedule_to_time: the cosine sized to the minutes on this machine, kept for resume
+
+
+@pytest.fixture
+def ticking(monkeypatch):
+    """The deadline's clock advances one second per reading (the loop reads it twice per step while timing)."""
+    import itertools
+
+    from hf_cgpu.train import stopping
+
+    ticks = itertools.count(1)
+    monkeypatch.setattr(stopping, "now", lambda: float(next(ticks)))
+
+
+def test_fitted_length_closed_form():
+    from hf_cgpu.train.schedule import calibration_step, fitted_length
+
+    assert fitted_length(10, 2.0, 40.0, 1000) == 10 + int(0.97 * 40 / 2)  # 29
+    assert fitted_length(10, 2.0, 1e9, 1000) == 1000  # never past max_steps
+    assert fitted_length(10, 2.0, -5.0, 1000) == 11  # out of time: end at the next step
+    assert calibration_step(TrainSettings(warmup_steps=200, eval_steps=100)) == 200
+    assert calibration_step(TrainSettings(warmup_steps=3, eval_steps=50)) == 51
+    assert calibration_step(TrainSettings(warmup_steps=0, eval_steps=0, max_steps=6)) == 6
+    with pytest.raises(SettingsError, match="add --max_minutes M"):
+        TrainSettings(fit_schedule_to_time=True)
+
+
+def fitted(tmp_path, **kw):
+    return settings(tmp_path, max_steps=1000, max_minutes=1, fit_schedule_to_time=True, checkpointing_steps=4, **kw)
+
+
+def test_schedule_fitted_to_the_minutes_ends_its_cosine_inside_them(tmp_path, ticking, capsys):
+    results = fit(ToyTask(), fitted(tmp_path))
+    # timed from the end of step 1 to step 10: 2 s a step, 40 s left of the 60 -> 19 more steps
+    assert results["schedule_steps"] == 29 and results["steps"] == 29
+    out = capsys.readouterr().out
+    assert "the cosine ends at step 29 (max_steps 1,000)" in out
+    assert "--max_minutes 1 reached" not in out  # the schedule ended the run, not the deadline
+    hist = json.loads((tmp_path / "history.json").read_text())
+    lr = {h["step"]: h["train/lr"] for h in hist if "train/lr" in h}
+    s = fitted(tmp_path)
+    assert lr[29] == pytest.approx(lr_at(28, s, 29)) and lr[29] < 1.05 * s.min_lr_ratio * s.learning_rate  # a 1000-step cosine: ~peak
+    assert lr[5] == pytest.approx(lr_at(4, s))  # before the timing ends (step 10) the max_steps cosine: ~flat here
+    assert lr[15] == pytest.approx(lr_at(14, s, 29))
+
+
+def test_fitted_schedule_resumes_with_the_saved_length(tmp_path, ticking):
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    fit(ToyTask(), fitted(full_dir))
+    with pytest.raises(KeyboardInterrupt):
+        fit(InterruptAt(18), fitted(cut_dir))
+    state = ckpt_io.list_checkpoints(cut_dir)[-1]
+    assert json.loads((state / "trainer_state.json").read_text())["schedule_steps"] == 29
+    fit(ToyTask(), fitted(cut_dir, resume_from_checkpoint="latest"))  # the clock is later now: no new timing
+    full, cut = dict(losses(full_dir)), dict(losses(cut_dir))
+    assert max(cut) == max(full) == 29
+    for step in range(18, 30):
+        assert cut[step] == full[step], step
+    a = torch.load(full_dir / "toy.pt", weights_only=True)
+    b = torch.load(cut_dir / "toy.pt", weights_only=True)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

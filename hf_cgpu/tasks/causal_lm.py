@@ -14,6 +14,7 @@ from ..errors import CheckpointError, SettingsError
 from ..models.cgpt import CgptConfig, CgptForCausalLM
 from ..settings import TrainSettings
 from ..train import TaskPlan
+from ..train.schedule import calibration_step
 from .packed import PackedTokensTask
 from .settings import GPTSettings
 
@@ -39,14 +40,17 @@ def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_pa
     epochs = planned / max(1, corpus_tokens)
     lines = [f"plan: {settings.max_steps:,} steps x {per_step:,} tokens = {planned / 1e6:,.1f}M tokens = "
              f"{epochs:.1f} epochs of the {corpus_tokens / 1e6:,.2f}M-token training stream"
-             + (f" (or fewer: --max_minutes {settings.max_minutes:g})" if settings.max_minutes else "")]
+             + (f" at most: the cosine is fitted to --max_minutes {settings.max_minutes:g} once step "
+                f"{calibration_step(settings):,} is timed" if settings.fit_schedule_to_time
+                else f" (or fewer: --max_minutes {settings.max_minutes:g})" if settings.max_minutes else "")]
     if epochs > MANY_EPOCHS:
         supported = corpus_tokens / TOKENS_PER_PARAM
         lines.append(
             f"warning: {epochs:.0f} epochs of one corpus over-fit (beyond ~{MANY_EPOCHS} epochs repeated tokens are "
             f"worth much less than new ones); at {TOKENS_PER_PARAM} tokens/parameter this corpus supports a "
             f"~{supported / 1e6:.2f}M-parameter model per epoch (this one has {num_params / 1e6:.1f}M). Use more "
-            f"data, a smaller model or dropout (--dropout 0.1); validation picks the best weights "
+            f"data, a smaller model, dropout (--dropout 0.2) or a strong weight decay (zh-poetry: --weight_decay 2.0, "
+            f"--muon_weight_decay 0.25 measured best); validation picks the best weights "
             f"(--load_best_at_end true, --early_stopping_patience N)"
         )
     return lines

@@ -194,6 +194,8 @@ class TrainState:
     """The micro-batch, accumulation and processes the settings asked for (before any OOM retry)."""
     batch_changes: list[dict[str, Any]] = field(default_factory=list)
     """Every change of micro-batch/accumulation/processes with its step and reason (OOM retry, resume)."""
+    schedule_steps: int = 0
+    """The schedule's length once ``--fit_schedule_to_time`` fixed it (0: ``max_steps``); a resumed run keeps it."""
 
     @classmethod
     def start(cls, settings: Any, fingerprint: dict[str, Any], processes: int = 1) -> TrainState:

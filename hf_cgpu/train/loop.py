@@ -36,7 +36,7 @@ from .metrics import Metrics, peak_memory
 from .outdir import LOCK_NAME
 from .parallel import full_model, is_sharded, peak_memory_per_process
 from .prepare import Run, prepare
-from .schedule import lr_at, set_lr
+from .schedule import TimeFit, lr_at, set_lr
 from .step import Stepper
 from .stopping import Stopping
 from .task import Task
@@ -136,9 +136,11 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
 
 def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer,
            stopping) -> None:
+    fit_time = TimeFit(s, state, stopping.clock)
+    metrics.set_total(state.schedule_steps or s.max_steps)
     try:
-        while state.step < s.max_steps:
-            step, lr = state.step, lr_at(state.step, s)
+        while state.step < (state.schedule_steps or s.max_steps):
+            step, lr = state.step, lr_at(state.step, s, state.schedule_steps)
             set_lr(optimizer, lr)
             try:
                 result = stepper.run(step, state.micro_batch_size, state.gradient_accumulation_steps)
@@ -166,6 +168,10 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
                 ema.update(step)
             state.step = step = step + 1
             state.units_seen += result.units
+            fitted = fit_time.after_step(step, state, stopping.deadline, acc)
+            if fitted:
+                metrics.set_total(state.schedule_steps)
+                metrics.write(fitted)
             metrics.record(step, result.loss, lr, result.grad_norm, result.units,
                            order.epoch_of(step, state.effective_batch * state.processes))
             if validator.due(step):
@@ -211,7 +217,8 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
     results = final_results(state.step, task.unit, state.units_seen, final, keeper, use_best, metrics.history, {
         **metrics.summary(), "skipped_steps": state.skipped_steps, "micro_batch_size": state.micro_batch_size,
         "gradient_accumulation_steps": state.gradient_accumulation_steps, "processes": state.processes,
-        "batch_changes": state.batch_changes, "mixed_precision": acc.mixed_precision})
+        "batch_changes": state.batch_changes, "mixed_precision": acc.mixed_precision,
+        **({"schedule_steps": state.schedule_steps or s.max_steps} if s.fit_schedule_to_time else {})})
     if acc.num_processes > 1:
         results["processes_peak_memory"] = peak_memory_per_process(acc, peak_memory(acc.device))
     recorded = to_dict(*(x for x in (task.cfg, s) if x is not None))

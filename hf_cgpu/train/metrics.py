@@ -108,6 +108,14 @@ class Metrics:
     def write(self, msg: str) -> None:
         (self.bar.write if self.bar is not None else self.accelerator.print)(msg)
 
+    def set_total(self, steps: int) -> None:
+        """The run's last step (``max_steps``, or the length ``--fit_schedule_to_time`` fixed): the progress bar's
+        total and the step that is always logged."""
+        self.max_steps = steps
+        if self.bar is not None:
+            self.bar.total = steps
+            self.bar.refresh()
+
     @contextmanager
     def progress(self, first_step: int):
         if self.show_progress and self.accelerator.is_local_main_process:

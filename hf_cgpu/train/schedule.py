@@ -1,25 +1,76 @@
 """What optimizer step ``k`` uses, as functions of ``(seed, k)`` only: its learning rate, its random seed, its samples.
 
 That is what makes resume exact: a run restarted from a checkpoint at step ``k`` replays what the uninterrupted run
-did from there.
+did from there. ``--fit_schedule_to_time`` measures the schedule's length once (``TimeFit``) and the checkpoint keeps
+it, so the learning rate stays a function of ``k`` and that saved length.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from ..errors import DataError
 
 
-def lr_at(step: int, s) -> float:
-    """Linear warmup to ``learning_rate``, then cosine to ``min_lr_ratio * learning_rate`` at ``max_steps``."""
+def lr_at(step: int, s, total: int = 0) -> float:
+    """Linear warmup to ``learning_rate``, then cosine to ``min_lr_ratio * learning_rate`` at ``total`` steps
+    (0: ``max_steps``)."""
     if step < s.warmup_steps:
         return s.learning_rate * (step + 1) / s.warmup_steps
-    progress = min(1.0, (step - s.warmup_steps) / max(1, s.max_steps - s.warmup_steps))
+    total = total or s.max_steps
+    progress = min(1.0, (step - s.warmup_steps) / max(1, total - s.warmup_steps))
     floor = s.min_lr_ratio * s.learning_rate
     return floor + 0.5 * (s.learning_rate - floor) * (1 + math.cos(math.pi * progress))
+
+
+def calibration_step(s) -> int:
+    """The step at which ``--fit_schedule_to_time`` fixes the schedule: the end of warmup (the steps before it do not
+    depend on the length), after the first evaluation (so its cost is in the timing) and at least 10 steps in."""
+    return min(s.max_steps, max(s.warmup_steps, s.eval_steps + 1 if s.eval_steps else 0, 10))
+
+
+def fitted_length(step: int, seconds_per_step: float, seconds_left: float, max_steps: int,
+                  margin: float = 0.03) -> int:
+    """The last step of a schedule that ends inside ``seconds_left`` (less ``margin`` of it) at the measured
+    ``seconds_per_step``, counted from ``step``; between ``step + 1`` and ``max_steps``."""
+    more = int((1 - margin) * max(0.0, seconds_left) / max(seconds_per_step, 1e-9))
+    return max(step + 1, min(max_steps, step + more))
+
+
+class TimeFit:
+    """``--fit_schedule_to_time``: times the steps of this process from the end of its first one (compilation is not
+    a step's cost) to ``calibration_step``, then fixes ``state.schedule_steps`` (the same on every process)."""
+
+    def __init__(self, settings, state, clock: Callable[[], float]):
+        self.settings, self.clock = settings, clock
+        self.enabled = bool(settings.fit_schedule_to_time) and not state.schedule_steps
+        self.at = calibration_step(settings)
+        self.t0: float | None = None
+        self.step0 = 0
+
+    def after_step(self, step: int, state, deadline: float, accelerator=None) -> str | None:
+        """Call after each optimizer step; returns the message once the schedule is fixed."""
+        if not self.enabled:
+            return None
+        t = self.clock()
+        if self.t0 is None:
+            self.t0, self.step0 = t, step
+            return None
+        if step < max(self.at, self.step0 + 3) and step < self.settings.max_steps:
+            return None
+        per_step = (t - self.t0) / (step - self.step0)
+        length = fitted_length(step, per_step, deadline - t, self.settings.max_steps)
+        if accelerator is not None and accelerator.num_processes > 1:  # every rank takes rank 0's figure
+            from accelerate.utils import broadcast_object_list
+
+            length = broadcast_object_list([length])[0]
+        state.schedule_steps, self.enabled = length, False
+        return (f"schedule fitted to --max_minutes {self.settings.max_minutes:g}: {per_step:.3f} s per step over "
+                f"steps {self.step0}-{step}, {deadline - t:,.0f} s left -> the cosine ends at step {length:,}"
+                + (f" (max_steps {self.settings.max_steps:,})" if length < self.settings.max_steps else ""))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

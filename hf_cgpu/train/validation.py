@@ -84,7 +84,7 @@ class Validator:
         self.last: tuple[int | None, dict[str, float]] = (None, {})
 
     def due(self, step: int) -> bool:
-        return bool(self.every) and step % self.every == 0 and step < self.settings.max_steps
+        return bool(self.every) and step % self.every == 0 and step < self.metrics.max_steps  # the run's last step
 
     def run(self, step: int) -> dict[str, float]:
         """Evaluate the EMA weights (live ones without EMA); the keeper saves them when they are the best."""
