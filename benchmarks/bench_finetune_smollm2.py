@@ -12,8 +12,8 @@ after LoRA / QLoRA / full (8-bit AdamW) fine-tuning at equal steps, on a poetry 
     python benchmarks/bench_finetune_smollm2.py --steps 30 --out runs/smollm2_bench     # CPU: ~15 minutes on 2 cores
     python benchmarks/bench_finetune_smollm2.py --minutes 3 --out runs/smollm2_minutes  # equal minutes per tier
 
-With ``--minutes M`` every tier trains for M minutes of the loop (``max_minutes``) instead of ``--steps`` steps; the
-cosine is then sized to ``--steps_cap`` steps, which a tier may not reach, so its learning rate stays near the peak.
+With ``--minutes M`` every tier trains for M minutes of the loop (``max_minutes``) instead of ``--steps`` steps, its
+cosine fitted to those minutes from its own step time (``fit_schedule_to_time``, at most ``--steps_cap`` steps).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main() -> None:
         cfg = FinetuneSettings(model=str(gguf), dataset=str(data), seq_len=a.seq_len, loss_chunk_size=256,
                                merge=tier == "lora", merge_dtype="float32", base_model_name="HuggingFaceTB/SmolLM2-135M-Instruct")
         s = TrainSettings(output_dir=str(run), tier=tier, max_steps=a.steps_cap if a.minutes else a.steps,
-                          max_minutes=a.minutes, micro_batch_size=4,
+                          max_minutes=a.minutes, fit_schedule_to_time=a.minutes > 0, micro_batch_size=4,
                           gradient_accumulation_steps=2, learning_rate=lr[tier], warmup_steps=3, weight_decay=0.0,
                           eval_steps=0, checkpointing_steps=0, log_steps=5, progress=False, mixed_precision="no",
                           save_best=False)
