@@ -91,3 +91,17 @@ def test_a_sequence_beyond_the_models_positions_is_refused(tmp_path):
     with pytest.raises(SettingsError, match="longer than the model's 512 positions; .* --seq_len 512"):
         run(["--config", str(config), "--seq_len", "1024"])
     assert "seq 512" in run(["--config", str(config), "--seq_len", "512"])
+
+
+def test_budget_says_how_many_of_the_runs_steps_its_minutes_hold():
+    import re
+
+    report = run(["--preset", "zh-poetry-modern", "--peak_tflops", "165", "--mfu", "0.4"])
+    rate = float(re.search(r"throughput\s+([\d,]+) tokens/s", report).group(1).replace(",", ""))
+    held = int(7 * 60 * rate / 65536)  # 32 x 4 x 512 tokens a step
+    assert f"2,100 steps x 65,536 tokens -> {2100 * 65536 / rate / 60:,.1f} min" in report
+    assert f"--max_minutes 7 holds ~{held:,} of them, the cosine is fitted" in report
+    plain = run(["--preset", "zh-poetry-modern", "--peak_tflops", "165", "--fit_schedule_to_time", "false"])
+    assert "add --fit_schedule_to_time true" in plain
+    fast = run(["--preset", "zh-poetry-modern", "--peak_tflops", "2000"])
+    assert "inside --max_minutes 7" in fast

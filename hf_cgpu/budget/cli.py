@@ -247,7 +247,8 @@ def format_seed_comparison(shape: ModelShape, setup: TrainSetup, led: Ledger) ->
             f"  adds the logits, autocast copies, per-dtype activations and the recomputed block (budget.memory)")
 
 
-def format_time(shape: ModelShape, setup: TrainSetup, peak: float, peak_source: str, mfu: float) -> str:
+def format_time(shape: ModelShape, setup: TrainSetup, peak: float, peak_source: str, mfu: float,
+                train=None) -> str:
     fpt = flops_per_token(shape, setup)
     attn = attention_flops_per_token(shape, setup.seq_len)
     rate = peak * 1e12 * mfu / fpt
@@ -262,7 +263,25 @@ def format_time(shape: ModelShape, setup: TrainSetup, peak: float, peak_source: 
         tokens = chinchilla_tokens(shape.n_params)
         lines.append(f"  Chinchilla       {tokens / 1e9:.1f}B tokens (20/param) -> "
                      f"{training_hours(tokens, fpt, peak, mfu):.1f} h")
+    if train is not None:
+        lines.append(format_run_time(setup, train, rate))
     return "\n".join(lines)
+
+
+def format_run_time(setup: TrainSetup, train, rate: float) -> str:
+    """This run's steps at ``rate`` tokens/s per GPU, and how many of them ``--max_minutes`` holds."""
+    per_step = setup.micro_batch_size * setup.gradient_accumulation_steps * setup.processes * setup.seq_len
+    seconds = train.max_steps * per_step / (rate * setup.processes)
+    line = f"  this run         {train.max_steps:,} steps x {per_step:,} tokens -> {seconds / 60:,.1f} min"
+    if train.max_minutes > 0:
+        held = int(train.max_minutes * 60 * rate * setup.processes / per_step)
+        if held < train.max_steps:
+            line += (f"; --max_minutes {train.max_minutes:g} holds ~{held:,} of them, "
+                     + ("the cosine is fitted to what it measures (--fit_schedule_to_time)" if train.fit_schedule_to_time
+                        else "where the cosine is still high: add --fit_schedule_to_time true"))
+        else:
+            line += f", inside --max_minutes {train.max_minutes:g}"
+    return line
 
 
 # ---------------------------------------------------------------------------------------------------- the report
@@ -305,7 +324,7 @@ def run(argv: Sequence[str] | None = None) -> str:
     out.append(format_seed_comparison(shape, setup, led))
     out.append("")
     peak, source = peak_tflops(train.peak_tflops, assumed=ASSUMED_PEAK_TFLOPS)
-    out.append(format_time(shape, setup, peak, source, opts.mfu))
+    out.append(format_time(shape, setup, peak, source, opts.mfu, train))
     return "\n".join(out)
 
 
