@@ -36,7 +36,8 @@ SHAPES = {
 }
 
 
-def build(shape: str, tier: str, mode: str, device: torch.device):
+def build(shape: str, tier: str, mode: str, device: torch.device, compile: bool = False,
+          compile_backend: str = "inductor"):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     from hf_cgpu.tiers import apply_tiers
@@ -54,7 +55,7 @@ def build(shape: str, tier: str, mode: str, device: torch.device):
     else:
         with torch.device(device):  # initialised where it trains: seconds, not minutes, at 1.4B
             model = GPTNeoXForCausalLM(cfg).to(torch.bfloat16)
-    model = apply_tiers(model, tier, recompute=mode != "off", compile=False,
+    model = apply_tiers(model, tier, recompute=mode != "off", compile=compile, compile_backend=compile_backend,
                         recompute_policy="selective" if mode == "selective" else "full")
     for n, p in model.named_parameters():
         if "lora_B" in n:  # not zero, so every adapter is on the gradient path as after a few steps
@@ -109,7 +110,7 @@ class LiveBytes:
 def measure(a, mode: str, device: torch.device, interleave: bool = False):
     from hf_cgpu.tiers import causal_lm_loss_from_hidden, unwrap_model
 
-    model = build(a.shape, a.tier, mode, device)
+    model = build(a.shape, a.tier, mode, device, a.compile, a.compile_backend)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -146,10 +147,14 @@ def measure(a, mode: str, device: torch.device, interleave: bool = False):
 
     probe: dict = {}
     counts.clear()
-    step(probe)
+    with torch.compiler.set_stance("force_eager"):  # FLOPs, bytes and module calls of the eager step
+        step(probe)
     calls = {ph: {n: counts[(ph, n)] for n in watched if counts[(ph, n)]} for ph in ("forward", "backward")}
-    for _ in range(a.warmup):
+    for _ in range(a.warmup):  # compiled: the first one compiles
         step()
+    if device.type == "cuda":  # the peak of the timed steps, not of the probe step under its dispatch modes
+        sync()
+        torch.cuda.reset_peak_memory_stats()
 
     def timed() -> float:
         sync()
@@ -192,6 +197,9 @@ def main() -> None:
     p.add_argument("--interleave", type=lambda v: v == "true", default=None,
                    help="true: time the modes round-robin, one step each (default on the CPU); false: one after "
                         "another (default on CUDA, where each mode's peak memory is measured alone)")
+    p.add_argument("--compile", type=lambda v: v == "true", default=False,
+                   help="true: time each mode with the blocks compiled (FLOPs, bytes and calls stay the eager step's)")
+    p.add_argument("--compile_backend", default="inductor", help="aot_eager: check the script on a CPU")
     p.add_argument("--json", default="")
     a = p.parse_args()
     if a.threads:
@@ -213,7 +221,8 @@ def main() -> None:
     base = next((r for r in rows if r["mode"] == "off"), rows[0])
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads; " \
                                                                        "ratios indicative only)"
-    print(f"{where} | {a.shape} {a.tier} | seq {a.seq} x batch {a.batch} | median of {a.steps} steps")
+    print(f"{where} | {a.shape} {a.tier} | seq {a.seq} x batch {a.batch} | median of {a.steps} steps"
+          + (f" | blocks compiled ({a.compile_backend})" if a.compile else " | eager"))
     print("| recompute | s/step | tok/s | vs off | backward FLOPs / forward FLOPs | kept for the backward | "
           "peak alloc GiB |")
     print("|---|---|---|---|---|---|---|")

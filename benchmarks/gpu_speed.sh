@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_speed.sh lora          LoRA recompute off/full/selective on the Pythia-1.4B shape, seq 1024 x 4:
 #                                              s/step, FLOPs per pass, bytes kept, peak memory (~2 min)
 #   bash benchmarks/gpu_speed.sh qlora         the same for QLoRA (nf4 base; ~3 min)
+#   bash benchmarks/gpu_speed.sh lora-compiled the LoRA rows with the blocks compiled (selective's policy applied at
+#                                              tracing, not per op; ~4 min)
 #   bash benchmarks/gpu_speed.sh flow-sampling 10,000 images at 20 evaluations: eager fp32/bf16, compiled, CUDA graphs
 #   bash benchmarks/gpu_speed.sh gpt-profile   torch.profiler of the GPT 124M step at micro-batch 16 (and 8, 32 with
 #                                              BATCHES="8 16 32"): top kernels, attention/loss/optimizer/gap shares
@@ -24,6 +26,10 @@ case "$PART" in
   lora|qlora)
     timeout 400 python3 benchmarks/bench_lora_recompute.py --shape pythia-1.4b --tier "$PART" --seq 1024 --batch 4 \
       --warmup 3 --steps 10 --json "$OUT/${PART}_recompute.json" 2>&1 | tee "$OUT/${PART}_recompute.log" ;;
+  lora-compiled)
+    timeout 400 python3 benchmarks/bench_lora_recompute.py --shape pythia-1.4b --tier lora --seq 1024 --batch 4 \
+      --warmup 3 --steps 10 --compile true --json "$OUT/lora_compiled_recompute.json" 2>&1 \
+      | tee "$OUT/lora_compiled_recompute.log" ;;
   flow-sampling)
     timeout 400 python3 benchmarks/bench_flow_sampling.py --json "$OUT/flow_sampling.json" 2>&1 \
       | tee "$OUT/flow_sampling.log" ;;
@@ -32,5 +38,5 @@ case "$PART" in
       timeout 300 python3 benchmarks/gpu_gpt_profile.py --batch "$B" --out "$OUT/gpt_profile_b$B" 2>&1 \
         | tee "$OUT/gpt_profile_b$B.log"
     done ;;
-  *) echo "usage: bash benchmarks/gpu_speed.sh flow|lora|qlora|flow-sampling|gpt-profile"; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_speed.sh flow|lora|lora-compiled|qlora|flow-sampling|gpt-profile"; exit 2 ;;
 esac

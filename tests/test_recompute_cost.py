@@ -28,11 +28,11 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def lora_model(recompute: bool, policy: str = "full"):
+def lora_model(recompute: bool, policy: str = "full", compile_backend: str = ""):
     torch.manual_seed(0)
     model = GPTNeoXForCausalLM(tiny_neox_config())
-    model = apply_tiers(model, "lora", recompute=recompute, compile=False, lora_r=4, lora_alpha=8,
-                        recompute_policy=policy)
+    model = apply_tiers(model, "lora", recompute=recompute, compile=bool(compile_backend), lora_r=4, lora_alpha=8,
+                        recompute_policy=policy, compile_backend=compile_backend or "inductor")
     for n, p in model.named_parameters():
         if "lora_B" in n:  # non-zero B: every adapter is on the gradient path
             torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(n)))
@@ -122,3 +122,18 @@ def test_lora_presets_train_without_recompute():
 def test_selective_recompute_without_compile_warns_with_the_fix():
     with pytest.warns(UserWarning, match="compile=True or recompute_policy='full'"):
         lora_model(True, "selective")
+
+
+def test_selective_recompute_in_compiled_blocks_keeps_the_gradients(runs):
+    """Compiled blocks apply the selective policy at tracing (no per-op Python policy at run time): the same
+    gradients as no recompute. aot_eager traces exactly what inductor would compile, without codegen."""
+    from hf_cgpu.tiers import causal_lm_loss_from_hidden
+
+    model = lora_model(True, "selective", compile_backend="aot_eager")
+    ids = torch.randint(0, unwrap_model(model).config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    causal_lm_loss_from_hidden(model, ids, ids).backward()
+    ref = runs["off"][3]
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert ref.keys() == got.keys() and ref
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-4, msg=n)
