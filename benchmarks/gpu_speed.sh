@@ -2,6 +2,8 @@
 # Issue 12 (speed), one device call per part (nvidia-h200), carried: .whl (../shared/tools/device-wheels.sh) and, for
 # `flow`, .data/cifar10 (a copy of ../shared/data/cifar10). Results under $OUT; each part is bounded by `timeout`.
 #
+#   bash benchmarks/gpu_speed.sh gpt           GPT 124M step vs nanoGPT (vendored model.py) and transformers GPT2 at
+#                                              micro-batch 16 (and 8, 32 with BATCHES="8 16 32"; ~2 min each)
 #   bash benchmarks/gpu_speed.sh flow          seed pipeline vs --preset cifar10: steady-state img/s, cold/warm start-up,
 #                                              recompiles (benchmarks/gpu_flow_speed.sh; ~5 min)
 #   bash benchmarks/gpu_speed.sh lora          LoRA recompute off/full/selective on the Pythia-1.4B shape, seq 1024 x 4:
@@ -26,6 +28,11 @@ case "$PART" in
   lora|qlora)
     timeout 400 python3 benchmarks/bench_lora_recompute.py --shape pythia-1.4b --tier "$PART" --seq 1024 --batch 4 \
       --warmup 3 --steps 10 --json "$OUT/${PART}_recompute.json" 2>&1 | tee "$OUT/${PART}_recompute.log" ;;
+  gpt)
+    for B in ${BATCHES:-16}; do
+      timeout 300 python3 benchmarks/bench_gpt_throughput.py --batch "$B" --json "$OUT/gpt_throughput_b$B.json" 2>&1 \
+        | tee "$OUT/gpt_throughput_b$B.log"
+    done ;;
   lora-compiled)
     timeout 400 python3 benchmarks/bench_lora_recompute.py --shape pythia-1.4b --tier lora --seq 1024 --batch 4 \
       --warmup 3 --steps 10 --compile true --json "$OUT/lora_compiled_recompute.json" 2>&1 \
@@ -38,5 +45,5 @@ case "$PART" in
       timeout 300 python3 benchmarks/gpu_gpt_profile.py --batch "$B" --out "$OUT/gpt_profile_b$B" 2>&1 \
         | tee "$OUT/gpt_profile_b$B.log"
     done ;;
-  *) echo "usage: bash benchmarks/gpu_speed.sh flow|lora|lora-compiled|qlora|flow-sampling|gpt-profile"; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_speed.sh gpt|flow|lora|lora-compiled|qlora|flow-sampling|gpt-profile"; exit 2 ;;
 esac
