@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from gpu_gpt_profile import kernel_times  # benchmarks/, the script's own folder
 from hf_cgpu.models.cgpt import CgptConfig
 from hf_cgpu.models.cgpt.modeling_cgpt import CgptAttention, rotary_cos_sin
 
@@ -42,10 +43,7 @@ def main() -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             run(x).float().sum().backward()
             torch.cuda.synchronize()
-        kernels: dict[str, float] = {}
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time_total / 1e3
+        kernels = {name: ms for name, (_, ms) in kernel_times(prof).items()}
         top = sorted(kernels.items(), key=lambda kv: -kv[1])[:6]
         print(f"{name}: {1e3 * statistics.median(times):.3f} ms forward+backward per layer and micro-step; "
               f"top kernels (ms): {[(k[:60], round(v, 3)) for k, v in top]}", flush=True)

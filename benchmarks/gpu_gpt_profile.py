@@ -40,6 +40,18 @@ def category(name: str) -> str:
     return "elementwise/norm/other"
 
 
+def kernel_times(prof) -> dict[str, tuple[int, float]]:
+    """Device kernels of a torch.profiler run: name -> (calls, total ms), summed from the kernel events themselves (a
+    triton kernel's CPU-side launcher has the kernel's name and carries its device time too, so filtering
+    ``key_averages()`` by kernel name counts it twice)."""
+    out: dict[str, tuple[int, float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            calls, ms = out.get(ev.name, (0, 0.0))
+            out[ev.name] = (calls + 1, ms + ev.device_time_total / 1e3)
+    return out
+
+
 def build(args):
     from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 
@@ -100,15 +112,8 @@ def main() -> None:
     prof.export_chrome_trace(str(out / "trace.json"))
 
     rows = []
-    if cuda:  # device kernels only, summed from the kernel events themselves: a triton kernel's CPU-side launcher
-        # has the kernel's name and carries its device time too, so filtering key_averages() by name counted it twice
-        agg: dict[str, list[float]] = {}
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                entry = agg.setdefault(ev.name, [0, 0.0])
-                entry[0] += 1
-                entry[1] += ev.device_time_total
-        rows = [{"name": k, "calls": n, "ms": us / 1e3, "category": category(k)} for k, (n, us) in agg.items()]
+    if cuda:
+        rows = [{"name": k, "calls": n, "ms": ms, "category": category(k)} for k, (n, ms) in kernel_times(prof).items()]
     else:
         for e in prof.key_averages():
             if e.self_cpu_time_total > 0 and not e.key.startswith("ProfilerStep"):

@@ -270,11 +270,11 @@ def format_time(shape: ModelShape, setup: TrainSetup, peak: float, peak_source: 
 
 def format_run_time(setup: TrainSetup, train, rate: float) -> str:
     """This run's steps at ``rate`` tokens/s per GPU, and how many of them ``--max_minutes`` holds."""
-    per_step = setup.micro_batch_size * setup.gradient_accumulation_steps * setup.processes * setup.seq_len
-    seconds = train.max_steps * per_step / (rate * setup.processes)
+    per_step = setup.tokens_per_step * setup.processes
+    seconds = train.max_steps * setup.tokens_per_step / rate
     line = f"  this run         {train.max_steps:,} steps x {per_step:,} tokens -> {seconds / 60:,.1f} min"
     if train.max_minutes > 0:
-        held = int(train.max_minutes * 60 * rate * setup.processes / per_step)
+        held = int(train.max_minutes * 60 * rate / setup.tokens_per_step)  # every process steps at rate
         if held < train.max_steps:
             line += (f"; --max_minutes {train.max_minutes:g} holds ~{held:,} of them, "
                      + ("the cosine is fitted to what it measures (--fit_schedule_to_time)" if train.fit_schedule_to_time

@@ -203,6 +203,10 @@ class TrainState:
         return cls(micro_batch_size=m, gradient_accumulation_steps=a, processes=processes, fingerprint=fingerprint,
                    requested={"micro_batch_size": m, "gradient_accumulation_steps": a, "processes": processes})
 
+    def last_step(self, settings: Any) -> int:
+        """Where the run ends: the length ``--fit_schedule_to_time`` fixed, else ``max_steps``."""
+        return self.schedule_steps or settings.max_steps
+
     @property
     def effective_batch(self) -> int:
         return self.micro_batch_size * self.gradient_accumulation_steps

@@ -137,10 +137,10 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
 def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer,
            stopping) -> None:
     fit_time = TimeFit(s, state, stopping.clock)
-    metrics.set_total(state.schedule_steps or s.max_steps)
+    metrics.set_total(state.last_step(s))
     try:
-        while state.step < (state.schedule_steps or s.max_steps):
-            step, lr = state.step, lr_at(state.step, s, state.schedule_steps)
+        while state.step < state.last_step(s):
+            step, lr = state.step, lr_at(state.step, s, state.last_step(s))
             set_lr(optimizer, lr)
             try:
                 result = stepper.run(step, state.micro_batch_size, state.gradient_accumulation_steps)
@@ -170,11 +170,11 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
             state.units_seen += result.units
             fitted = fit_time.after_step(step, state, stopping.deadline, acc)
             if fitted:
-                metrics.set_total(state.schedule_steps)
+                metrics.set_total(state.last_step(s))
                 metrics.write(fitted)
             metrics.record(step, result.loss, lr, result.grad_norm, result.units,
                            order.epoch_of(step, state.effective_batch * state.processes))
-            if validator.due(step):
+            if validator.due(step, state.last_step(s)):
                 with metrics.paused():
                     validator.run(step)
                 if validator.stop_early(step):
@@ -218,7 +218,7 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
         **metrics.summary(), "skipped_steps": state.skipped_steps, "micro_batch_size": state.micro_batch_size,
         "gradient_accumulation_steps": state.gradient_accumulation_steps, "processes": state.processes,
         "batch_changes": state.batch_changes, "mixed_precision": acc.mixed_precision,
-        **({"schedule_steps": state.schedule_steps or s.max_steps} if s.fit_schedule_to_time else {})})
+        **({"schedule_steps": state.last_step(s)} if s.fit_schedule_to_time else {})})
     if acc.num_processes > 1:
         results["processes_peak_memory"] = peak_memory_per_process(acc, peak_memory(acc.device))
     recorded = to_dict(*(x for x in (task.cfg, s) if x is not None))

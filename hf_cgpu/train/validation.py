@@ -83,8 +83,9 @@ class Validator:
         """FSDP2: the plain copy the whole weights are gathered into for sample grids and the best weights."""
         self.last: tuple[int | None, dict[str, float]] = (None, {})
 
-    def due(self, step: int) -> bool:
-        return bool(self.every) and step % self.every == 0 and step < self.metrics.max_steps  # the run's last step
+    def due(self, step: int, last_step: int) -> bool:
+        """An evaluation at ``step``: every ``every`` steps before ``last_step`` (the final evaluation covers it)."""
+        return bool(self.every) and step % self.every == 0 and step < last_step
 
     def run(self, step: int) -> dict[str, float]:
         """Evaluate the EMA weights (live ones without EMA); the keeper saves them when they are the best."""
