@@ -99,7 +99,7 @@ def test_budget_says_how_many_of_the_runs_steps_its_minutes_hold():
     report = run(["--preset", "zh-poetry-modern", "--peak_tflops", "165", "--mfu", "0.4"])
     rate = float(re.search(r"throughput\s+([\d,]+) tokens/s", report).group(1).replace(",", ""))
     held = int(7 * 60 * rate / 65536)  # 32 x 4 x 512 tokens a step
-    assert f"2,100 steps x 65,536 tokens -> {2100 * 65536 / rate / 60:,.1f} min" in report
+    assert f"4,000 steps x 65,536 tokens -> {4000 * 65536 / rate / 60:,.1f} min" in report
     assert f"--max_minutes 7 holds ~{held:,} of them, the cosine is fitted" in report
     plain = run(["--preset", "zh-poetry-modern", "--peak_tflops", "165", "--fit_schedule_to_time", "false"])
     assert "add --fit_schedule_to_time true" in plain
