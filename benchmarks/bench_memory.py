@@ -72,8 +72,8 @@ def pythia_dir(root: Path, dry: bool) -> Path:
     return path
 
 
-def stock_peft(path: Path, quantized: bool, device):
-    """What a user following the peft/bitsandbytes docs would write."""
+def stock_peft(path: Path, quantized: bool, device, gradient_checkpointing: bool = True):
+    """What a user following the peft/bitsandbytes docs would write (with gradient checkpointing: the memory rows)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -84,11 +84,12 @@ def stock_peft(path: Path, quantized: bool, device):
         kw["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(path, **kw)
     if quantized:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     else:
         model = model.to(device)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,

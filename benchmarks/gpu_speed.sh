@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_speed.sh qlora         the same for QLoRA (nf4 base; ~3 min)
 #   bash benchmarks/gpu_speed.sh lora-compiled the LoRA rows with the blocks compiled (selective's policy applied at
 #                                              tracing, not per op; ~4 min)
+#   bash benchmarks/gpu_speed.sh lora-speed    LoRA / QLoRA tok/s, ours eager and compiled vs stock peft (no gradient
+#                                              checkpointing), Pythia-1.4B shape, seq 1024 x 4 x 2 (~4 min; ROWS=...)
 #   bash benchmarks/gpu_speed.sh flow-sampling 10,000 images at 20 evaluations: eager fp32/bf16, compiled, CUDA graphs
 #   bash benchmarks/gpu_speed.sh gpt-profile   torch.profiler of the GPT 124M step at micro-batch 16 (and 8, 32 with
 #                                              BATCHES="8 16 32"): top kernels, attention/loss/optimizer/gap shares
@@ -33,6 +35,9 @@ case "$PART" in
       timeout 300 python3 benchmarks/bench_gpt_throughput.py --batch "$B" --json "$OUT/gpt_throughput_b$B.json" 2>&1 \
         | tee "$OUT/gpt_throughput_b$B.log"
     done ;;
+  lora-speed)
+    timeout ${LIMIT:-400} python3 benchmarks/bench_lora_speed.py ${ROWS:+--rows $ROWS} --json "$OUT/lora_speed.json" 2>&1 \
+      | tee "$OUT/lora_speed.log" ;;
   lora-compiled)
     timeout 400 python3 benchmarks/bench_lora_recompute.py --shape pythia-1.4b --tier lora --seq 1024 --batch 4 \
       --warmup 3 --steps 10 --compile true --json "$OUT/lora_compiled_recompute.json" 2>&1 \
