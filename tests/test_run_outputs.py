@@ -79,6 +79,7 @@ def test_run_reports_its_mean_throughput_not_the_last_window(tmp_path, monkeypat
                if "train/sample_per_s" in h]
     assert windows == [pytest.approx(32 / 1.7), pytest.approx(32 / 0.8)]
     assert results["sample_per_s"] == pytest.approx(64 / 2.5)
+    assert results["sample_per_s_after_first_step"] == pytest.approx(56 / 1.4)  # the slow first step left out
     assert results["device"].startswith("CPU")
 
 

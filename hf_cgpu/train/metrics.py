@@ -79,6 +79,8 @@ class Metrics:
         self.run_units, self.run_seconds = 0, 0.0  # every logged window: the run's mean throughput
         self.bar = None
         self.run_started, self.first_step_seconds, self.recompiles = None, None, None
+        self.first_units, self.first_seconds = 0, 0.0
+        """This process's first step (its compile included): left out of ``{unit}_per_s_after_first_step``."""
         if accelerator.is_main_process and settings.report_to != "none":
             accelerator.init_trackers("hf_cgpu", config={k: v for k, v in asdict(settings).items() if v is not None})
 
@@ -160,6 +162,8 @@ class Metrics:
         """One optimizer step done (``step`` counts it); logs when the window is due."""
         if self.first_step_seconds is None:
             self._first_step(step)
+            if not self.first_units:
+                self.first_units, self.first_seconds = units, time.perf_counter() - self.started
         if self.recompiles is not None:
             self.recompiles.step = step
         w = self.window
@@ -206,12 +210,18 @@ class Metrics:
         """Units per second over the whole run's training time (evaluation and checkpoints left out)."""
         return self.run_units / self.run_seconds if self.run_units and self.run_seconds > 0 else None
 
+    def rate_after_first_step(self) -> float | None:
+        """The same without this process's first step, whose compile can dominate a short run's mean."""
+        units, seconds = self.run_units - self.first_units, self.run_seconds - self.first_seconds
+        return units / seconds if self.first_units and units > 0 and seconds > 0 else None
+
     def summary(self) -> dict[str, Any]:
         """What all_results.json says about throughput (the run's mean), MFU, its peak, the device, memory and the
         training time."""
         rate = self.mean_rate()
         mfu = self.flops_per_unit * rate / (self.peak * 1e12) if rate and self.peak and self.flops_per_unit else None
-        return {f"{self.unit}_per_s": rate, "mfu": mfu, "mfu_peak_tflops": self.peak or None,
+        return {f"{self.unit}_per_s": rate, f"{self.unit}_per_s_after_first_step": self.rate_after_first_step(),
+                "mfu": mfu, "mfu_peak_tflops": self.peak or None,
                 "mfu_peak_source": self.peak_source, "device": device_label(self.device),
                 "train_seconds": round(self.train_seconds, 3), **peak_memory(self.device),
                 "seconds_to_first_step": None if self.first_step_seconds is None else round(self.first_step_seconds, 3),
