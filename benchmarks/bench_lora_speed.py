@@ -1,13 +1,21 @@
-"""GPU: LoRA and QLoRA tokens/s on the Pythia-1.4B shape, ours against stock peft, in one process (issue 12).
+"""GPU: LoRA and QLoRA tokens/s, ours against stock peft (and Unsloth), in one call (issues 12 and 17).
 
 Stock peft is what a user following the peft / bitsandbytes docs writes (``benchmarks/bench_memory.py:stock_peft``),
 here without gradient checkpointing, its fastest setting that fits 16 GB. Ours is what ``recipes/finetune_lora.py
 --preset lora`` / ``qlora`` runs (``apply_tiers`` + the chunked loss), eager and with ``--compile true`` (each block
-compiled). Seq 1024, micro-batch 4, accumulation 2, bf16; median of the timed steps after the warm-up ones (the first
-compiles); peak memory of the timed steps. Each row prints as it finishes, so a cut call keeps the rows before it.
+compiled). Unsloth is ``FastLanguageModel.from_pretrained`` + ``get_peft_model`` with the same rank, alpha and
+target modules, without gradient checkpointing; its rows must run in a process of their own (Unsloth patches
+transformers and peft when imported), so pass them alone: ``--rows unsloth-lora,unsloth-qlora``.
+
+Shapes, random weights (speed and memory do not depend on the values), saved once under ``--root`` with a small
+tokenizer: ``pythia-1.4b`` (GPTNeoX) and ``tinyllama-1.1b`` (Llama: 22 x 2048, 32 heads, 4 KV heads, the
+architecture Unsloth targets). Seq 1024, micro-batch 4, accumulation 2, bf16; median of the timed steps after the
+warm-up ones (the first compiles); peak memory of the timed steps. Rows print as they finish, and the JSON file is
+rewritten after each, so a cut call keeps the rows before it.
 
     python benchmarks/bench_lora_speed.py --json $OUT/lora_speed.json        # on the GPU (gpu_speed.sh lora-speed)
-    python benchmarks/bench_lora_speed.py --dry_run                          # CPU smoke test, tiny GPTNeoX
+    python benchmarks/bench_lora_speed.py --shape tinyllama-1.1b --rows unsloth-lora --json $OUT/unsloth.json
+    python benchmarks/bench_lora_speed.py --dry_run                          # CPU smoke test, tiny shapes
 """
 
 from __future__ import annotations
@@ -19,40 +27,96 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
-from bench_memory import GiB, pythia_dir, stock_peft, step_fn
-from hf_cgpu.tiers import apply_tiers, build_optimizer, load_base_model
-
-# (name, tier, ours, compile)
+# (name, tier, whose, compile); whose: ours, stock (peft), unsloth
 ROWS = {
-    "lora-stock": ("LoRA, stock peft (eager)", "lora", False, False),
-    "lora-compiled": ("LoRA, ours --compile true", "lora", True, True),
-    "lora-eager": ("LoRA, ours eager", "lora", True, False),
-    "qlora-stock": ("QLoRA, stock peft (eager)", "qlora", False, False),
-    "qlora-compiled": ("QLoRA, ours --compile true", "qlora", True, True),
-    "qlora-eager": ("QLoRA, ours eager", "qlora", True, False),
+    "lora-stock": ("LoRA, stock peft (eager)", "lora", "stock", False),
+    "lora-compiled": ("LoRA, ours --compile true", "lora", "ours", True),
+    "lora-eager": ("LoRA, ours eager", "lora", "ours", False),
+    "qlora-stock": ("QLoRA, stock peft (eager)", "qlora", "stock", False),
+    "qlora-compiled": ("QLoRA, ours --compile true", "qlora", "ours", True),
+    "qlora-eager": ("QLoRA, ours eager", "qlora", "ours", False),
+    "unsloth-lora": ("LoRA, Unsloth", "lora", "unsloth", False),
+    "unsloth-qlora": ("QLoRA, Unsloth (4-bit)", "qlora", "unsloth", False),
 }
+DEFAULT_ROWS = [k for k, v in ROWS.items() if v[2] != "unsloth"]
+TINYLLAMA = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                 intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
+TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=256, vocab_size=512, max_position_embeddings=128, tie_word_embeddings=False)
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build(tier: str, ours: bool, compile: bool, path: Path, device, backend: str):
-    if not ours:
+def checkpoint_dir(root: Path, shape: str, dry: bool) -> Path:
+    """The random-weight checkpoint of ``shape`` (made once), with a small tokenizer beside it for loaders that
+    want one (Unsloth); the ids fed to the model are random anyway."""
+    import torch
+
+    if shape == "pythia-1.4b":
+        from bench_memory import pythia_dir
+
+        path = pythia_dir(root, dry)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        path = root / ("tiny-llama" if dry else "tinyllama-1.1b-shape")
+        if not (path / "config.json").is_file():
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+                model = LlamaForCausalLM(LlamaConfig(**(TINY_LLAMA if dry else TINYLLAMA))).to(torch.bfloat16)
+            model.save_pretrained(path)
+            del model
+    if not (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+        tok.train_from_iterator(["a random-weight checkpoint for speed and memory only"] * 4,
+                                trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                pad_token="<unk>").save_pretrained(path)
+    return path
+
+
+def unsloth_peft(path: Path, quantized: bool, seq_len: int, device):
+    import torch
+    from unsloth import FastLanguageModel
+
+    model, _ = FastLanguageModel.from_pretrained(str(path), max_seq_length=seq_len, dtype=torch.bfloat16,
+                                                 load_in_4bit=quantized, fix_tokenizer=False, local_files_only=True)
+    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, lora_dropout=0.0, bias="none",
+                                             target_modules=LLAMA_TARGETS, use_gradient_checkpointing=False)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda")
+    return model, opt
+
+
+def build(tier: str, whose: str, compile: bool, path: Path, device, args):
+    from bench_memory import stock_peft
+    from hf_cgpu.tiers import apply_tiers, build_optimizer, load_base_model
+
+    if whose == "stock":
         model, opt = stock_peft(path, tier == "qlora", device, gradient_checkpointing=False)
         return model, opt, "stock"
+    if whose == "unsloth":
+        model, opt = unsloth_peft(path, tier == "qlora", args.seq_len, device)
+        return model, opt, "stock"  # the same call as stock peft: model(input_ids, labels).loss
     model = load_base_model(str(path), tier, device_map={"": device} if tier == "qlora" else None)
     if tier != "qlora":
         model = model.to(device)
-    model = apply_tiers(model, tier, recompute=False, compile=compile, compile_backend=backend)
+    model = apply_tiers(model, tier, recompute=False, compile=compile, compile_backend=args.compile_backend)
     return model, build_optimizer(model, tier, lr=1e-4), "neox"
 
 
 def measure(key: str, args, device, path: Path) -> dict:
-    name, tier, ours, compile = ROWS[key]
+    import torch
+    from bench_memory import GiB, step_fn
+
+    name, tier, whose, compile = ROWS[key]
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     t_build = time.perf_counter()
-    model, opt, kind = build(tier, ours, compile, path, device, args.compile_backend)
+    model, opt, kind = build(tier, whose, compile, path, device, args)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len + 1), device=device)
     step = step_fn(model, opt, kind, ids, args.accumulation, device)
     for _ in range(args.warmup):
@@ -69,7 +133,7 @@ def measure(key: str, args, device, path: Path) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     tokens = args.batch * args.seq_len * args.accumulation
-    row = {"row": key, "config": name, "tier": tier, "ours": ours, "compile": compile,
+    row = {"row": key, "config": name, "shape": args.shape, "tier": tier, "whose": whose, "compile": compile,
            "s_per_step": round(statistics.median(times), 4), "tok_per_s": round(tokens / statistics.median(times)),
            "build_and_warmup_s": round(warm_s, 1)}
     if device.type == "cuda":
@@ -79,9 +143,23 @@ def measure(key: str, args, device, path: Path) -> dict:
     return row
 
 
+def table(rows: list[dict], stock: dict[str, int]) -> str:
+    """Markdown rows; ``stock``: stock peft's tok/s by tier (from this run or ``--stock_json``)."""
+    out = ["| config | s/step | tok/s | vs stock peft | peak alloc GiB |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['config']} | failed: {r['error']} |")
+            continue
+        ratio = f"{r['tok_per_s'] / stock[r['tier']]:.2f}x" if r["tier"] in stock else "-"
+        out.append(f"| {r['config']} | {r['s_per_step']} | {r['tok_per_s']:,} | {ratio} | "
+                   f"{r.get('peak_alloc_GiB', '-')} |")
+    return "\n".join(out)
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, in order: {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, in order: {', '.join(ROWS)}")
+    p.add_argument("--shape", default="pythia-1.4b", choices=["pythia-1.4b", "tinyllama-1.1b"])
     p.add_argument("--seq_len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--accumulation", type=int, default=2)
@@ -89,20 +167,30 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--root", default="/tmp/hf_cgpu_bench")
     p.add_argument("--compile_backend", default="inductor", help="aot_eager: check the script on a CPU")
+    p.add_argument("--stock_json", default="", help="a JSON of this script with the stock rows, for the ratios")
     p.add_argument("--json", default="")
-    p.add_argument("--dry_run", action="store_true", help="tiny GPTNeoX, seq 64, on the CPU")
+    p.add_argument("--dry_run", action="store_true", help="tiny shapes, seq 64, on the CPU (no 4-bit, no Unsloth)")
     args = p.parse_args()
     keys = [k for k in args.rows.split(",") if k]
     unknown = [k for k in keys if k not in ROWS]
     if unknown:
         raise SystemExit(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
+    if any(ROWS[k][2] == "unsloth" for k in keys):
+        if any(ROWS[k][2] != "unsloth" for k in keys):
+            raise SystemExit("Unsloth patches transformers and peft when imported: run its rows in a process of "
+                             "their own (--rows unsloth-lora,unsloth-qlora)")
+        if args.shape == "pythia-1.4b":
+            raise SystemExit("Unsloth rows need a Llama shape: --shape tinyllama-1.1b")
+        import unsloth  # noqa: F401  (first, before transformers, as Unsloth requires)
+    import torch
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.dry_run:
         args.seq_len, args.steps, args.warmup = 64, 2, 1
-        keys = [k for k in keys if not k.startswith("qlora")]  # bitsandbytes' 4-bit layers need a GPU
+        keys = [k for k in keys if ROWS[k][1] != "qlora" and ROWS[k][2] != "unsloth"]  # those need a GPU
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    path = pythia_dir(root, args.dry_run)
+    path = checkpoint_dir(root, args.shape, args.dry_run)
     rows = []
     for key in keys:
         try:
@@ -112,17 +200,12 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
+    found = rows + (json.loads(Path(args.stock_json).read_text()) if args.stock_json else [])
+    stock = {r["tier"]: r["tok_per_s"] for r in found if "error" not in r and r["whose"] == "stock"}
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"\n{dev} | torch {torch.__version__} | {'tiny GPTNeoX' if args.dry_run else 'Pythia-1.4B shape'} | "
+    print(f"\n{dev} | torch {torch.__version__} | {args.shape}{' (tiny)' if args.dry_run else ''} shape | "
           f"seq {args.seq_len} x micro-batch {args.batch} x accumulation {args.accumulation} | median of {args.steps}")
-    print("| config | s/step | tok/s | vs stock peft | peak alloc GiB |\n|---|---|---|---|---|")
-    stock = {r["tier"]: r["tok_per_s"] for r in rows if "error" not in r and not r["ours"]}
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['config']} | failed: {r['error']} |")
-            continue
-        ratio = f"{r['tok_per_s'] / stock[r['tier']]:.2f}x" if r["tier"] in stock else "-"
-        print(f"| {r['config']} | {r['s_per_step']} | {r['tok_per_s']:,} | {ratio} | {r.get('peak_alloc_GiB', '-')} |")
+    print(table(rows, stock))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@
 #                                              tracing, not per op; ~4 min)
 #   bash benchmarks/gpu_speed.sh lora-speed    LoRA / QLoRA tok/s, ours eager and compiled vs stock peft (no gradient
 #                                              checkpointing), Pythia-1.4B shape, seq 1024 x 4 x 2 (~4 min; ROWS=...)
+#   bash benchmarks/gpu_speed.sh lora-peers    the same on the TinyLlama-1.1B shape with Unsloth's rows (its own process;
+#                                              carry .whl-unsloth from benchmarks/unsloth_wheels.sh; ~6 min)
 #   bash benchmarks/gpu_speed.sh flow-sampling 10,000 images at 20 evaluations: eager fp32/bf16, compiled, CUDA graphs
 #   bash benchmarks/gpu_speed.sh gpt-profile   torch.profiler of the GPT 124M step at micro-batch 16 (and 8, 32 with
 #                                              BATCHES="8 16 32"): top kernels, attention/loss/optimizer/gap shares
@@ -38,6 +40,17 @@ case "$PART" in
   lora-speed)
     timeout ${LIMIT:-400} python3 benchmarks/bench_lora_speed.py ${ROWS:+--rows $ROWS} --json "$OUT/lora_speed.json" 2>&1 \
       | tee "$OUT/lora_speed.log" ;;
+  lora-peers)
+    # issue 17: the Llama shape, ours vs stock peft in one process, then Unsloth in its own (it patches on import);
+    # carry .whl-unsloth too (benchmarks/unsloth_wheels.sh)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-unsloth \
+      .whl-unsloth/*.whl || echo "no .whl-unsloth: the Unsloth rows will fail"
+    timeout ${LIMIT:-300} python3 benchmarks/bench_lora_speed.py --shape tinyllama-1.1b \
+      --rows ${ROWS:-lora-stock,lora-compiled,qlora-stock,qlora-compiled} --json "$OUT/peers.json" 2>&1 \
+      | tee "$OUT/peers.log"
+    PYTHONPATH=$PYTHONPATH:/tmp/site-unsloth HF_HUB_OFFLINE=1 timeout ${LIMIT:-240} python3 benchmarks/bench_lora_speed.py --shape tinyllama-1.1b \
+      --rows unsloth-lora,unsloth-qlora --stock_json "$OUT/peers.json" --json "$OUT/unsloth.json" 2>&1 \
+      | tee "$OUT/unsloth.log" ;;
   lora-compiled)
     timeout 400 python3 benchmarks/bench_lora_recompute.py --shape pythia-1.4b --tier lora --seq 1024 --batch 4 \
       --warmup 3 --steps 10 --compile true --json "$OUT/lora_compiled_recompute.json" 2>&1 \
