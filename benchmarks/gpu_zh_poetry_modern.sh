@@ -6,6 +6,7 @@
 # Wall time: the loop stops at 7 minutes (max_minutes, from its first step); tokenizer, packing, a cold compile (up to
 # ~80 s), the final save and the continuations come on top, so the recipe is capped at 545 s and the eval gets what is
 # left of 590 s (the loop's own val_bpc is over the same whole split; the eval re-checks it from the saved files).
+bash benchmarks/gguf_parts.sh stash  # a carried part of the SmolLM2 GGUF waits in /tmp (gpu_finetune_smollm2.sh)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=$PWD:/tmp/site || exit 1
 export HF_CGPU_CACHE=/tmp/hfc PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
