@@ -109,7 +109,7 @@ def build(tier: str, whose: str, compile: bool, path: Path, device, args):
 
 def measure(key: str, args, device, path: Path) -> dict:
     import torch
-    from bench_memory import GiB, step_fn
+    from bench_memory import GiB, step_fn, timed_steps
 
     name, tier, whose, compile = ROWS[key]
     gc.collect()
@@ -125,13 +125,7 @@ def measure(key: str, args, device, path: Path) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     warm_s = time.perf_counter() - t_build
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    times = timed_steps(step, args.steps, device)
     tokens = args.batch * args.seq_len * args.accumulation
     row = {"row": key, "config": name, "shape": args.shape, "tier": tier, "whose": whose, "compile": compile,
            "s_per_step": round(statistics.median(times), 4), "tok_per_s": round(tokens / statistics.median(times)),

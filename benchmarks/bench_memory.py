@@ -133,6 +133,18 @@ def step_fn(model, opt, kind: str, ids: torch.Tensor, accumulation: int, device)
     return step
 
 
+def timed_steps(step, n: int, device) -> list[float]:
+    """Wall seconds of each of ``n`` calls of ``step``, the device synchronised after each."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def measure(name, model_name, tier, recompute, mb, args, device, root) -> dict:
     gc.collect()
     if device.type == "cuda":
@@ -143,13 +155,7 @@ def measure(name, model_name, tier, recompute, mb, args, device, root) -> dict:
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (mb, seq + 1), device=device)
     step = step_fn(model, opt, kind, ids, args.accumulation, device)
-    times = []
-    for i in range(args.steps):
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    times = timed_steps(step, args.steps, device)
     row = {"config": name, "tier": tier, "recompute": recompute, "micro_batch": mb, "seq_len": seq,
            "accumulation": args.accumulation,
            "tok_per_s": round(mb * seq * args.accumulation / statistics.median(times[2:] or times))}
