@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -290,3 +291,27 @@ def test_the_card_of_a_run_states_its_validation_loss(tmp_path):
     r = fit(Carded(), settings(tmp_path, max_steps=4))
     card = (tmp_path / "README.md").read_text()
     assert f"validation loss {r['val_loss']:.4g}" in card
+
+
+def test_rate_after_first_step_leaves_out_the_first_step_of_every_process(monkeypatch):
+    """Fake clock: each process's first step takes 10 s (a compile), the others 1 s; a resume carries the sums."""
+    import hf_cgpu.train.metrics as metrics_module
+
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+    s = TrainSettings(max_steps=8, log_steps=2, progress=False)
+
+    def process(first: int, last: int, state=None) -> Metrics:
+        m = Metrics(Accelerator(), s, "tok", flops_per_unit=0.0, peak_tflops=(0.0, "none"))
+        if state is not None:
+            m.load_state_dict(state)
+        with m.progress(first - 1):
+            for step in range(first, last + 1):
+                clock.t += 10.0 if step == first else 1.0
+                m.record(step, loss=1.0, lr=0.1, grad_norm=1.0, units=100, epoch=0.0)
+        return m
+
+    one = process(1, 4)
+    two = process(5, 8, one.state_dict())
+    assert two.mean_rate() == pytest.approx(800 / 26)  # 2 x (10 + 3 x 1) s
+    assert two.rate_after_first_step() == pytest.approx(600 / 6)

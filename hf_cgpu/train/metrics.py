@@ -80,7 +80,9 @@ class Metrics:
         self.bar = None
         self.run_started, self.first_step_seconds, self.recompiles = None, None, None
         self.first_units, self.first_seconds = 0, 0.0
-        """This process's first step (its compile included): left out of ``{unit}_per_s_after_first_step``."""
+        """The first step of every process of the run (its compile included), summed: left out of
+        ``{unit}_per_s_after_first_step``."""
+        self._first_seen = False
         if accelerator.is_main_process and settings.report_to != "none":
             accelerator.init_trackers("hf_cgpu", config={k: v for k, v in asdict(settings).items() if v is not None})
 
@@ -89,6 +91,7 @@ class Metrics:
         w = self.window
         return {"history": self.history, "train_seconds": self.train_seconds,
                 "run_units": self.run_units, "run_seconds": self.run_seconds,
+                "first_units": self.first_units, "first_seconds": self.first_seconds,
                 "window": {"loss_sum": w.loss_sum, "steps": w.steps, "units": w.units, "seconds": w.seconds()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -97,6 +100,8 @@ class Metrics:
         self.started = time.perf_counter()
         self.run_units = int(state.get("run_units") or 0)
         self.run_seconds = float(state.get("run_seconds") or 0.0)
+        self.first_units = int(state.get("first_units") or 0)
+        self.first_seconds = float(state.get("first_seconds") or 0.0)
         w = state.get("window") or {}
         self.window = Window(float(w.get("loss_sum", 0.0)), int(w.get("steps", 0)), int(w.get("units", 0)),
                              time.perf_counter() - float(w.get("seconds", 0.0)))
@@ -162,8 +167,10 @@ class Metrics:
         """One optimizer step done (``step`` counts it); logs when the window is due."""
         if self.first_step_seconds is None:
             self._first_step(step)
-            if not self.first_units:
-                self.first_units, self.first_seconds = units, time.perf_counter() - self.started
+            if not self._first_seen:
+                self._first_seen = True
+                self.first_units += units
+                self.first_seconds += time.perf_counter() - self.started
         if self.recompiles is not None:
             self.recompiles.step = step
         w = self.window
@@ -211,7 +218,7 @@ class Metrics:
         return self.run_units / self.run_seconds if self.run_units and self.run_seconds > 0 else None
 
     def rate_after_first_step(self) -> float | None:
-        """The same without this process's first step, whose compile can dominate a short run's mean."""
+        """The same without each process's first step, whose compile can dominate a short run's mean."""
         units, seconds = self.run_units - self.first_units, self.run_seconds - self.first_seconds
         return units / seconds if self.first_units and units > 0 and seconds > 0 else None
 
