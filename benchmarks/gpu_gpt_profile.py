@@ -1,4 +1,7 @@
-"""Where the time of the GPT 124M training step goes: torch.profiler over a few steps after warm-up.
+"""Where the time of a training step goes: torch.profiler over a few steps after warm-up, for the GPT 124M step
+(``--model gpt``, the default) or the flow UNet's (``--model flow``: base 128, class-conditional, batch 256 of
+32 x 32, channels_last, the loop's logit-normal flow-matching loss with 10% label drop, fused AdamW, clip 1.0, the
+EMA's ``_foreach_lerp_``; issue 12 asks why that UNet runs at a small share of the card's bf16 rate).
 
 The step is the one of the issue's table (12x768, vocab 32000, seq 1024, micro-batch 16, bf16 autocast, the whole
 model compiled, fused AdamW, clip 1.0); the model is ``CgptForCausalLM`` with the 124m preset's loss settings.
@@ -11,7 +14,8 @@ Prints, and writes to ``--out`` (a folder):
     profile.json (all of it) and trace.json (chrome://tracing or https://ui.perfetto.dev).
 
 GPU:   python benchmarks/gpu_gpt_profile.py --out $OUT/gpt_profile [--batch 8|16|32] [--compile false]
-CPU:   python benchmarks/gpu_gpt_profile.py --smoke --out /tmp/gpt_profile   (a tiny model; checks the script only)
+       python benchmarks/gpu_gpt_profile.py --model flow --batch 256 --out $OUT/flow_profile
+CPU:   python benchmarks/gpu_gpt_profile.py [--model flow] --smoke --out /tmp/profile   (tiny; checks the script only)
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pathlib import Path
 import torch
 
 CATEGORIES = (  # first match wins; patterns on the lower-cased kernel / op name
+    ("convolution", r"convolution|conv2d|conv_|implicit_gemm|fprop|dgrad|wgrad|cudnn"),  # not "convert_..."
+    ("group norm", r"group_norm|groupnorm"),
     ("attention", r"flash|fmha|attention|sdpa|scaled_dot_product|softmax_fwd|efficient_attn"),
     ("loss", r"cross_entropy|nll_loss|log_softmax|logsumexp|_softmax_backward"),
     ("optimizer", r"adam|multi_tensor|foreach|fused_adam|clip|norm_kernel|lpnorm|_amp_"),
@@ -63,23 +69,7 @@ def build(args):
     return CgptForCausalLM(cfg), cfg
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--loss_chunk_size", type=int, default=0, help="0 = full logits (the 124m preset)")
-    p.add_argument("--compile", default="true", choices=["true", "false"])
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--steps", type=int, default=5, help="profiled steps")
-    p.add_argument("--top", type=int, default=25)
-    p.add_argument("--out", default="gpt_profile")
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 warm-up + 2 profiled steps")
-    a = p.parse_args()
-    cuda = torch.cuda.is_available() and not a.smoke
-    dev = torch.device("cuda" if cuda else "cpu")
-    if a.smoke:
-        a.batch, a.seq, a.warmup, a.steps, a.compile = 2, 64, 2, 2, "false"
-    torch.manual_seed(0)
+def gpt_step(a, dev, cuda):
     model, cfg = build(a)
     model = model.to(dev).train()
     params = [q for q in model.parameters() if q.requires_grad]
@@ -95,6 +85,63 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+
+    return step
+
+
+def flow_step(a, dev, cuda):
+    from hf_cgpu.flow.matching import FlowMatcher
+    from hf_cgpu.flow.unet import FlowUNet2DModel
+
+    size, base = (8, 32) if a.smoke else (32, 128)
+    model = FlowUNet2DModel(sample_size=size, base_channels=base, num_classes=10).to(dev)
+    model = model.to(memory_format=torch.channels_last).train()
+    params = [q for q in model.parameters() if q.requires_grad]
+    ema = [q.detach().clone() for q in params]
+    opt = torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0, fused=cuda)
+    step_model = torch.compile(model, dynamic=False) if a.compile == "true" else model
+    matcher = FlowMatcher(time_sampling="logit_normal")
+    x1 = (torch.rand(a.batch, 3, size, size, device=dev) * 2 - 1).contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(0, 10, (a.batch,), device=dev)
+    gen = torch.Generator(dev).manual_seed(0)
+
+    def step():
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = matcher.loss(lambda xt, t, y=None: step_model(xt, t, y).sample, x1, labels, cond_drop_prob=0.1,
+                                null_class=10, generator=gen)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch._foreach_lerp_(ema, [q.detach() for q in params], 1 - 0.9999)
+        return loss
+
+    return step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt", choices=["gpt", "flow"])
+    p.add_argument("--batch", type=int, default=0, help="0: 16 (gpt) or 256 (flow)")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--loss_chunk_size", type=int, default=0, help="0 = full logits (the 124m preset)")
+    p.add_argument("--compile", default="true", choices=["true", "false"])
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=5, help="profiled steps")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default="gpt_profile")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 warm-up + 2 profiled steps")
+    a = p.parse_args()
+    cuda = torch.cuda.is_available() and not a.smoke
+    dev = torch.device("cuda" if cuda else "cpu")
+    a.batch = a.batch or (256 if a.model == "flow" else 16)
+    if a.smoke:
+        a.batch, a.seq, a.warmup, a.steps, a.compile = 2, 64, 2, 2, "false"
+    torch.manual_seed(0)
+    if a.model == "flow":
+        step, unit = flow_step(a, dev, cuda), "img"
+    else:
+        step, unit = gpt_step(a, dev, cuda), "tok"
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(a.warmup):
@@ -126,19 +173,21 @@ def main() -> None:
         shares[r["category"]] = shares.get(r["category"], 0.0) + r["ms"]
     wall_ms = wall * 1e3
     gap = max(0.0, wall_ms - busy) if cuda else None
-    tokens = a.batch * a.seq * a.steps
+    units = a.batch * (a.seq if unit == "tok" else 1) * a.steps
     summary = {
         "device": torch.cuda.get_device_name() if cuda else "CPU (smoke: the script only, no figure to quote)",
-        "torch": torch.__version__, "batch": a.batch, "seq": a.seq, "compile": a.compile, "steps": a.steps,
-        "wall_ms_per_step": wall_ms / a.steps, "tok_per_s_profiled": tokens / wall,
+        "torch": torch.__version__, "model": a.model, "batch": a.batch, "seq": a.seq if unit == "tok" else None,
+        "compile": a.compile, "steps": a.steps,
+        "wall_ms_per_step": wall_ms / a.steps, f"{unit}_per_s_profiled": units / wall,
         "device_busy_ms_per_step": busy / a.steps,
         "shares_of_wall": {**{k: v / wall_ms for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
                            **({"gaps (wall - device busy)": gap / wall_ms} if gap is not None else {})},
         "top": rows[: a.top],
     }
     (out / "profile.json").write_text(json.dumps(summary, indent=1))
-    print(f"{summary['device']} | torch {summary['torch']} | batch {a.batch} x seq {a.seq} | compile {a.compile} | "
-          f"{summary['wall_ms_per_step']:.2f} ms/step ({summary['tok_per_s_profiled']:,.0f} tok/s under the profiler)")
+    shape = f"batch {a.batch} x seq {a.seq}" if unit == "tok" else f"batch {a.batch} images"
+    print(f"{summary['device']} | torch {summary['torch']} | {a.model} | {shape} | compile {a.compile} | "
+          f"{summary['wall_ms_per_step']:.2f} ms/step ({units / wall:,.0f} {unit}/s under the profiler)")
     print("share of wall time: " + ", ".join(f"{k} {v:.1%}" for k, v in summary["shares_of_wall"].items()))
     print(f"| kernel ({'device' if cuda else 'CPU self'} time) | calls | ms per step | share | category |")
     print("|---|---|---|---|---|")

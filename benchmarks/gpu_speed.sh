@@ -16,6 +16,8 @@
 #   bash benchmarks/gpu_speed.sh lora-peers    the same on the TinyLlama-1.1B shape with Unsloth's rows (its own process;
 #                                              carry .whl-unsloth from benchmarks/unsloth_wheels.sh; ~6 min)
 #   bash benchmarks/gpu_speed.sh flow-sampling 10,000 images at 20 evaluations: eager fp32/bf16, compiled, CUDA graphs
+#   bash benchmarks/gpu_speed.sh flow-profile  torch.profiler of the flow UNet step (base 128, batch 256): convolution /
+#                                              group norm / elementwise / optimizer / gap shares (~2 min)
 #   bash benchmarks/gpu_speed.sh gpt-profile   torch.profiler of the GPT 124M step at micro-batch 16 (and 8, 32 with
 #                                              BATCHES="8 16 32"): top kernels, attention/loss/optimizer/gap shares
 set -u
@@ -59,6 +61,9 @@ case "$PART" in
   flow-sampling)
     timeout 400 python3 benchmarks/bench_flow_sampling.py --json "$OUT/flow_sampling.json" 2>&1 \
       | tee "$OUT/flow_sampling.log" ;;
+  flow-profile)
+    timeout ${LIMIT:-300} python3 benchmarks/gpu_gpt_profile.py --model flow --out "$OUT/flow_profile" 2>&1 \
+      | tee "$OUT/flow_profile.log" ;;
   gpt-profile)
     for B in ${BATCHES:-16}; do
       timeout 300 python3 benchmarks/gpu_gpt_profile.py --batch "$B" --out "$OUT/gpt_profile_b$B" 2>&1 \
