@@ -310,13 +310,18 @@ def apply_compile(model: nn.Module, enabled: bool, mode: str | None = None, back
     A plain model is compiled whole, so the head and the loss fuse with the blocks: on an H200 the 124M GPT ran
     482k tok/s compiled whole against 339k with only its blocks compiled (benchmarks/RESULTS.md). An adapter
     (peft) model compiles each transformer block instead: peft's wrappers and `causal_lm_loss_from_hidden`,
-    which calls the backbone directly, then still run compiled code. Identical blocks share one graph.
+    which calls the backbone directly, then still run compiled code. Identical blocks share one graph: the frozen
+    embedding's output is made to require grad (``enable_input_require_grads``), else the first block's input
+    differs from the others' in ``requires_grad`` and dynamo compiles that block a second time (a recompile in the
+    first step; the price is the first block's input gradient, which nothing uses).
     `dynamic=False` because a second shape would compile a dynamic graph (docs/gpu.md). `backend` is inductor but
     for tests ("eager" and "aot_eager" trace with dynamo's guards, so recompiles are the same, without codegen).
     """
     if not enabled:
         return model
     blocks = _transformer_blocks(model) if hasattr(model, "peft_config") else []
+    if blocks and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
     for block in blocks or [model]:
         block.compile(dynamic=False, mode=mode, backend=backend)
     return model
