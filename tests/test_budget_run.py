@@ -105,3 +105,16 @@ def test_budget_says_how_many_of_the_runs_steps_its_minutes_hold():
     assert "add --fit_schedule_to_time true" in plain
     fast = run(["--preset", "zh-poetry-modern", "--peak_tflops", "2000"])
     assert "inside --max_minutes 7" in fast
+
+
+@pytest.mark.parametrize("cap, recompute, compiled", [("16GB", False, True), ("6GB", True, False)])
+def test_autofit_turns_compile_off_with_the_recompute_it_chooses_for_adapters(cap, recompute, compiled):
+    """The lora preset compiles; where the 1.4B run only fits with recompute, autofit takes the eager step the
+    ledger prices (compiled blocks with recompute took 6.18 GiB against the ledger's 4.09 on an H200)."""
+    shape, train, _ = describe_run(["--model", "pythia-1.4b", "--tier", "lora", "--compile", "true", "--seq_len",
+                                    "1024", "--micro_batch_size", "4", "--gradient_accumulation_steps", "8",
+                                    "--memory_cap", cap])
+    said = []
+    chosen = autofit_settings(train, shape, None, log=said.append)
+    assert (chosen.recompute, chosen.compile) == (recompute, compiled)
+    assert any("compile off" in line for line in said) == (not compiled)

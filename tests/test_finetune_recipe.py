@@ -67,3 +67,18 @@ def test_compiled_preset_trains_saves_merges_without_recompiles(tiny_base, tmp_p
     ids = torch.randint(0, base.config.vocab_size, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_recompute_with_compiled_blocks_says_it_may_not_save_memory(tiny_base, tmp_path, monkeypatch, capsys):
+    import torch
+
+    torch._dynamo.reset()
+    monkeypatch.setenv("HF_CGPU_COMPILE_ON_CPU", "aot_eager")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    run_recipe(["--preset", "lora", "--model", str(tiny_base), "--dataset", "builtin", "--seq_len", "32",
+                "--micro_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_steps", "2",
+                "--warmup_steps", "1", "--eval_steps", "0", "--eval_batches", "1", "--checkpointing_steps", "0",
+                "--progress", "false", "--output_dir", str(tmp_path / "run"), "--lora_r", "4", "--recompute", "true"])
+    log = capsys.readouterr().out
+    assert "--recompute with compiled blocks may not save the memory" in log and "--compile false" in log
+    assert json.loads((tmp_path / "run" / "all_results.json").read_text())["recompiles"] == 0, log
