@@ -23,7 +23,8 @@ mark() { echo "$(( $(date +%s) - T0 ))s $*" >> "$OUT/timeline.txt"; }
 left() { local l=$(( DEADLINE - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then GA=0; GB=1; MIN=${FLOW_MINUTES:-4}; else GA=0; GB=0; MIN=${FLOW_MINUTES:-2.5}; fi
 # One GPU at the full 4-minute budget: two back-to-back calls on the same warm machine, PART=1 (classifier, seed
-# recipe, its evaluation) then PART=2 (ours, its evaluation and sweeps; reuses /tmp/clf when the machine stayed warm).
+# recipe, its evaluation) then PART=2 (ours, its evaluation and sweeps; reuses /tmp/clf when the machine stayed warm);
+# PART=3 (a third call) sweeps the issue's grid: Euler/Heun x 5/10/20/50 evaluations x guidance 1/1.5/2/3 x EMA/raw.
 if [ -n "${PART:-}" ]; then MIN=${FLOW_MINUTES:-4}; fi
 TRAIN_TIMEOUT=$(python3 -c "print(int($MIN * 60 + 90))")
 DATA=.data/cifar10
@@ -65,6 +66,9 @@ eval_ours() {  # the same sampler on our EMA weights, then our sweep
   CUDA_VISIBLE_DEVICES=$GB timeout "$(left)" "${EVAL[@]}" /tmp/ours "${EV[@]}" --weights ema --num_images 10000 \
     --scheduler euler --num_inference_steps 50 --guidance_scale 1 --output_dir "$OUT/eval_ours" > "$OUT/eval_ours.log" 2>&1
   mark "ours evaluated at the seed's sampler"
+  sweep_ema
+}
+sweep_ema() {
   CUDA_VISIBLE_DEVICES=$GB timeout "$(left)" "${EVAL[@]}" /tmp/ours "${EV[@]}" --weights ema "${SWEEP[@]}" \
     --output_dir "$OUT/sweep_ema" > "$OUT/sweep_ema.log" 2>&1
   mark "ours EMA sweep"
@@ -79,6 +83,11 @@ if [ "${PART:-}" = 1 ]; then
   train_classifier; train_seed; eval_seed
 elif [ "${PART:-}" = 2 ]; then
   [ -f /tmp/clf.done ] || train_classifier; train_ours; eval_ours; sweep_raw
+elif [ "${PART:-}" = 3 ]; then  # issue 8's grid, in evaluations per image, on what PART=2 left on this warm machine
+  if [ ! -f /tmp/ours.done ] || [ ! -f /tmp/clf.done ]; then echo "PART=3 needs PART=2's /tmp/ours and /tmp/clf"; exit 1; fi
+  SWEEP=(--sweep --num_images "${SWEEP_IMAGES:-5000}" --sweep_schedulers euler,heun --sweep_evaluations 5,10,20,50
+         --sweep_guidance 1,1.5,2,3)
+  sweep_ema; sweep_raw
 elif [ "$GA" != "$GB" ]; then
   ( train_seed
     while [ ! -f /tmp/clf.done ] && [ "$(left)" -gt 1 ]; do sleep 2; done; eval_seed

@@ -16,10 +16,12 @@ from PIL import Image
 
 from hf_cgpu.cli import main as cli_main
 from hf_cgpu.data.images import load_image_dataset, random_crop_on_device
+from hf_cgpu.errors import SettingsError
 from hf_cgpu.evaluation.classifier import (CifarResNet, ClassifierConfig, file_hash, load_classifier,
                                            save_classifier, to_classifier_input)
 from hf_cgpu.evaluation.images import (class_statistics, feature_statistics, frechet_distance,
                                        frechet_distance_of_features, image_features, precision_recall)
+from hf_cgpu.evaluation.flow import ImageEvalSettings, evaluations_per_image, steps_within
 
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR = ROOT.parent / "shared" / "data" / "cifar10"
@@ -250,9 +252,9 @@ def test_cli_sweep_over_ema_and_raw_weights(tmp_path, synthetic_data, synthetic_
     assert rc == 0
     rows = json.loads((run / "eval" / "sweep.json").read_text())
     assert len(rows) == 16 and {r["weights"] for r in rows} == {"ema", "raw"}
-    for r in rows:
-        calls = r["num_inference_steps"] if r["scheduler"] == "euler" else 2 * r["num_inference_steps"] - 1
-        assert r["nfe_per_image"] == calls * (2 if r["guidance_scale"] != 1 else 1)
+    for r in rows:  # the UNet rows counted while sampling, against the closed form the sweep plans with
+        assert r["nfe_per_image"] == evaluations_per_image(r["scheduler"], r["num_inference_steps"],
+                                                           r["guidance_scale"])
     key = lambda r: (r["scheduler"], r["num_inference_steps"], r["guidance_scale"])  # noqa: E731
     ema = {key(r): r["fd"] for r in rows if r["weights"] == "ema"}
     raw = {key(r): r["fd"] for r in rows if r["weights"] == "raw"}
@@ -279,3 +281,19 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, synthetic_data, syntheti
     rc, _, err = _eval([str(run), "--classifier", str(synthetic_classifier), "--dataset", str(tmp_path / "nodata")],
                        capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "--dataset" in err
+
+
+def test_sweep_evaluations_give_each_sampler_the_most_steps_that_fit():
+    for scheduler in ("euler", "heun"):
+        for scale in (1.0, 2.0):
+            for budget in range(1, 61):
+                n = steps_within(budget, scheduler, scale)
+                fits = [k for k in range(1, 61) if evaluations_per_image(scheduler, k, scale) <= budget]
+                assert n == (max(fits) if fits else 1), (scheduler, scale, budget)
+    s = ImageEvalSettings(classifier="y", sweep=True, sweep_evaluations="5,10,20,50",
+                          sweep_guidance="1,3")
+    assert ("heun", 3, 1.0) in s.grid and ("heun", 3, 3.0) in s.grid  # 5 and 10 evaluations: 2x3-1, guided x2
+    assert ("euler", 50, 1.0) in s.grid and ("euler", 25, 3.0) in s.grid and ("heun", 13, 3.0) in s.grid
+    assert len(s.grid) == len(set(s.grid)) == 2 * 4 * 2
+    with pytest.raises(SettingsError, match="--sweep_evaluations"):
+        ImageEvalSettings(classifier="y", sweep_evaluations="0,5")

@@ -83,6 +83,9 @@ class ImageEvalSettings:
     """Comma-separated schedulers of the sweep."""
     sweep_steps: str = "4,8,16"
     """Comma-separated solver steps of the sweep."""
+    sweep_evaluations: str = ""
+    """Comma-separated network evaluations per image (e.g. 5,10,20,50) instead of --sweep_steps: each sampler and
+    guidance scale gets the most steps whose evaluations fit (Euler n steps = n, Heun 2n - 1, a guided step twice)."""
     sweep_guidance: str = "1,1.5,2,3"
     """Comma-separated guidance scales of the sweep (only 1 for an unconditional model)."""
     inception_weights: str = ""
@@ -108,16 +111,36 @@ class ImageEvalSettings:
         self.grid = _sweep_grid(self)
 
 
+def evaluations_per_image(scheduler: str, steps: int, guidance_scale: float) -> int:
+    """Network evaluations of one image: Euler one per step, Heun a predictor and a corrector per step but the last
+    (2n - 1), each doubled by classifier-free guidance (scale != 1: conditional and unconditional rows)."""
+    calls = steps if scheduler == "euler" else 2 * steps - 1
+    return calls * (2 if guidance_scale != 1 else 1)
+
+
+def steps_within(evaluations: int, scheduler: str, guidance_scale: float) -> int:
+    """The most steps whose ``evaluations_per_image`` fit ``evaluations`` (at least 1)."""
+    per = 2 if guidance_scale != 1 else 1
+    calls = evaluations // per
+    return max(1, calls if scheduler == "euler" else (calls + 1) // 2)
+
+
 def _sweep_grid(s: ImageEvalSettings) -> list[tuple[str, int, float]]:
     try:
         schedulers = [x.strip() for x in s.sweep_schedulers.split(",") if x.strip()]
         steps = [int(x) for x in s.sweep_steps.split(",") if x.strip()]
+        budgets = [int(x) for x in s.sweep_evaluations.split(",") if x.strip()]
         scales = [float(x) for x in s.sweep_guidance.split(",") if x.strip()]
     except ValueError:
         raise SettingsError("sweep lists are comma-separated, e.g. --sweep_steps 4,8,16 --sweep_guidance 1,1.5,2")
     if not schedulers or not steps or not scales or set(schedulers) - set(SCHEDULERS) or min(steps) < 1:
         raise SettingsError("--sweep_schedulers takes euler/heun, --sweep_steps positive integers, none empty")
-    return [(a, b, c) for a in schedulers for b in steps for c in scales]
+    if budgets and min(budgets) < 1:
+        raise SettingsError("--sweep_evaluations takes positive integers, e.g. 5,10,20,50")
+    if not budgets:
+        return [(a, b, c) for a in schedulers for b in steps for c in scales]
+    grid = [(a, steps_within(e, a, c), c) for a in schedulers for e in budgets for c in scales]
+    return list(dict.fromkeys(grid))  # a small budget can give two scales' rows the same steps: each once
 
 
 # ----------------------------------------------------------------------------- generation
