@@ -263,7 +263,9 @@ def _summary(results: dict[str, Any], n_params: int, kind: str = "gpt") -> str:
         parts.append(f"final train loss {_format_value(train_loss)}")
     val_loss = _first(results, "val_loss", "eval_loss", "validation_loss")
     if val_loss is not None:
-        parts.append(f"validation loss {_format_value(val_loss)}")
+        base = results.get("base_val_loss")
+        parts.append(f"validation loss {_format_value(val_loss)}"
+                     + (f" ({_format_value(base)} before fine-tuning)" if base is not None else ""))
     rate = _by_suffix(results, "_per_s")
     if rate is not None:
         parts.append(f"{_format_value(rate[1])} {rate[0][: -len('_per_s')]}/s on average")

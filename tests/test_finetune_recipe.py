@@ -32,6 +32,12 @@ def test_finetune_writes_reloadable_adapter(tiny_base, tmp_path, tier):
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     results = json.loads((out / "all_results.json").read_text())
     assert results["steps"] == 6 and results["val_loss"] > 0
+    history = json.loads((out / "history.json").read_text())
+    first = next(h for h in history if "eval/val_loss" in h)  # the base, evaluated before the first step
+    assert first["step"] == 0 and results["base_val_loss"] == first["eval/val_loss"]
+    assert results["val_loss"] < results["base_val_loss"], "fine-tuning must lower the held-out loss"
+    card = (out / "README.md").read_text()
+    assert "base_val_loss" in card and "before fine-tuning" in card
     base = AutoModelForCausalLM.from_pretrained(tiny_base)
     model = PeftModel.from_pretrained(base, out).eval()
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]

@@ -47,15 +47,18 @@ def load_saved_weights(model: torch.nn.Module, folder: Path) -> None:
 
 def final_results(steps: int, unit: str, units_seen: int, final: dict[str, float], keeper, use_best: bool,
                   history: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
-    """The figures of all_results.json: the final (or best) evaluation, the last logged training loss, ``extra``
-    (the metrics' summary: the run's mean throughput and MFU, the device, memory)."""
+    """The figures of all_results.json: the final (or best) evaluation, the last logged training loss, the
+    evaluation before the first step as ``base_*`` (a fine-tune's base), ``extra`` (the metrics' summary: the run's
+    mean throughput and MFU, the device, memory)."""
     last = next((h for h in reversed(history) if "train/loss" in h), {})
+    before = next((h for h in history if h.get("step") == 0 and any(k.startswith("eval/") for k in h)), {})
     best = keeper.step is not None
     return {
         "steps": steps,
         f"{unit}s_seen": units_seen,
         "train_loss": last.get("train/loss"),
         **(keeper.metrics if use_best else final),
+        **{f"base_{k.split('/', 1)[1]}": v for k, v in before.items() if k.startswith("eval/")},
         **({f"best_{keeper.metric}": keeper.value, "best_step": keeper.step} if best else {}),
         **({f"last_{k}": v for k, v in final.items()} if use_best else {}),
         "model_step": keeper.step if use_best else steps,

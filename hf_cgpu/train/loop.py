@@ -122,6 +122,9 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     validator = Validator(task, run.model, acc, ema, s, keeper, metrics, every, run.output_dir, run.template)
     guards = Guards(s, run.plan.expected_initial_loss, state.step, oom_advice(_ladder_setup(run)), metrics.write,
                     processes=acc.num_processes)
+    if task.train_mode == "finetune" and state.step == 0:  # the base it starts from: base_* in all_results
+        with metrics.paused():
+            validator.run(0)
     try:
         with Stopping(s.max_minutes, catch_signals=True) as stopping, metrics.progress(state.step):
             _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer, stopping)
