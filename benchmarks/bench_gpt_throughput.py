@@ -7,6 +7,8 @@ FLOPs against the bf16 matmul rate measured in this same process) and peak memor
 
 GPU:  python benchmarks/bench_gpt_throughput.py --variants hf_cgpu-whole-fulllogits,nanogpt,transformers_gpt2 \
           [--batch 8|16|32] --json $OUT/gpt_throughput.json
+      add hf_cgpu-fulllogits-cudagraphs / hf_cgpu-fulllogits-autotune to --variants for ours under
+      --compile_mode reduce-overhead / max-autotune-no-cudagraphs (the peers stay on torch.compile's default)
 CPU:  python benchmarks/bench_gpt_throughput.py --smoke     (tiny shapes, eager: checks the script, no figure)
 """
 
@@ -25,12 +27,14 @@ from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 from hf_cgpu.budget import ModelShape, TrainSetup, flops_per_token
 
 
-VARIANTS = {  # name: (model, compile scope, loss chunk)
-    "hf_cgpu-blocks": ("hf_cgpu", "blocks", 1024),
-    "hf_cgpu-whole": ("hf_cgpu", "whole", 1024),
-    "hf_cgpu-whole-fulllogits": ("hf_cgpu", "whole", 0),
-    "transformers_gpt2": ("gpt2", "whole", 0),
-    "nanogpt": ("nanogpt", "whole", 0),
+VARIANTS = {  # name: (model, compile scope, loss chunk, torch.compile mode)
+    "hf_cgpu-blocks": ("hf_cgpu", "blocks", 1024, None),
+    "hf_cgpu-whole": ("hf_cgpu", "whole", 1024, None),
+    "hf_cgpu-whole-fulllogits": ("hf_cgpu", "whole", 0, None),
+    "hf_cgpu-fulllogits-cudagraphs": ("hf_cgpu", "whole", 0, "reduce-overhead"),  # --compile_mode reduce-overhead
+    "hf_cgpu-fulllogits-autotune": ("hf_cgpu", "whole", 0, "max-autotune-no-cudagraphs"),
+    "transformers_gpt2": ("gpt2", "whole", 0, None),
+    "nanogpt": ("nanogpt", "whole", 0, None),
 }
 NANOGPT = Path(__file__).resolve().parent / "third_party" / "nanogpt" / "model.py"
 
@@ -63,7 +67,7 @@ def build(kind: str, args, chunk: int = 1024):
 
 
 def run(variant: str, args, peak: float) -> dict:
-    kind, scope, chunk = VARIANTS[variant]
+    kind, scope, chunk, mode = VARIANTS[variant]
     cuda = not args.smoke
     dev = "cuda" if cuda else "cpu"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -82,7 +86,7 @@ def run(variant: str, args, peak: float) -> dict:
 
         step_model = apply_compile(model, True)
     else:  # the whole forward + loss in one graph
-        step_model = torch.compile(model, dynamic=False)
+        step_model = torch.compile(model, dynamic=False, mode=mode)
     x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=dev)
     inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()  # nanoGPT views its targets
 

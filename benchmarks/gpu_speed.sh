@@ -3,7 +3,8 @@
 # `flow`, .data/cifar10 (a copy of ../shared/data/cifar10). Results under $OUT; each part is bounded by `timeout`.
 #
 #   bash benchmarks/gpu_speed.sh gpt           GPT 124M step vs nanoGPT (vendored model.py) and transformers GPT2 at
-#                                              micro-batch 16 (and 8, 32 with BATCHES="8 16 32"; ~2 min each)
+#                                              micro-batch 16 (and 8, 32 with BATCHES="8 16 32"; ~2 min each;
+#                                              VARIANTS=...,hf_cgpu-fulllogits-cudagraphs adds our compile modes)
 #   bash benchmarks/gpu_speed.sh flow          seed pipeline vs --preset cifar10: steady-state img/s, cold/warm start-up,
 #                                              recompiles (benchmarks/gpu_flow_speed.sh; ~5 min)
 #   bash benchmarks/gpu_speed.sh lora          LoRA recompute off/full/selective on the Pythia-1.4B shape, seq 1024 x 4:
@@ -37,7 +38,8 @@ case "$PART" in
       --warmup 3 --steps 10 --json "$OUT/${PART}_recompute.json" 2>&1 | tee "$OUT/${PART}_recompute.log" ;;
   gpt)
     for B in ${BATCHES:-16}; do
-      timeout 300 python3 benchmarks/bench_gpt_throughput.py --batch "$B" --json "$OUT/gpt_throughput_b$B.json" 2>&1 \
+      timeout 300 python3 benchmarks/bench_gpt_throughput.py --batch "$B" ${VARIANTS:+--variants $VARIANTS} \
+        --json "$OUT/gpt_throughput_b$B.json" 2>&1 \
         | tee "$OUT/gpt_throughput_b$B.log"
     done ;;
   lora-speed)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ArgumentParser, SettingsError
-from .tiers import OPTIMIZERS, TIERS
+from .tiers import COMPILE_MODES, OPTIMIZERS, TIERS
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -82,6 +82,10 @@ class TrainSettings:
     compile: bool = False
     """torch.compile the model on CUDA (static shapes, dynamic=False; minutes of compile on the first step). Skipped
     with a note on the CPU, where compiling takes minutes and rarely pays off."""
+    compile_mode: str = "default"
+    """torch.compile's mode with --compile: default, reduce-overhead (CUDA graphs: fewer kernel launches, more
+    memory), max-autotune-no-cudagraphs (autotuned matmul templates: a much longer first compile) or
+    max-autotune (both). Not measured as a default; benchmarks/bench_gpt_throughput.py has rows for them."""
     recompute: bool = False
     """Activation checkpointing of every block: ~17x less activation memory for ~30% more time."""
     tier: str = "full"
@@ -151,6 +155,8 @@ class TrainSettings:
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
             raise SettingsError(f"unknown tier {self.tier!r}; choose one of {', '.join(TIERS)}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise SettingsError(f"compile_mode={self.compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
         if self.mixed_precision not in ("auto", "bf16", "no"):
             raise SettingsError(f"mixed_precision={self.mixed_precision!r}; use auto, bf16 or no (fp16 needs loss scaling)")
         for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps"):

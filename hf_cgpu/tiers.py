@@ -71,6 +71,8 @@ OPTIMIZERS = ("adamw", "muon")
 """Every memory tier, least saving first: the one list the settings, the ladder and the loop read."""
 TRAIN_MODES = ("pretrain", "finetune")
 ADAPTER_TIERS = ("lora", "qlora")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+"""torch.compile modes ``--compile_mode`` takes (``default`` is torch.compile's own)."""
 
 # LoRA targets per architecture: every linear of attention and MLP (QLoRA paper: all-linear matches
 # full fine-tuning; attention-only does not). Names checked on transformers 5.24.

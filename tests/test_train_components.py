@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from hf_cgpu import budget
 from hf_cgpu.budget.cli import preset_shape
-from hf_cgpu.errors import TrainingStopped
+from hf_cgpu.errors import SettingsError, TrainingStopped
 from hf_cgpu.settings import TrainSettings
 from hf_cgpu.train import EMA, SampleOrder, fit
 from hf_cgpu.train import checkpoint as ckpt_io
@@ -315,3 +315,18 @@ def test_rate_after_first_step_leaves_out_the_first_step_of_every_process(monkey
     two = process(5, 8, one.state_dict())
     assert two.mean_rate() == pytest.approx(800 / 26)  # 2 x (10 + 3 x 1) s
     assert two.rate_after_first_step() == pytest.approx(600 / 6)
+
+
+def test_compile_mode_reaches_torch_compile_and_a_wrong_one_is_refused(tmp_path, monkeypatch):
+    import hf_cgpu.train.prepare as prepare
+
+    monkeypatch.setenv("HF_CGPU_COMPILE_ON_CPU", "inductor")
+    seen = []
+    monkeypatch.setattr(prepare, "apply_tiers", lambda model, *a, compile, compile_mode=None, **k:
+                        seen.append((compile, compile_mode)) or model)
+    fit(ToyTask(), settings(tmp_path / "a", compile=True, compile_mode="reduce-overhead", max_steps=1,
+                            checkpointing_steps=0))
+    fit(ToyTask(), settings(tmp_path / "b", compile=True, max_steps=1, checkpointing_steps=0))
+    assert seen == [(True, "reduce-overhead"), (True, None)]
+    with pytest.raises(SettingsError, match="compile_mode='fast'; choose one of default, reduce-overhead"):
+        settings(tmp_path / "c", compile_mode="fast")

@@ -133,6 +133,7 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
         plan.model, s.tier, recompute=s.recompute, compile=compile, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
         lora_dropout=s.lora_dropout, target_modules=[m for m in s.lora_target_modules.split(",") if m] or None,
         compile_backend=cpu_backend if device.type != "cuda" and cpu_backend else "inductor",
+        compile_mode=None if s.compile_mode == "default" else s.compile_mode,
     )
     template = template_of(accelerator, model)  # on the CPU, before prepare shards the parameters in place
     if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "hf_device_map", None):
