@@ -3,7 +3,7 @@
 Stock peft is what a user following the peft / bitsandbytes docs writes (``benchmarks/bench_memory.py:stock_peft``),
 here without gradient checkpointing, its fastest setting that fits 16 GB. Ours is what ``recipes/finetune_lora.py
 --preset lora`` / ``qlora`` runs (``apply_tiers`` + the chunked loss), eager and with ``--compile true`` (each block
-compiled). Unsloth is ``FastLanguageModel.from_pretrained`` + ``get_peft_model`` with the same rank, alpha and
+compiled), and with recompute (the low-memory rung) eager and compiled. Unsloth is ``FastLanguageModel.from_pretrained`` + ``get_peft_model`` with the same rank, alpha and
 target modules, without gradient checkpointing; its rows must run in a process of their own (Unsloth patches
 transformers and peft when imported), so pass them alone: ``--rows unsloth-lora,unsloth-qlora``.
 
@@ -27,18 +27,21 @@ import statistics
 import time
 from pathlib import Path
 
-# (name, tier, whose, compile); whose: ours, stock (peft), unsloth
+# (name, tier, whose, compile, recompute); whose: ours, stock (peft), unsloth
 ROWS = {
-    "lora-stock": ("LoRA, stock peft (eager)", "lora", "stock", False),
-    "lora-compiled": ("LoRA, ours --compile true", "lora", "ours", True),
-    "lora-eager": ("LoRA, ours eager", "lora", "ours", False),
-    "qlora-stock": ("QLoRA, stock peft (eager)", "qlora", "stock", False),
-    "qlora-compiled": ("QLoRA, ours --compile true", "qlora", "ours", True),
-    "qlora-eager": ("QLoRA, ours eager", "qlora", "ours", False),
-    "unsloth-lora": ("LoRA, Unsloth", "lora", "unsloth", False),
-    "unsloth-qlora": ("QLoRA, Unsloth (4-bit)", "qlora", "unsloth", False),
+    "lora-stock": ("LoRA, stock peft (eager)", "lora", "stock", False, False),
+    "lora-compiled": ("LoRA, ours --compile true", "lora", "ours", True, False),
+    "lora-eager": ("LoRA, ours eager", "lora", "ours", False, False),
+    "qlora-stock": ("QLoRA, stock peft (eager)", "qlora", "stock", False, False),
+    "qlora-compiled": ("QLoRA, ours --compile true", "qlora", "ours", True, False),
+    "qlora-eager": ("QLoRA, ours eager", "qlora", "ours", False, False),
+    "lora-recompute-eager": ("LoRA, ours --recompute true, eager", "lora", "ours", False, True),
+    "lora-recompute-compiled": ("LoRA, ours --recompute true --compile true", "lora", "ours", True, True),
+    "unsloth-lora": ("LoRA, Unsloth", "lora", "unsloth", False, False),
+    "unsloth-qlora": ("QLoRA, Unsloth (4-bit)", "qlora", "unsloth", False, False),
 }
-DEFAULT_ROWS = [k for k, v in ROWS.items() if v[2] != "unsloth"]
+DEFAULT_ROWS = [k for k, v in ROWS.items() if v[2] != "unsloth" and not v[4]]
+"""The recompute rows (the low-memory rung, eager vs compiled in one harness) run when named in --rows."""
 TINYLLAMA = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                  intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
 TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -90,7 +93,7 @@ def unsloth_peft(path: Path, quantized: bool, seq_len: int, device):
     return model, opt
 
 
-def build(tier: str, whose: str, compile: bool, path: Path, device, args):
+def build(tier: str, whose: str, compile: bool, recompute: bool, path: Path, device, args):
     from bench_memory import stock_peft
     from hf_cgpu.tiers import apply_tiers, build_optimizer, load_base_model
 
@@ -103,7 +106,7 @@ def build(tier: str, whose: str, compile: bool, path: Path, device, args):
     model = load_base_model(str(path), tier, device_map={"": device} if tier == "qlora" else None)
     if tier != "qlora":
         model = model.to(device)
-    model = apply_tiers(model, tier, recompute=False, compile=compile, compile_backend=args.compile_backend)
+    model = apply_tiers(model, tier, recompute=recompute, compile=compile, compile_backend=args.compile_backend)
     return model, build_optimizer(model, tier, lr=1e-4), "neox"
 
 
@@ -111,12 +114,12 @@ def measure(key: str, args, device, path: Path) -> dict:
     import torch
     from bench_memory import GiB, step_fn, timed_steps
 
-    name, tier, whose, compile = ROWS[key]
+    name, tier, whose, compile, recompute = ROWS[key]
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     t_build = time.perf_counter()
-    model, opt, kind = build(tier, whose, compile, path, device, args)
+    model, opt, kind = build(tier, whose, compile, recompute, path, device, args)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len + 1), device=device)
     step = step_fn(model, opt, kind, ids, args.accumulation, device)
     for _ in range(args.warmup):
@@ -128,6 +131,7 @@ def measure(key: str, args, device, path: Path) -> dict:
     times = timed_steps(step, args.steps, device)
     tokens = args.batch * args.seq_len * args.accumulation
     row = {"row": key, "config": name, "shape": args.shape, "tier": tier, "whose": whose, "compile": compile,
+           "recompute": recompute,
            "s_per_step": round(statistics.median(times), 4), "tok_per_s": round(tokens / statistics.median(times)),
            "build_and_warmup_s": round(warm_s, 1)}
     if device.type == "cuda":

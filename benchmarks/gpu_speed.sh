@@ -13,7 +13,8 @@
 #   bash benchmarks/gpu_speed.sh lora-compiled the LoRA rows with the blocks compiled (selective's policy applied at
 #                                              tracing, not per op; ~4 min)
 #   bash benchmarks/gpu_speed.sh lora-speed    LoRA / QLoRA tok/s, ours eager and compiled vs stock peft (no gradient
-#                                              checkpointing), Pythia-1.4B shape, seq 1024 x 4 x 2 (~4 min; ROWS=...)
+#                                              checkpointing), Pythia-1.4B shape, seq 1024 x 4 x 2 (~4 min; ROWS=...;
+#                                              ROWS=lora-recompute-eager,lora-recompute-compiled: the low-memory rung)
 #   bash benchmarks/gpu_speed.sh lora-peers    the same on the TinyLlama-1.1B shape with Unsloth's rows (its own process;
 #                                              carry .whl-unsloth from benchmarks/unsloth_wheels.sh; ~6 min)
 #   bash benchmarks/gpu_speed.sh flow-sampling 10,000 images at 20 evaluations: eager fp32/bf16, compiled, CUDA graphs
