@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ArgumentParser, SettingsError
-from .tiers import COMPILE_MODES, OPTIMIZERS, TIERS
+from .tiers import COMPILE_MODES, TIERS, validate_optimizer
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -166,11 +166,7 @@ class TrainSettings:
             raise SettingsError("learning_rate must be > 0 and warmup_steps >= 0")
         if self.early_stopping_patience < 0 or self.eval_batches < 0:
             raise SettingsError("early_stopping_patience and eval_batches must be >= 0")
-        if self.optimizer not in OPTIMIZERS:
-            raise SettingsError(f"optimizer={self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-        if self.optimizer == "muon" and self.tier != "full":
-            raise SettingsError(f"optimizer muon has no {self.tier} form (it trains every weight in fp32); "
-                                "use --tier full or --optimizer adamw")
+        validate_optimizer(self.optimizer, self.tier)
         if self.muon_learning_rate <= 0 or not 0 <= self.muon_momentum < 1 or self.muon_weight_decay < 0:
             raise SettingsError("muon_learning_rate must be > 0, muon_momentum in [0, 1) and muon_weight_decay >= 0; "
                                 "e.g. --muon_learning_rate 0.02 --muon_momentum 0.95")

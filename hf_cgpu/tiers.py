@@ -66,9 +66,9 @@ if TYPE_CHECKING:  # torch is imported where a function needs it: the names abov
     from torch import nn
 
 TIERS = ("full", "adamw8bit", "lora", "qlora")
+"""Every memory tier, least saving first: the one list the settings, the ladder and the loop read."""
 OPTIMIZERS = ("adamw", "muon")
 """``TrainSettings.optimizer``: AdamW everywhere, or Muon on the hidden matrices with AdamW on the rest (hf_cgpu.optim)."""
-"""Every memory tier, least saving first: the one list the settings, the ladder and the loop read."""
 TRAIN_MODES = ("pretrain", "finetune")
 ADAPTER_TIERS = ("lora", "qlora")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
@@ -359,6 +359,16 @@ def _trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return named
 
 
+def validate_optimizer(optimizer: str, tier: str, eight_bit: bool = False) -> None:
+    """One-line errors for an optimizer the run cannot use: unknown, or Muon on any tier but full (the settings, the
+    ledger's setup and ``build_optimizer`` all check through here)."""
+    if optimizer not in OPTIMIZERS:
+        raise SettingsError(f"optimizer={optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if optimizer == "muon" and (tier != "full" or eight_bit):
+        raise SettingsError(f"optimizer muon has no {tier if tier != 'full' else '8-bit'} form (it trains every "
+                            "weight in fp32); use --tier full or --optimizer adamw")
+
+
 def build_optimizer(
     model: nn.Module,
     tier: str,
@@ -388,11 +398,7 @@ def build_optimizer(
 
     if tier not in TIERS:
         raise SettingsError(f"unknown tier {tier!r}: choose one of {', '.join(TIERS)}")
-    if optimizer not in OPTIMIZERS:
-        raise SettingsError(f"unknown optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-    if optimizer == "muon" and (tier != "full" or optim_8bit or paged):
-        raise SettingsError(f"optimizer muon has no {tier if tier != 'full' else '8-bit'} form (it trains every "
-                            "weight in fp32); use --tier full or --optimizer adamw")
+    validate_optimizer(optimizer, tier, eight_bit=bool(optim_8bit or paged))
     use_8bit = tier == "adamw8bit" if optim_8bit is None else optim_8bit
     named = _trainable_parameters(model)
     if not named:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MissingPathError, SettingsError
-from ..tiers import ADAPTER_TIERS, OPTIMIZERS, TIERS
+from ..tiers import ADAPTER_TIERS, TIERS, validate_optimizer
 
 FAMILIES = ("gpt", "gptneox", "llama")
 ATTENTIONS = ("sdpa", "eager")
@@ -363,10 +363,7 @@ class TrainSetup:
         if not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 0:
             raise SettingsError(f"loss_chunk_size must be 0 (full logits) or a positive token count, "
                                 f"got {self.loss_chunk_size!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise SettingsError(f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-        if self.optimizer == "muon" and self.tier != "full":
-            raise SettingsError(f"optimizer muon has no {self.tier} form; use --tier full or --optimizer adamw")
+        validate_optimizer(self.optimizer, self.tier)
         if isinstance(self.lora_target_modules, str):
             object.__setattr__(self, "lora_target_modules", _targets(self.lora_target_modules))
 

@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn as nn
 
+from ..evaluation.flow import steps_within
 from .scheduling_flow_match import FlowMatchEulerScheduler, FlowMatchHeunScheduler, sample_ode
 from .unet import sinusoidal_embedding
 
@@ -80,7 +81,7 @@ def sample_rows(model: nn.Module, centres: torch.Tensor, x0: torch.Tensor, budge
     rows, samples = [], {}
     for name, scheduler in (("euler", FlowMatchEulerScheduler()), ("heun", FlowMatchHeunScheduler())):
         for budget in budgets:
-            steps = budget if name == "euler" else max(1, (budget + 1) // 2)
+            steps = steps_within(budget, name, guidance_scale=1.0)
             x1, nfe = sample_ode(model, scheduler, x0, steps)
             stats = mode_stats(x1, centres, hit_radius)
             rows.append({"method": name, "budget": budget, "steps": steps, "nfe": nfe, **stats})

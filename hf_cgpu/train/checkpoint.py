@@ -282,9 +282,9 @@ class Checkpointer:
         self.model, self.optimizer, self.metrics = model, optimizer, metrics
         self.last_saved = 0
         self.good: Path | None = None
+        """The newest checkpoint known finite and whole (resumed from, or sealed by this run)."""
         self.on_sealed: Callable[[Path, int], None] | None = None
         """Called (in the sealing thread) with each checkpoint once it is sealed in place: the Hub upload."""
-        """The newest checkpoint known finite and whole (resumed from, or sealed by this run)."""
         self._sealer = _Sealer()
 
     def due(self, step: int) -> bool:

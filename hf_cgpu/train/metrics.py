@@ -165,12 +165,11 @@ class Metrics:
     # ---- training steps
     def record(self, step: int, loss: float, lr: float, grad_norm: float, units: int, epoch: float) -> None:
         """One optimizer step done (``step`` counts it); logs when the window is due."""
-        if self.first_step_seconds is None:
+        if not self._first_seen:  # this process's first step (its compile): timed, and kept out of one rate
+            self._first_seen = True
             self._first_step(step)
-            if not self._first_seen:
-                self._first_seen = True
-                self.first_units += units
-                self.first_seconds += time.perf_counter() - self.started
+            self.first_units += units
+            self.first_seconds += time.perf_counter() - self.started
         if self.recompiles is not None:
             self.recompiles.step = step
         w = self.window
