@@ -118,3 +118,9 @@ def test_autofit_turns_compile_off_with_the_recompute_it_chooses_for_adapters(ca
     chosen = autofit_settings(train, shape, None, log=said.append)
     assert (chosen.recompute, chosen.compile) == (recompute, compiled)
     assert any("compile off" in line for line in said) == (not compiled)
+
+
+def test_ema_decay_reaches_the_ledger():
+    shape, train, _ = describe_run(["--preset", "tiny", "--ema_decay", "0.999"])
+    assert shape.setup(train).ema
+    assert not describe_run(["--preset", "tiny"])[0].setup(describe_run(["--preset", "tiny"])[1]).ema

@@ -481,7 +481,7 @@ def parallel_rows(shape: ModelShape, setup: TrainSetup, rows: list[Row], st: Sta
     if not setup.fsdp:
         return [*rows, Row("ddp_buckets", "DDP gradient buckets", st.gradients,
                            f"fp32 copies of the trainable gradients for the all-reduce ({p} processes)")]
-    shard = {"weights", "gradients", "optimizer", "master"}
+    shard = {"weights", "gradients", "optimizer", "master", "ema"}
     out = [Row(r.key, r.label, r.bytes / p, f"{r.note}; 1/{p} per GPU (FSDP2 shard)") if r.key in shard else r
            for r in rows]
     out = [Row(r.key, r.label, 0.0, "none: FSDP2 gathers the blocks in bf16") if r.key == "autocast_copies" else r
@@ -523,6 +523,8 @@ def ledger(
         Row("gradients", "gradients", grads_at_peak, grad_note),
         Row("optimizer", "optimizer state", st.optimizer, st.notes["optimizer"]),
         Row("master", "fp32 master copy", st.master, st.notes["master"]),
+        Row("ema", "EMA of the weights", FP32 * st.trainable_params if setup.ema else 0.0,
+            "fp32 4 B per trainable param (--ema_decay)" if setup.ema else "none (--ema_decay 0)"),
         Row("autocast_copies", "autocast weight copies", st.autocast_copies, st.notes.get("autocast_copies", "none")),
         Row("activations", "activations", activations, act_note),
         Row("recompute_layer", "recomputed block", recompute_layer,
@@ -534,7 +536,7 @@ def ledger(
         rows.append(Row("overlap", "not at the same time", -min(logits, recompute_layer),
                         "recomputed block and logits never coexist: only the larger counts"))
     rows = parallel_rows(shape, setup, rows, st)
-    states = sum(r.bytes for r in rows if r.key in ("weights", "optimizer", "master", "ddp_buckets"))  # FSDP2
+    states = sum(r.bytes for r in rows if r.key in ("weights", "optimizer", "master", "ema", "ddp_buckets"))  # FSDP2
     # units are resharded by the optimizer step
     backward_start = sum(r.bytes for r in rows)
     grads_all = (st.gradients / setup.processes) if setup.processes > 1 and setup.fsdp else st.gradients

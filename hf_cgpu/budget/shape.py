@@ -349,6 +349,8 @@ class TrainSetup:
     head, norms and so the residual stream in fp32)."""
     processes: int = 1
     """Data-parallel processes (one per GPU); the ledger is per GPU, the micro-batch is per process."""
+    ema: bool = False
+    """``--ema_decay`` above 0: an fp32 average of every trainable weight, alive all run."""
     fsdp: bool = False
     """With ``processes`` > 1: FSDP2 (weights, gradients and optimizer state sharded over the processes) instead of
     DDP (a whole replica per GPU, plus DDP's gradient buckets)."""
@@ -432,5 +434,5 @@ class RunShape:
             gradient_accumulation_steps=settings.gradient_accumulation_steps, tier=settings.tier,
             recompute=settings.recompute, lora_r=settings.lora_r, lora_target_modules=_targets(settings.lora_target_modules),
             loss_chunk_size=self.loss_chunk_size, compiled_loss=compiled,
-            optimizer=getattr(settings, "optimizer", "adamw"), **peer,
+            optimizer=getattr(settings, "optimizer", "adamw"), ema=getattr(settings, "ema_decay", 0.0) > 0, **peer,
         )
