@@ -13,7 +13,13 @@ Prints, and writes to ``--out`` (a folder):
     device busy time (launch overhead, host syncs, Python),
     profile.json (all of it) and trace.json (chrome://tracing or https://ui.perfetto.dev).
 
+``--preset NAME`` profiles that GPT preset's own step instead (its model config, micro-batch, sequence length,
+accumulation, dropout and optimizer, as ``recipes/train_gpt.py --preset NAME`` builds them; vocabulary at the preset's
+size): e.g. ``zh-poetry-modern`` (rotary, q/k norm, ReLU^2, Muon) against ``zh-poetry`` (the plain GPT-2) shows
+where the modern step's extra time goes.
+
 GPU:   python benchmarks/gpu_gpt_profile.py --out $OUT/gpt_profile [--batch 8|16|32] [--compile false]
+       python benchmarks/gpu_gpt_profile.py --preset zh-poetry-modern --out $OUT/modern_profile
        python benchmarks/gpu_gpt_profile.py --model flow --batch 256 --out $OUT/flow_profile
 CPU:   python benchmarks/gpu_gpt_profile.py [--model flow] --smoke --out /tmp/profile   (tiny; checks the script only)
 """
@@ -69,18 +75,48 @@ def build(args):
     return CgptForCausalLM(cfg), cfg
 
 
+def build_preset(a):
+    """The model and optimizer ``recipes/train_gpt.py --preset a.preset`` trains (its settings, parsed the same way)."""
+    from hf_cgpu.models.cgpt import CgptForCausalLM
+    from hf_cgpu.settings import TrainSettings, parse_settings
+    from hf_cgpu.tasks.settings import GPTSettings
+    from hf_cgpu.tiers import build_optimizer
+
+    argv = ["--preset", a.preset] + (["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--vocab_size", "512",
+                                      "--seq_len", "64"] if a.smoke else [])
+    gpt, train = parse_settings((GPTSettings, TrainSettings), argv, family="gpt")
+    cfg = gpt.model_config(gpt.vocab_size, eos_token_id=0)
+    model = CgptForCausalLM(cfg)
+    a.seq = gpt.seq_len
+    a.batch = 2 if a.smoke else (a.batch or train.micro_batch_size)
+    a.accumulation = train.gradient_accumulation_steps
+    make_opt = lambda m: build_optimizer(  # noqa: E731 - after the model moves to the device (fused AdamW)
+        m, train.tier, lr=train.learning_rate, weight_decay=train.weight_decay,
+        betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, optimizer=train.optimizer,
+        muon_lr=train.muon_learning_rate, muon_momentum=train.muon_momentum, muon_weight_decay=train.muon_weight_decay)
+    return model, cfg, make_opt
+
+
 def gpt_step(a, dev, cuda):
-    model, cfg = build(a)
-    model = model.to(dev).train()
+    a.accumulation = 1
+    if a.preset:
+        model, cfg, make_opt = build_preset(a)
+        model = model.to(dev).train()
+        opt = make_opt(model)
+    else:
+        model, cfg = build(a)
+        model = model.to(dev).train()
+        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=6e-4, weight_decay=0.1,
+                                betas=(0.9, 0.95), fused=cuda)
     params = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=cuda)
     step_model = torch.compile(model, dynamic=False) if a.compile == "true" else model
     x = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1), device=dev)
 
     def step():
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = step_model(input_ids=x[:, :-1], shift_labels=x[:, 1:], use_cache=False).loss
-        loss.backward()
+        for _ in range(a.accumulation):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = step_model(input_ids=x[:, :-1], shift_labels=x[:, 1:], use_cache=False).loss
+            (loss / a.accumulation).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -122,6 +158,8 @@ def flow_step(a, dev, cuda):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt", choices=["gpt", "flow"])
+    p.add_argument("--preset", default="", help="a GPT preset: profile its step (model, batch, accumulation, "
+                   "optimizer) instead of the 124M one")
     p.add_argument("--batch", type=int, default=0, help="0: 16 (gpt) or 256 (flow)")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--loss_chunk_size", type=int, default=0, help="0 = full logits (the 124m preset)")
@@ -134,7 +172,7 @@ def main() -> None:
     a = p.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
     dev = torch.device("cuda" if cuda else "cpu")
-    a.batch = a.batch or (256 if a.model == "flow" else 16)
+    a.batch = a.batch or (0 if a.preset else 256 if a.model == "flow" else 16)  # 0: the preset's micro-batch
     if a.smoke:
         a.batch, a.seq, a.warmup, a.steps, a.compile = 2, 64, 2, 2, "false"
     torch.manual_seed(0)
@@ -173,10 +211,11 @@ def main() -> None:
         shares[r["category"]] = shares.get(r["category"], 0.0) + r["ms"]
     wall_ms = wall * 1e3
     gap = max(0.0, wall_ms - busy) if cuda else None
-    units = a.batch * (a.seq if unit == "tok" else 1) * a.steps
+    units = a.batch * (a.seq if unit == "tok" else 1) * a.steps * getattr(a, "accumulation", 1)
     summary = {
         "device": torch.cuda.get_device_name() if cuda else "CPU (smoke: the script only, no figure to quote)",
-        "torch": torch.__version__, "model": a.model, "batch": a.batch, "seq": a.seq if unit == "tok" else None,
+        "torch": torch.__version__, "model": a.preset or a.model, "batch": a.batch,
+        "accumulation": getattr(a, "accumulation", 1), "seq": a.seq if unit == "tok" else None,
         "compile": a.compile, "steps": a.steps,
         "wall_ms_per_step": wall_ms / a.steps, f"{unit}_per_s_profiled": units / wall,
         "device_busy_ms_per_step": busy / a.steps,
@@ -185,8 +224,9 @@ def main() -> None:
         "top": rows[: a.top],
     }
     (out / "profile.json").write_text(json.dumps(summary, indent=1))
-    shape = f"batch {a.batch} x seq {a.seq}" if unit == "tok" else f"batch {a.batch} images"
-    print(f"{summary['device']} | torch {summary['torch']} | {a.model} | {shape} | compile {a.compile} | "
+    shape = (f"batch {a.batch} x seq {a.seq} x accumulation {a.accumulation}" if unit == "tok"
+             else f"batch {a.batch} images")
+    print(f"{summary['device']} | torch {summary['torch']} | {summary['model']} | {shape} | compile {a.compile} | "
           f"{summary['wall_ms_per_step']:.2f} ms/step ({units / wall:,.0f} {unit}/s under the profiler)")
     print("share of wall time: " + ", ".join(f"{k} {v:.1%}" for k, v in summary["shares_of_wall"].items()))
     print(f"| kernel ({'device' if cuda else 'CPU self'} time) | calls | ms per step | share | category |")

@@ -22,6 +22,8 @@
 #                                              group norm / elementwise / optimizer / gap shares (~2 min)
 #   bash benchmarks/gpu_speed.sh gpt-profile   torch.profiler of the GPT 124M step at micro-batch 16 (and 8, 32 with
 #                                              BATCHES="8 16 32"): top kernels, attention/loss/optimizer/gap shares
+#   bash benchmarks/gpu_speed.sh preset-profile the same profiler on the zh-poetry and zh-poetry-modern presets' own
+#                                              steps (PRESETS="..."): where the modern step's extra time goes (~3 min)
 set -u
 PART=${1:-}
 bash benchmarks/gguf_parts.sh stash  # a carried part of the SmolLM2 GGUF waits in /tmp (gpu_finetune_smollm2.sh)
@@ -72,5 +74,10 @@ case "$PART" in
       timeout 300 python3 benchmarks/gpu_gpt_profile.py --batch "$B" --out "$OUT/gpt_profile_b$B" 2>&1 \
         | tee "$OUT/gpt_profile_b$B.log"
     done ;;
-  *) echo "usage: bash benchmarks/gpu_speed.sh gpt|flow|lora|lora-compiled|qlora|flow-sampling|gpt-profile"; exit 2 ;;
+  preset-profile)
+    for P in ${PRESETS:-zh-poetry zh-poetry-modern}; do
+      timeout 240 python3 benchmarks/gpu_gpt_profile.py --preset "$P" --steps 3 --out "$OUT/profile_$P" 2>&1 \
+        | tee "$OUT/profile_$P.log"
+    done ;;
+  *) echo "usage: bash benchmarks/gpu_speed.sh gpt|flow|lora|lora-compiled|qlora|lora-speed|lora-peers|flow-sampling|flow-profile|gpt-profile|preset-profile"; exit 2 ;;
 esac
