@@ -67,6 +67,15 @@ def test_recipe_writes_model_results_and_samples(trained):
     assert [p.name for p in (out / "checkpoints").iterdir()] and (out / "tokenizer" / "tokenizer.json").is_file()
 
 
+def test_saves_inside_the_loop_make_no_library_noise(trained):
+    """Checkpoints every 10 steps and best weights at 15 and 30: no transformers shard bar, no accelerate warning
+    about the tied head (it is tied on purpose; the loaded model above has it tied again)."""
+    out, _, log = trained
+    assert "Writing model shards" not in log and "Removed shared tensor" not in log
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+
+
 def test_generate_cli(trained):
     out, _, _ = trained
     res = subprocess.run([sys.executable, "-m", "hf_cgpu.cli", "generate", str(out), "The", "--max_new_tokens", "8",

@@ -36,6 +36,7 @@ from .metrics import Metrics, peak_memory
 from .outdir import LOCK_NAME
 from .parallel import full_model, is_sharded, peak_memory_per_process
 from .prepare import Run, prepare
+from .quiet import quiet_saves
 from .schedule import TimeFit, lr_at, set_lr
 from .step import Stepper
 from .stopping import Stopping
@@ -69,7 +70,8 @@ def _run(task: Task, settings: TrainSettings) -> dict[str, Any]:
     pusher = hub_pusher(settings)  # before any data or model: a push that cannot work fails now
     run = prepare(task, settings)
     try:
-        results = _fit(run, task, pusher, started)
+        with quiet_saves(run.accelerator.unwrap_model(run.model)):
+            results = _fit(run, task, pusher, started)
     except Exception as err:  # a disk error anywhere (best weights, the final save, samples): one line
         disk = None if isinstance(err, UserError) else as_disk_error(err)
         if disk is None:
