@@ -283,3 +283,75 @@ def test_packed_tokens_pickle_without_copying_the_array(tmp_path):
     assert clone[len(clone) - 1]["input_ids"].tolist() == packed[-1]["input_ids"].tolist()
     with pytest.raises(IndexError):
         packed[len(packed)]
+
+
+# ---- the tokenizer cache ---------------------------------------------------------------------------------------------
+
+
+def test_a_tokenizer_trained_once_is_reused_for_the_same_data_and_settings(tmp_path):
+    from hf_cgpu.data.text import cached_tokenizer, tokenizer_hash
+
+    texts = ["床前明月光，疑是地上霜。", "春眠不覺曉，處處聞啼鳥。"] * 20
+    calls = []
+
+    def train(vocab=300):
+        calls.append(vocab)
+        return train_tokenizer(texts, vocab_size=vocab, show_progress=False)
+
+    key = {"vocab_size": 300, "source": "abc-40"}
+    first, came_from = cached_tokenizer(key, tmp_path, train)
+    assert came_from is None and calls == [300]
+    again, came_from = cached_tokenizer(key, tmp_path, lambda: pytest.fail("must not train again"))
+    assert came_from is not None and came_from.parent == tmp_path / "tokenizers"
+    assert tokenizer_hash(again) == tokenizer_hash(first)  # the same ids: packed caches and checkpoints agree
+    assert again(texts[0])["input_ids"] == first(texts[0])["input_ids"]
+    _, came_from = cached_tokenizer({**key, "vocab_size": 320}, tmp_path, lambda: train(320))
+    assert came_from is None and calls == [300, 320]  # other settings: its own entry
+    _, came_from = cached_tokenizer({**key, "source": "other-40"}, tmp_path, train)
+    assert came_from is None and len(calls) == 3  # other data: trained
+
+
+def test_a_damaged_cached_tokenizer_is_trained_again_and_replaced(tmp_path):
+    from hf_cgpu.data.text import cached_tokenizer
+
+    def train():
+        return train_tokenizer(["abcabc abd"] * 10, vocab_size=260, show_progress=False)
+
+    key = {"vocab_size": 260, "source": "x"}
+    cached_tokenizer(key, tmp_path, train)
+    (folder,) = (tmp_path / "tokenizers").iterdir()
+    (folder / "tokenizer.json").write_text("{not json")
+    calls = []
+    tok, came_from = cached_tokenizer(key, tmp_path, lambda: calls.append(1) or train())
+    assert came_from is None and calls == [1] and len(tok) == 260
+    _, came_from = cached_tokenizer(key, tmp_path, lambda: pytest.fail("replaced entry must load"))
+    assert came_from == folder
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_cache_still_trains(tmp_path):
+    from hf_cgpu.data.text import cached_tokenizer
+
+    tmp_path.chmod(0o500)
+    try:
+        tok, came_from = cached_tokenizer({"vocab_size": 257}, tmp_path,
+                                          lambda: train_tokenizer(["abc"], vocab_size=257, show_progress=False))
+        assert came_from is None and len(tok) == 257
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_a_fresh_output_folder_reuses_the_tokenizer_an_earlier_run_trained(tmp_path, monkeypatch):
+    from hf_cgpu.data import text
+    from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
+
+    task = CausalLMTask(GPTSettings(vocab_size=300, tokenizer_train_docs=20, cache_dir=str(tmp_path / "cache")))
+    ds = load_text_dataset("builtin")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = task._tokenizer(ds, tmp_path / "a", resume=False)
+    monkeypatch.setattr(text, "train_tokenizer", lambda *a, **k: pytest.fail("trained again"))
+    logs = []
+    second = task._tokenizer(ds, tmp_path / "b", resume=False, log=logs.append)
+    assert second.get_vocab() == first.get_vocab() and (tmp_path / "b" / "tokenizer" / "tokenizer.json").is_file()
+    assert any("reused from" in line for line in logs)

@@ -74,7 +74,8 @@ class CausalLMTask(PackedTokensTask):
         check_dataset(cfg.dataset)
         ds = load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column)
         with accelerator.main_process_first():
-            self.tokenizer = self._tokenizer(ds, out, resume=bool(settings.resume_from_checkpoint))
+            self.tokenizer = self._tokenizer(ds, out, resume=bool(settings.resume_from_checkpoint),
+                                             log=accelerator.print)
             cache = cfg.cache_dir or None
             kw = dict(seq_len=cfg.seq_len, cache_dir=cache, num_proc=cfg.num_proc or None, text_column=cfg.text_column)
             self.train_data = pack_dataset(ds["train"], self.tokenizer, **kw)
@@ -98,12 +99,13 @@ class CausalLMTask(PackedTokensTask):
             accelerator.print(line)
         return TaskPlan(model, expected_initial_loss=math.log(vocab), shape=cgpt_run_shape(config))
 
-    def _tokenizer(self, ds, out: Path, resume: bool):
+    def _tokenizer(self, ds, out: Path, resume: bool, log=print):
         """--tokenizer, else the one this output folder's run trained (reused when resuming, or when it was trained
-        from the same data and settings), else a new byte-level BPE saved atomically to ``output_dir/tokenizer``."""
+        from the same data and settings), else a new byte-level BPE saved atomically to ``output_dir/tokenizer``: the
+        one an earlier run trained from the same data and settings when the cache has it (``cached_tokenizer``)."""
         from transformers import AutoTokenizer
 
-        from ..data.text import source_fingerprint, train_tokenizer
+        from ..data.text import cached_tokenizer, source_fingerprint, train_tokenizer
         from ..integrity import atomic_dir, atomic_write_json
 
         cfg = self.cfg
@@ -131,7 +133,10 @@ class CausalLMTask(PackedTokensTask):
         train = ds["train"]
         if len(train) > cfg.tokenizer_train_docs:
             train = train.shuffle(seed=0).select(range(cfg.tokenizer_train_docs))
-        tok = train_tokenizer(train[cfg.text_column], vocab_size=cfg.vocab_size)
+        tok, reused = cached_tokenizer(key, cfg.cache_dir or None,
+                                       lambda: train_tokenizer(train[cfg.text_column], vocab_size=cfg.vocab_size))
+        if reused is not None:
+            log(f"tokenizer: trained by an earlier run on the same data and settings, reused from {reused}")
         with atomic_dir(saved) as tmp:  # a kill never leaves a 0-byte tokenizer_config.json behind
             tok.save_pretrained(str(tmp))
             atomic_write_json(tmp / TOKENIZER_KEY, key)

@@ -73,7 +73,8 @@ class GPTSettings:
     num_proc: int = 0
     """Processes for tokenisation (0 = automatic)."""
     cache_dir: str = ""
-    """Where packed token files are cached (empty = ~/.cache/hf_cgpu/packed or $HF_CGPU_CACHE/packed)."""
+    """Where packed token files are cached (empty = ~/.cache/hf_cgpu/packed or $HF_CGPU_CACHE/packed); trained
+    tokenizers go to its tokenizers/ folder (empty: ~/.cache/hf_cgpu/tokenizers or $HF_CGPU_CACHE/tokenizers)."""
     prompts: str = ""
     """'|'-separated prompts continued at the end of training (empty = taken from validation text)."""
     max_new_tokens: int = 60
