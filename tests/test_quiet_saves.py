@@ -19,8 +19,8 @@ def tiny(tie: bool = True) -> CgptForCausalLM:
 def warn_shared(names: str, caplog) -> list[str]:
     caplog.clear()
     logging.getLogger(ACCELERATE_SAVE_LOGGER).warning(  # as accelerate's adapter writes it
-        f"[RANK 0] Removed shared tensor {names} while saving. This should be OK, but check by verifying that you don't "
-        "receive any warning while reloading")
+        f"[RANK 0] Removed shared tensor {names} while saving. This should be OK, but check by verifying that you "
+        "don't receive any warning while reloading")
     return [r.getMessage() for r in caplog.records]
 
 

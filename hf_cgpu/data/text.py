@@ -527,15 +527,35 @@ def source_fingerprint(ds: datasets.Dataset, text_column: str) -> str:
 def default_cache_dir() -> Path:
     """``$HF_CGPU_CACHE/packed``, else ``~/.cache/hf_cgpu/packed``: outside the output directory, so runs on the
     same corpus share one packed file."""
-    root = os.environ.get("HF_CGPU_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "hf_cgpu") / "packed"
+    from ..bench import cache_dir
+
+    return cache_dir() / "packed"
 
 
+TOKENIZER_KEY = "hf_cgpu_tokenizer.json"
+"""Beside a tokenizer hf_cgpu trained (in an output folder or the cache): what it was trained from."""
 TOKENIZER_RECIPE = {"model": "byte-level BPE", "pretokenize": PRETOKENIZE_PATTERN, "min_frequency": 2,
                     "special_tokens": [EOS_TOKEN]}
 """What ``train_tokenizer`` does beyond its inputs: part of the tokenizer cache's key, so a change here (or in the
 tokenizers version) trains anew instead of reusing a tokenizer made another way."""
-TOKENIZER_MADE_FROM = "made_from.json"
+
+
+def tokenizer_made_from(folder: Path) -> dict[str, Any] | None:
+    """The ``TOKENIZER_KEY`` that ``save_tokenizer`` wrote beside the tokenizer in ``folder`` (None: none, or
+    unreadable)."""
+    try:
+        return json.loads((folder / TOKENIZER_KEY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: Path, made_from: dict[str, Any]) -> None:
+    """``tokenizer`` and what it was made from, written whole (a kill never leaves a 0-byte tokenizer_config.json)."""
+    from ..integrity import atomic_dir, atomic_write_json
+
+    with atomic_dir(folder) as tmp:
+        tokenizer.save_pretrained(str(tmp))
+        atomic_write_json(tmp / TOKENIZER_KEY, made_from)
 
 
 def cached_tokenizer(key: dict[str, Any], cache_dir: str | os.PathLike | None,
@@ -548,22 +568,19 @@ def cached_tokenizer(key: dict[str, Any], cache_dir: str | os.PathLike | None,
     import tokenizers
     from transformers import AutoTokenizer
 
-    from ..integrity import atomic_dir, atomic_write_json
+    from ..bench import cache_dir as default_root
 
     full = {**key, **TOKENIZER_RECIPE, "tokenizers": tokenizers.__version__}
     digest = hashlib.sha256(json.dumps(full, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
-    root = Path(cache_dir) if cache_dir else default_cache_dir().parent
-    folder = root / "tokenizers" / f"bpe-{digest}"
-    try:
-        if json.loads((folder / TOKENIZER_MADE_FROM).read_text(encoding="utf-8")) == full:
+    folder = (Path(cache_dir) if cache_dir else default_root()) / "tokenizers" / f"bpe-{digest}"
+    if tokenizer_made_from(folder) == full:
+        try:
             return AutoTokenizer.from_pretrained(str(folder)), folder
-    except Exception:  # missing, or damaged on disk (json, tokenizers and OS errors alike): train it again
-        pass
+        except Exception:  # damaged on disk (json and tokenizers errors alike): trained again and replaced
+            pass
     tok = train()
     try:
-        with atomic_dir(folder) as tmp:
-            tok.save_pretrained(str(tmp))
-            atomic_write_json(tmp / TOKENIZER_MADE_FROM, full)
+        save_tokenizer(tok, folder, full)
     except OSError:
         pass
     return tok, None
@@ -701,8 +718,11 @@ def _write_blocks(tokenized: datasets.Dataset, bin_path: Path, seq_len: int, dty
 
 __all__ = [
     "EOS_TOKEN",
+    "TOKENIZER_KEY",
     "TOKENIZER_RECIPE",
     "cached_tokenizer",
+    "save_tokenizer",
+    "tokenizer_made_from",
     "PRETOKENIZE_PATTERN",
     "DATA_ORDERS",
     "PackedTokens",

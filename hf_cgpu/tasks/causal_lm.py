@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,6 @@ from .settings import GPTSettings
 def cgpt_run_shape(config: CgptConfig, name: str = "") -> RunShape:
     """Our GPT's run shape: the sequence is its position table, the loss chunk its config's, the loss in forward."""
     return RunShape(ModelShape.from_config(config, name or "cgpt"), config.n_positions, config.loss_chunk_size)
-
-
-TOKENIZER_KEY = "hf_cgpu_tokenizer.json"
-"""Beside a tokenizer the run trained: what it was trained from (a fresh run reuses it only when that matches)."""
 
 MANY_EPOCHS = 4  # Muennighoff et al. (2023): up to ~4 epochs are nearly as good as fresh data, then returns drop
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio (the seed's table uses it too)
@@ -105,8 +100,8 @@ class CausalLMTask(PackedTokensTask):
         one an earlier run trained from the same data and settings when the cache has it (``cached_tokenizer``)."""
         from transformers import AutoTokenizer
 
-        from ..data.text import cached_tokenizer, source_fingerprint, train_tokenizer
-        from ..integrity import atomic_dir, atomic_write_json
+        from ..data.text import (cached_tokenizer, save_tokenizer, source_fingerprint, tokenizer_made_from,
+                                 train_tokenizer)
 
         cfg = self.cfg
         if cfg.tokenizer:
@@ -115,11 +110,7 @@ class CausalLMTask(PackedTokensTask):
         key = {"vocab_size": cfg.vocab_size, "tokenizer_train_docs": cfg.tokenizer_train_docs,
                "text_column": cfg.text_column, "source": source_fingerprint(ds["train"], cfg.text_column)}
         if (saved / "tokenizer.json").is_file():
-            try:
-                made_from = json.loads((saved / TOKENIZER_KEY).read_text())
-            except (OSError, ValueError):
-                made_from = None
-            if resume or made_from == key:  # resume: the same ids as the checkpoint (its fingerprint checks them)
+            if resume or tokenizer_made_from(saved) == key:  # resume: the same ids as the checkpoint (its fingerprint checks them)
                 try:
                     return AutoTokenizer.from_pretrained(str(saved))
                 except Exception as err:  # a file damaged on disk or by hand (json and tokenizers errors alike)
@@ -137,9 +128,7 @@ class CausalLMTask(PackedTokensTask):
                                        lambda: train_tokenizer(train[cfg.text_column], vocab_size=cfg.vocab_size))
         if reused is not None:
             log(f"tokenizer: trained by an earlier run on the same data and settings, reused from {reused}")
-        with atomic_dir(saved) as tmp:  # a kill never leaves a 0-byte tokenizer_config.json behind
-            tok.save_pretrained(str(tmp))
-            atomic_write_json(tmp / TOKENIZER_KEY, key)
+        save_tokenizer(tok, saved, key)
         return tok
 
     def target_loss(self, model, inputs, targets) -> torch.Tensor:
