@@ -132,7 +132,9 @@ class TrainSettings:
     peak_tflops: float = 0.0
     """bf16 peak used as the MFU denominator; 0 = what `hf-cgpu bench` measured on this machine, else none."""
     ema_decay: float = 0.0
-    """Exponential moving average of the weights (0 = off); the image recipe uses 0.9999-ish."""
+    """Exponential moving average of the weights (0 = off); the image recipe uses 0.9999-ish. Warm-up
+    min(decay, (1 + step) / (10 + step)): the decay itself applies from step (10 decay - 1) / (1 - decay) on
+    (0.999: 8,990), and a run that ends before says so."""
     nan_patience: int = 5
     """Non-finite losses/gradient norms in a row before the run stops (each one skips its optimizer step)."""
     spike_factor: float = 10.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,6 +25,20 @@ class EMA:
         """Warm-up: min(decay, (1 + step) / (10 + step)), so early averages do not drag in the random init
         (with 0.9999 and no warm-up, 41% of the EMA is still the init after 9000 steps)."""
         return min(self.decay, (1 + step) / (10 + step))
+
+    def decay_reached_at(self) -> int:
+        """First step at which ``decay`` itself, not the warm-up, sets the average: (1 + s) / (10 + s) >= decay."""
+        return max(0, math.ceil((10 * self.decay - 1) / (1 - self.decay) - 1e-6)) if self.decay < 1 else 2**62
+
+    def warmup_note(self, max_steps: int) -> str | None:
+        """A line for runs that end before ``decay`` is reached (their average is the warm-up's, about the last
+        step/9 steps, whatever the decay says), else None."""
+        at = self.decay_reached_at()
+        if max_steps >= at:
+            return None
+        return (f"ema: decay {self.decay:g} is reached only at step {at:,} (warm-up min(decay, (1 + step) / (10 + "
+                f"step))), after the run's last step (--max_steps {max_steps:,}): the average spans about the last step/9 steps "
+                f"(decay {self.decay_at(max_steps):.5f} at step {max_steps:,}), so a larger --ema_decay changes nothing")
 
     @torch.no_grad()
     def update(self, step: int) -> None:

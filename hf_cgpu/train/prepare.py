@@ -144,6 +144,8 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
                                 muon_weight_decay=s.muon_weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
+    if ema is not None and (note := ema.warmup_note(s.max_steps)):
+        accelerator.print(note)
     if accelerator.is_main_process:
         check_free_space(out_dir, checkpoint_bytes(accelerator.unwrap_model(model), s.tier, ema is not None))
     return Run(s, accelerator, plan, model, optimizer, ema, out_dir, lock, watch, template)
