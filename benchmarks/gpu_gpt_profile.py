@@ -35,9 +35,11 @@ from pathlib import Path
 import torch
 
 CATEGORIES = (  # first match wins; patterns on the lower-cased kernel / op name
+    # attention first: cuDNN's SDPA kernels ("cudnn_generated_..._sdpa_..._fprop", "cudnn::fusion::compute_dot_do_o")
+    # also match the convolution pattern (the fifth session's profile booked them as convolution)
+    ("attention", r"flash|fmha|attention|sdpa|scaled_dot_product|softmax_fwd|efficient_attn|dot_do_o|convert_dq"),
     ("convolution", r"convolution|conv2d|conv_|implicit_gemm|fprop|dgrad|wgrad|cudnn"),  # not "convert_..."
     ("group norm", r"group_norm|groupnorm"),
-    ("attention", r"flash|fmha|attention|sdpa|scaled_dot_product|softmax_fwd|efficient_attn"),
     ("loss", r"cross_entropy|nll_loss|log_softmax|logsumexp|_softmax_backward"),
     ("optimizer", r"adam|multi_tensor|foreach|fused_adam|clip|norm_kernel|lpnorm|_amp_"),
     ("matmul", r"gemm|sm90|sm80|cutlass|cublas|matmul|aten::mm|aten::addmm|aten::bmm|xmma|nvjet|ampere_|hopper_"),

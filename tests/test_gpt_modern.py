@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -56,6 +57,34 @@ def test_rotary_score_depends_only_on_the_offset():
     assert score(3, 1) != pytest.approx(score(4, 1), rel=1e-3)  # and it does depend on the offset
     cos, sin = rotary_cos_sin(torch.tensor([[0]]), 16, 10000.0)
     torch.testing.assert_close(apply_rotary(q, cos.double(), sin.double()), q)  # position 0: the identity
+
+
+def test_rotary_table_holds_the_angles_of_every_position_and_is_not_saved():
+    model = modern_model()
+    table = model.transformer.rotary
+    assert table.cos.dtype == torch.float32 and table.cos.shape == (64, 8)
+    pos = torch.tensor([[0, 0, 1, 2], [5, 17, 40, 63]])  # a left-padded row and arbitrary packed positions
+    for got, want in zip(table(pos), rotary_cos_sin(pos, 8, model.config.rope_theta)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert not any("rotary" in k for k in model.state_dict())  # rebuilt on load, never in a checkpoint
+
+
+def test_compiled_rotary_model_computes_no_angles():
+    """The traced forward looks cos/sin up; computing them there let inductor inline pow/sin/cos into every q and k
+    kernel (forward and backward), once per batch row and head: ~31 ms of a 139 ms step on an H200."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = modern_model().train()
+    ids = torch.randint(0, 97, (2, 16))
+    torch.compile(model, backend=capture, fullgraph=True)(input_ids=ids, labels=ids).loss.backward()
+    torch._dynamo.reset()
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    assert targets and not [t for t in targets if re.search(r"\b(sin|cos|pow)\b", t)], targets
 
 
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])

@@ -15,7 +15,8 @@ Follows the conventions of transformers' own decoders (GPT-2, Llama):
 - no Python branch on tensor values, so ``torch.export`` and ``torch.compile(fullgraph=True)`` trace it.
 
 Modern options, all off by default (``CgptConfig``): rotary positions (``position_embedding="rotary"``, Llama's
-rotate-half form, angles from ``position_ids`` so caches, left padding and packed sequences work as with the table),
+rotate-half form, cos/sin looked up in a fixed table by ``position_ids`` so caches, left padding and packed sequences
+work as with the learned table),
 RMSNorm of queries and keys per head (``qk_norm``), ReLU squared (``activation="relu2"``), RMSNorm blocks
 (``norm="rmsnorm"``).
 
@@ -109,6 +110,35 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> t
     freqs = position_ids.to(torch.float32)[..., None] / theta**exponent  # (B|1, T, head_dim / 2)
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()
+
+
+class CgptRotaryTable(nn.Module):
+    """cos and sin of the rotary angles of every position below ``n_positions`` (fp32 buffers, each
+    (n_positions, head_dim); not saved: ``_init_weights`` rebuilds them on load), looked up by ``position_ids``.
+
+    A table, not the angles computed in forward: under torch.compile inductor inlined that computation (pow, sin,
+    cos) into every query and key kernel, forward and backward, so each angle was evaluated once per batch row and
+    head; on an H200 those kernels took ~31 ms of the 139 ms zh-poetry-modern step (benchmarks/RESULTS.md, issue 12)."""
+
+    def __init__(self, config: CgptConfig):
+        super().__init__()
+        self.head_dim, self.theta = config.n_embd // config.n_head, config.rope_theta
+        cos, sin = self.angles(config.n_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def angles(self, n: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_cos_sin(torch.arange(n, device=device), self.head_dim, self.theta)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        cos, sin = self.angles(self.cos.shape[0], self.cos.device)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B|1, T) positions -> fp32 cos, sin (B|1, T, head_dim)."""
+        return self.cos[position_ids].float(), self.sin[position_ids].float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
@@ -280,14 +310,17 @@ class CgptPreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, nn.RMSNorm):
             init.ones_(module.weight)
+        elif isinstance(module, CgptRotaryTable):  # non-persistent buffers: empty after a load until rebuilt here
+            module.reset()
 
 
 class CgptModel(CgptPreTrainedModel):
     def __init__(self, config: CgptConfig):
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        # GPT-2's learned position table; rotary positions have none (angles computed in forward)
+        # GPT-2's learned position table, or rotary positions' fixed cos/sin table
         self.wpe = nn.Embedding(config.n_positions, config.n_embd) if config.position_embedding == "learned" else None
+        self.rotary = CgptRotaryTable(config) if config.position_embedding == "rotary" else None
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList([CgptBlock(config, i) for i in range(config.n_layer)])
         self.ln_f = make_norm(config, config.n_embd)
@@ -369,8 +402,7 @@ class CgptModel(CgptPreTrainedModel):
             hidden_states = self.drop(inputs_embeds + self.wpe(position_ids))
         else:
             hidden_states = self.drop(inputs_embeds)
-            position_embeddings = rotary_cos_sin(position_ids, self.config.n_embd // self.config.n_head,
-                                                 self.config.rope_theta)
+            position_embeddings = self.rotary(position_ids)
         for block in self.h:
             hidden_states = block(
                 hidden_states, causal_mask, cache=cache, output_attentions=output_attentions,
@@ -479,4 +511,5 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["CgptForCausalLM", "CgptModel", "CgptPreTrainedModel", "apply_rotary", "chunked_cross_entropy", "rotary_cos_sin"]
+__all__ = ["CgptForCausalLM", "CgptModel", "CgptPreTrainedModel", "CgptRotaryTable", "apply_rotary", "chunked_cross_entropy",
+           "rotary_cos_sin"]
