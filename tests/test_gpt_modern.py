@@ -67,6 +67,10 @@ def test_rotary_table_holds_the_angles_of_every_position_and_is_not_saved():
     for got, want in zip(table(pos), rotary_cos_sin(pos, 8, model.config.rope_theta)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert not any("rotary" in k for k in model.state_dict())  # rebuilt on load, never in a checkpoint
+    fp32 = table.cos.clone()
+    model.to(torch.bfloat16)  # the angles stay fp32, as exact as before the cast
+    assert table.cos.dtype == torch.float32 and torch.equal(table.cos, fp32)
+    assert model.transformer.wte.weight.dtype == torch.bfloat16
 
 
 def test_compiled_rotary_model_computes_no_angles():

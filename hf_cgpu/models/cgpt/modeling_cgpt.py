@@ -136,6 +136,14 @@ class CgptRotaryTable(nn.Module):
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
+    def _apply(self, fn, recurse=True):
+        """``.to(bfloat16)`` / ``.half()`` of the model keep the table fp32, rebuilt (not cast back from bf16)."""
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32:
+            self.cos, self.sin = (torch.empty_like(b, dtype=torch.float32) for b in (self.cos, self.sin))
+            self.reset()
+        return self
+
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B|1, T) positions -> fp32 cos, sin (B|1, T, head_dim)."""
         return self.cos[position_ids].float(), self.sin[position_ids].float()
