@@ -37,8 +37,9 @@ class EMA:
         if max_steps >= at:
             return None
         return (f"ema: decay {self.decay:g} is reached only at step {at:,} (warm-up min(decay, (1 + step) / (10 + "
-                f"step))), after the run's last step (--max_steps {max_steps:,}): the average spans about the last step/9 steps "
-                f"(decay {self.decay_at(max_steps):.5f} at step {max_steps:,}), so a larger --ema_decay changes nothing")
+                f"step))), after the run's last step (--max_steps {max_steps:,}): the average spans about the last "
+                f"step/9 steps (decay {self.decay_at(max_steps):.5f} at step {max_steps:,}), so a larger --ema_decay "
+                "changes nothing")
 
     @torch.no_grad()
     def update(self, step: int) -> None:

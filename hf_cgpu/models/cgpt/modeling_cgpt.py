@@ -519,5 +519,5 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["CgptForCausalLM", "CgptModel", "CgptPreTrainedModel", "CgptRotaryTable", "apply_rotary", "chunked_cross_entropy",
-           "rotary_cos_sin"]
+__all__ = ["CgptForCausalLM", "CgptModel", "CgptPreTrainedModel", "CgptRotaryTable", "apply_rotary",
+           "chunked_cross_entropy", "rotary_cos_sin"]
