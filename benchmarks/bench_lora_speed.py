@@ -3,9 +3,10 @@
 Stock peft is what a user following the peft / bitsandbytes docs writes (``benchmarks/bench_memory.py:stock_peft``),
 here without gradient checkpointing, its fastest setting that fits 16 GB. Ours is what ``recipes/finetune_lora.py
 --preset lora`` / ``qlora`` runs (``apply_tiers`` + the chunked loss), eager and with ``--compile true`` (each block
-compiled), and with recompute (the low-memory rung) eager and compiled. Unsloth is ``FastLanguageModel.from_pretrained`` + ``get_peft_model`` with the same rank, alpha and
-target modules, without gradient checkpointing; its rows must run in a process of their own (Unsloth patches
-transformers and peft when imported), so pass them alone: ``--rows unsloth-lora,unsloth-qlora``.
+compiled), and with recompute (the low-memory rung) eager and compiled. Unsloth is
+``FastLanguageModel.from_pretrained`` + ``get_peft_model`` with the same rank, alpha and target modules, without
+gradient checkpointing; its rows must run in a process of their own (Unsloth patches transformers and peft when
+imported), so pass them alone: ``--rows unsloth-lora,unsloth-qlora``.
 
 Shapes, random weights (speed and memory do not depend on the values), saved once under ``--root`` with a small
 tokenizer: ``pythia-1.4b`` (GPTNeoX) and ``tinyllama-1.1b`` (Llama: 22 x 2048, 32 heads, 4 KV heads, the

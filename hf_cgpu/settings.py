@@ -166,6 +166,9 @@ class TrainSettings:
                 raise SettingsError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.warmup_steps < 0 or self.learning_rate <= 0:
             raise SettingsError("learning_rate must be > 0 and warmup_steps >= 0")
+        if not 0 <= self.ema_decay < 1:
+            raise SettingsError(f"ema_decay={self.ema_decay!r}; use 0 (off) or a decay in (0, 1), "
+                                "e.g. --ema_decay 0.999")
         if self.early_stopping_patience < 0 or self.eval_batches < 0:
             raise SettingsError("early_stopping_patience and eval_batches must be >= 0")
         validate_optimizer(self.optimizer, self.tier)

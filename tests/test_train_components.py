@@ -64,6 +64,14 @@ def test_ema_decay_is_reached_where_the_warm_up_meets_it(decay, reached):
     assert ema.warmup_note(max_steps=reached) is None
 
 
+@pytest.mark.parametrize("decay", [1.0, 1.5, -0.1])
+def test_ema_decay_outside_zero_one_is_a_one_line_error(decay, tmp_path):
+    """1 or more would average the warm-up forever (decay_at never reaches it), a negative one switches the EMA off."""
+    with pytest.raises(SettingsError, match=r"ema_decay=.*use 0 \(off\) or a decay in \(0, 1\)"):
+        TrainSettings(output_dir=str(tmp_path), ema_decay=decay)
+    TrainSettings(output_dir=str(tmp_path), ema_decay=0.0)
+
+
 def test_ema_weights_context_swaps_in_and_back():
     model = torch.nn.Linear(2, 2)
     ema = EMA(model, decay=0.5)

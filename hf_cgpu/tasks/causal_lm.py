@@ -110,7 +110,8 @@ class CausalLMTask(PackedTokensTask):
         key = {"vocab_size": cfg.vocab_size, "tokenizer_train_docs": cfg.tokenizer_train_docs,
                "text_column": cfg.text_column, "source": source_fingerprint(ds["train"], cfg.text_column)}
         if (saved / "tokenizer.json").is_file():
-            if resume or tokenizer_made_from(saved) == key:  # resume: the same ids as the checkpoint (its fingerprint checks them)
+            # resume: the same ids as the checkpoint (its fingerprint checks them)
+            if resume or tokenizer_made_from(saved) == key:
                 try:
                     return AutoTokenizer.from_pretrained(str(saved))
                 except Exception as err:  # a file damaged on disk or by hand (json and tokenizers errors alike)

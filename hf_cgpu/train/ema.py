@@ -28,7 +28,7 @@ class EMA:
 
     def decay_reached_at(self) -> int:
         """First step at which ``decay`` itself, not the warm-up, sets the average: (1 + s) / (10 + s) >= decay."""
-        return max(0, math.ceil((10 * self.decay - 1) / (1 - self.decay) - 1e-6)) if self.decay < 1 else 2**62
+        return max(0, math.ceil((10 * self.decay - 1) / (1 - self.decay) - 1e-6))  # decay < 1: the settings check it
 
     def warmup_note(self, max_steps: int) -> str | None:
         """A line for runs that end before ``decay`` is reached (their average is the warm-up's, about the last
