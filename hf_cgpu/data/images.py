@@ -211,9 +211,10 @@ def cache_file(
 
 
 def default_cache_dir() -> Path:
-    """$HF_CGPU_CACHE/images, else ~/.cache/hf_cgpu/images."""
-    root = os.environ.get("HF_CGPU_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_cgpu")
-    return Path(root) / "images"
+    """``$HF_CGPU_CACHE/images``, else ``~/.cache/hf_cgpu/images`` (the package's one cache root, ``bench.cache_dir``)."""
+    from ..bench import cache_dir
+
+    return cache_dir() / "images"
 
 
 def load_image_dataset(
