@@ -73,6 +73,26 @@ def merge_and_save(
     return output_dir
 
 
+def gguf_location(model: str, gguf_file: str = "") -> tuple[Path, str] | None:
+    """(folder or Hub id, file name) of a GGUF checkpoint named as ``--model`` takes it (a ``.gguf`` file, or a
+    folder/Hub id plus ``--gguf_file``), checked to exist where it is local and the ``gguf`` package importable;
+    ``None`` when ``model`` is no GGUF checkpoint."""
+    path = Path(model).expanduser()
+    if not gguf_file and path.suffix.lower() == ".gguf":
+        path, gguf_file = path.parent, path.name
+    if not gguf_file:
+        return None
+    if path.exists() and not (path / gguf_file).is_file():
+        raise MissingPathError(f"GGUF file {path / gguf_file} not found; check --model / --gguf_file")
+    if not path.exists() and (Path(model).suffix.lower() == ".gguf" or str(model).startswith((".", "/", "~"))):
+        raise MissingPathError(f"GGUF file {Path(model).expanduser()} not found; check --model / --gguf_file")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise SettingsError("loading a GGUF checkpoint needs the gguf package: pip install gguf") from None
+    return path, gguf_file
+
+
 def resolve_base(model: str, gguf_file: str = "", cache_dir: str | Path | None = None) -> tuple[str, dict[str, Any]]:
     """Where to load the base from, and what to record about it.
 
@@ -81,18 +101,11 @@ def resolve_base(model: str, gguf_file: str = "", cache_dir: str | Path | None =
     under the cache (``$HF_CGPU_CACHE/gguf/<name>-<size>``), so every tier (LoRA, QLoRA's nf4, full) loads it the
     usual way and ``merge``/``PeftModel.from_pretrained`` have a real base folder. Anything else is returned as is.
     """
-    path = Path(model).expanduser()
-    if not gguf_file and path.suffix.lower() == ".gguf":
-        path, gguf_file = path.parent, path.name
-    if not gguf_file:
+    located = gguf_location(model, gguf_file)
+    if located is None:
         return model, {}
+    path, gguf_file = located
     source = path / gguf_file
-    if path.exists() and not source.is_file():
-        raise MissingPathError(f"GGUF file {source} not found; check --model / --gguf_file")
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        raise SettingsError("loading a GGUF checkpoint needs the gguf package: pip install gguf") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .data.text import default_cache_dir

@@ -124,3 +124,21 @@ def test_ema_decay_reaches_the_ledger():
     shape, train, _ = describe_run(["--preset", "tiny", "--ema_decay", "0.999"])
     assert shape.setup(train).ema
     assert not describe_run(["--preset", "tiny"])[0].setup(describe_run(["--preset", "tiny"])[1]).ema
+
+
+def test_a_model_file_that_is_no_config_is_a_one_line_error(tmp_path, capsys):
+    from hf_cgpu.budget.cli import main
+    from hf_cgpu.errors import MissingPathError, run_main
+
+    blob = tmp_path / "weights.bin"
+    blob.write_bytes(bytes(range(256)) * 8)  # not UTF-8, not JSON
+    with pytest.raises(SettingsError, match="not a config.json"):
+        ModelShape.from_config_file(blob)
+    assert run_main(main, ["--model", str(blob)]) == 2
+    assert "not a config.json" in capsys.readouterr().err
+    with pytest.raises(MissingPathError, match="GGUF file"):  # checked before the gguf package is needed
+        describe_run(["--model", str(tmp_path / "absent.gguf")])
+    with pytest.raises(MissingPathError, match="GGUF file"):
+        describe_run(["--model", str(tmp_path), "--gguf_file", "absent.gguf"])
+    with pytest.raises(SettingsError, match="give --model too"):
+        describe_run(["--gguf_file", "x.gguf"])

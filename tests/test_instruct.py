@@ -180,3 +180,16 @@ def test_real_gguf_base_lora_merge_and_reload(tmp_path):
         assert (adapted(ids).logits - plain).abs().max() > 1e-3  # the adapter moved, so the check means something
     card = render_model_card("lora", out)
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "GGUF" in card
+    # the ledger reads the same GGUF as the trainer (its metadata only) and prices the model the trainer built
+    import dataclasses
+
+    from hf_cgpu.budget.cli import run as budget
+    from hf_cgpu.budget.shape import ModelShape
+
+    shape = ModelShape.from_gguf(str(gguf))
+    assert shape == dataclasses.replace(ModelShape.from_config_file(base_dir), name=shape.name)
+    assert shape.n_params == sum(p.numel() for n, p in adapted.get_base_model().named_parameters()
+                                 if "lora_" not in n)
+    assert ModelShape.from_gguf(str(gguf.parent), gguf.name) == shape
+    report = budget(["--model", str(gguf), "--tier", "lora", "--seq_len", "64"])
+    assert f"{shape.n_params / 1e6:.1f}M params" in report and "lora r=" in report

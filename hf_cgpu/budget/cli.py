@@ -58,7 +58,9 @@ class BudgetSettings:
     config: str = ""
     """A local config.json of a transformers causal LM (or its directory), instead of --preset."""
     model: str = ""
-    """A preset name, a local config path or a Hub id (needs network), instead of --preset."""
+    """A preset name, a local config path, a .gguf file or a Hub id (needs network), instead of --preset."""
+    gguf_file: str = ""
+    """With --model FOLDER or a Hub id: the GGUF checkpoint in it, as the fine-tuning command takes it."""
     effective_batch_tokens: int = 0
     """--autofit: tokens per optimizer step to keep (0 = micro_batch_size x gradient_accumulation_steps x seq_len)."""
     no_lora: bool = False
@@ -81,6 +83,8 @@ class BudgetSettings:
             raise SettingsError(f"--mfu must be in (0, 1], got {self.mfu}: typical is 0.3-0.5")
         if self.config and self.model:
             raise SettingsError("give one of --preset, --config or --model")
+        if self.gguf_file and not self.model:
+            raise SettingsError("--gguf_file names a file inside --model FOLDER (or a Hub id): give --model too")
 
 
 # ---------------------------------------------------------------------------------------------------- which model
@@ -116,8 +120,11 @@ def preset_names() -> list[str]:
     return sorted([*gpt_preset_names(), *REFERENCE_CONFIGS], key=lambda n: (preset_shape(n).n_params, n))
 
 
-def resolve_model(spec: str) -> ModelShape:
-    """A preset name, a local config.json (or its directory), or a Hub id, in that order."""
+def resolve_model(spec: str, gguf_file: str = "") -> ModelShape:
+    """A preset name, a GGUF checkpoint (a ``.gguf`` file, or a folder/Hub id with ``gguf_file``), a local config.json
+    (or its directory), or a Hub id, in that order."""
+    if gguf_file or Path(spec).suffix.lower() == ".gguf":
+        return ModelShape.from_gguf(spec, gguf_file)
     if spec in REFERENCE_CONFIGS or spec in gpt_preset_names():
         return preset_shape(spec)
     p = Path(spec)
@@ -179,7 +186,7 @@ def describe_run(argv: Sequence[str] | None = None):
     if opts.config:
         model = ModelShape.from_config_file(opts.config)
     elif reference or opts.model:
-        model = resolve_model(reference or opts.model)
+        model = resolve_model(reference or opts.model, opts.gguf_file)
     else:
         return gpt.run_shape(name=_preset_name(args)), train, opts
     # another causal LM: trained as the fine-tuning task does, its loss through the backbone

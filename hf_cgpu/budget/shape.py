@@ -149,7 +149,27 @@ class ModelShape:
             cfg = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise SettingsError(f"{p} is not valid JSON ({e.msg} at line {e.lineno}): fix or re-download it") from None
+        except UnicodeDecodeError:
+            raise SettingsError(f"{p} is not a config.json (not text): pass a model's config.json, its folder, or a "
+                                ".gguf file") from None
         return _shape_from_config(cfg, p.parent.name)
+
+    @classmethod
+    def from_gguf(cls, model: str, gguf_file: str = "") -> ModelShape:
+        """From a GGUF checkpoint as the fine-tuning command's ``--model`` (and ``--gguf_file``) name it: its
+        metadata through ``transformers.AutoConfig(..., gguf_file=)``; no tensor is read or de-quantised."""
+        from ..finetune import gguf_location
+
+        folder, name = gguf_location(model, gguf_file)
+        from transformers import AutoConfig
+
+        try:
+            cfg = AutoConfig.from_pretrained(str(folder), gguf_file=name)
+        except Exception as e:  # a truncated file, an architecture transformers cannot map from GGUF
+            reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+            raise SettingsError(f"cannot read the config of GGUF {folder / name} ({reason}): pass its config.json "
+                                "with --config") from None
+        return _shape_from_config(cfg, Path(name).stem)
 
     @classmethod
     def from_hub(cls, model_id: str) -> ModelShape:
