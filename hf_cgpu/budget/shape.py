@@ -10,7 +10,6 @@ sequence length, loss chunk) so the trainer's autofit and ``hf-cgpu budget`` des
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
