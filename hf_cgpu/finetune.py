@@ -44,6 +44,16 @@ def save_adapter(model: nn.Module, output_dir: str | Path) -> Path:
     return output_dir
 
 
+def load_adapter(base: nn.Module, adapter_dir: str | Path):
+    """``PeftModel.from_pretrained(base, adapter_dir)``, without the FutureWarning peft triggers on transformers 5.23+
+    (it reads the deprecated ``is_gradient_checkpointing``)."""
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return PeftModel.from_pretrained(base, str(adapter_dir))
+
+
 def merge_and_save(
     base_name_or_path: str,
     adapter_dir: str | Path,
@@ -55,15 +65,12 @@ def merge_and_save(
 
     Tokenizer files found next to the adapter are copied so the merged folder loads on its own.
     """
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     if not dtype.is_floating_point or dtype.itemsize < 2:
         raise ValueError(f"merge into a bf16/fp16/fp32 base, not {dtype}: merging into 4/8-bit weights loses the update")
     base = AutoModelForCausalLM.from_pretrained(base_name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
-    with warnings.catch_warnings():  # peft reads the deprecated `is_gradient_checkpointing` on 5.23+
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged = load_adapter(base, adapter_dir).merge_and_unload()
     output_dir = Path(output_dir)
     merged.save_pretrained(str(output_dir))
     for name in TOKENIZER_FILES:

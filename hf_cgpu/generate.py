@@ -91,25 +91,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def load_causal_lm(model_dir: str, trust_remote_code: bool = False):
-    """(tokenizer, model) of a causal LM folder or Hub id; what is not one ends in a one-line ``UserError``."""
+def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None):
+    """(tokenizer, model) of a causal LM folder, a LoRA/QLoRA run's adapter folder (its base + the adapter, through
+    peft) or a Hub id; what is not one ends in a one-line ``UserError``."""
     from .errors import MissingPathError, UserError, require_model
+    from .finetune import TOKENIZER_FILES
 
     require_model(model_dir)
     path = Path(model_dir).expanduser()
+    base = None
     if path.is_dir():
         if (path / "model_index.json").is_file():
             raise SettingsError(f"{model_dir} is a FlowMatchPipeline (model_index.json), not a language model; "
                                 f"use `hf-cgpu sample {model_dir}`")
         if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-            hint = f" or {path / 'merged'}" if (path / "merged" / "config.json").is_file() else ""
-            raise SettingsError(f"{model_dir} holds a LoRA adapter, not a whole model; generate from its merged copy "
-                                f"(--merge true){hint}")
-        if not (path / "config.json").is_file():
+            base = adapter_base(path)
+        elif not (path / "config.json").is_file():
             raise MissingPathError(f"{model_dir} holds no config.json; pass a trained run's output_dir (or its "
                                    "best/ or merged/ folder)")
-        if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json",
-                                                  "tokenizer.model")):
+        if base is None and not any((path / n).is_file() for n in TOKENIZER_FILES):
             raise MissingPathError(f"{model_dir} has no tokenizer files; save the tokenizer beside the weights "
                                    "(tokenizer.save_pretrained(dir))")
     else:
@@ -121,8 +121,16 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False):
     import hf_cgpu.models.cgpt  # noqa: F401  (registers the cgpt model type)
 
     try:
-        tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        if base is None:
+            tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+        else:
+            from .finetune import load_adapter
+
+            own = any((path / n).is_file() for n in TOKENIZER_FILES)  # the run saves the tokenizer it trained with
+            tok = AutoTokenizer.from_pretrained(str(path) if own else base, trust_remote_code=trust_remote_code)
+            model = load_adapter(
+                AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code), path)
     except (OSError, ValueError) as e:  # a Hub id that does not resolve, offline, a gated repo, a foreign config
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise UserError(f"cannot load {model_dir!r} as a causal LM ({first[:160]}); pass a trained run's output_dir "
@@ -131,3 +139,36 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False):
 
     check_vocab(tok, model.config.vocab_size)
     return tok, model
+
+
+def adapter_base(path: Path) -> str:
+    """The base model of an adapter folder: ``adapter_config.json``'s ``base_model_name_or_path``, checked to exist
+    (a local folder) or to answer (a Hub id). A GGUF base whose de-quantised copy was deleted from the cache is
+    de-quantised again from the GGUF file the run recorded (``base_model.json``). The adapter is applied to the
+    unquantised base, also for a QLoRA run (trained against its 4-bit copy), as ``PeftModel.from_pretrained`` does."""
+    import json
+
+    from .errors import MissingPathError
+
+    try:
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise SettingsError(f"{path / 'adapter_config.json'} is not valid JSON: re-save the adapter") from None
+    recorded = path / "base_model.json"
+    if base and not Path(base).exists() and recorded.is_file():
+        gguf = json.loads(recorded.read_text()).get("gguf_file") or ""
+        if gguf and Path(gguf).is_file():
+            from .finetune import resolve_base
+
+            base, _ = resolve_base(gguf)
+    if not base:
+        raise SettingsError(f"{path / 'adapter_config.json'} names no base model (base_model_name_or_path): set it "
+                            "to the base's folder or Hub id")
+    if not Path(base).expanduser().exists():
+        if base.startswith(("/", ".", "~")):
+            raise MissingPathError(f"the adapter's base model {base} is gone: restore it or set "
+                                   f"base_model_name_or_path in {path / 'adapter_config.json'}")
+        from .hub import check_hub_model
+
+        check_hub_model(base, "base model")
+    return base

@@ -177,3 +177,38 @@ def test_format_instruction_example():
     assert pr["text"].endswith("Because.") and "Why?" in pr["prompt"]
     with pytest.raises(ValueError, match="instruction/output"):
         format_instruction_example({"question": "?"})
+
+
+# --- an adapter folder as a model: hf-cgpu eval / generate ----------------------------------------------
+
+
+def test_eval_and_generate_load_an_adapter_folder_on_its_base(tiny_base, tmp_path):
+    """A LoRA run's output_dir has adapter_config.json and no config.json: the loaders put the adapter on the base
+    it names, so eval scores the adapted model (not the base, not a refusal) and reads the base's tokenizer where the
+    folder has none; a base that is gone is a one-line error naming it."""
+    from hf_cgpu.errors import MissingPathError
+    from hf_cgpu.evaluation.text import evaluate_language_model
+    from hf_cgpu.generate import load_causal_lm
+
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_base, dtype=torch.float32), r=4, alpha=8)
+    randomize_lora_b(model)
+    adapter = save_adapter(model, tmp_path / "adapter")
+    assert not (adapter / "config.json").exists() and not (adapter / "tokenizer.json").exists()
+    tok, loaded = load_causal_lm(str(adapter))
+    x = ids()
+    assert torch.equal(logits(loaded, x), logits(model, x))
+    assert tok.get_vocab() == load_causal_lm(str(tiny_base))[0].get_vocab()
+
+    merged = merge_and_save(str(tiny_base), adapter, tmp_path / "merged", dtype=torch.float32)
+    tok.save_pretrained(merged)
+    kw = dict(dataset="builtin", seq_len=32, max_windows=4, device="cpu", progress=False)
+    got, want = evaluate_language_model(str(adapter), **kw), evaluate_language_model(str(merged), **kw)
+    base = evaluate_language_model(str(tiny_base), **kw)
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-4) and got["tokens"] == want["tokens"]
+    assert abs(got["loss"] - base["loss"]) > 1e-3  # the adapter is applied, not skipped
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "deleted_base")
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(MissingPathError, match="base model .*deleted_base is gone"):
+        load_causal_lm(str(adapter))

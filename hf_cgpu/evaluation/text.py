@@ -142,30 +142,15 @@ def evaluate_language_model(
     progress: bool = True,
 ) -> dict:
     """Load ``model_dir`` (a folder or Hub id) and its tokenizer, score ``split`` of ``dataset``; see ``score_stream``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import hf_cgpu.models.cgpt  # noqa: F401  (registers the cgpt model type)
-
-    from ..data.text import BUILTIN, check_vocab, load_text_dataset, pack_dataset
+    from ..data.text import BUILTIN, load_text_dataset, pack_dataset
+    from ..generate import load_causal_lm
     from ..settings import SettingsError
 
     if split not in ("train", "validation"):
         raise SettingsError(f"--split {split!r}: choose train or validation")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
-    path = Path(model_dir)
-    from ..errors import require_model
-
-    require_model(model_dir)
-    if not path.exists():
-        from ..hub import check_hub_model
-
-        check_hub_model(model_dir)
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise SettingsError(f"{model_dir} holds no config.json; pass a trained run's output_dir (or its best/ folder)")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
-    check_vocab(tokenizer, model.config.vocab_size)
+    tokenizer, model = load_causal_lm(model_dir, trust_remote_code, dtype)
     model.to(dev).eval()
     context = _context_length(model.config)
     seq_len = seq_len or min(context or 1024, 2048)
