@@ -88,6 +88,10 @@ def gguf_location(model: str, gguf_file: str = "") -> tuple[Path, str] | None:
     if not gguf_file and path.suffix.lower() == ".gguf":
         path, gguf_file = path.parent, path.name
     if not gguf_file:
+        found = sorted(f.name for f in path.glob("*.gguf")) if path.is_dir() else []
+        if found and not (path / "config.json").is_file():
+            raise SettingsError(f"{model} holds no config.json but GGUF checkpoints ({', '.join(found[:3])}): "
+                                f"add --gguf_file {found[0]}")
         return None
     if path.exists() and not (path / gguf_file).is_file():
         raise MissingPathError(f"GGUF file {path / gguf_file} not found; check --model / --gguf_file")

@@ -140,5 +140,8 @@ def test_a_model_file_that_is_no_config_is_a_one_line_error(tmp_path, capsys):
         describe_run(["--model", str(tmp_path / "absent.gguf")])
     with pytest.raises(MissingPathError, match="GGUF file"):
         describe_run(["--model", str(tmp_path), "--gguf_file", "absent.gguf"])
+    (tmp_path / "model.Q4.gguf").write_bytes(b"GGUF")
+    with pytest.raises(SettingsError, match="add --gguf_file model.Q4.gguf"):
+        describe_run(["--model", str(tmp_path)])
     with pytest.raises(SettingsError, match="give --model too"):
         describe_run(["--gguf_file", "x.gguf"])

@@ -125,6 +125,10 @@ def resolve_model(spec: str, gguf_file: str = "") -> ModelShape:
     (or its directory), or a Hub id, in that order."""
     if gguf_file or Path(spec).suffix.lower() == ".gguf":
         return ModelShape.from_gguf(spec, gguf_file)
+    if Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
+        from ..finetune import gguf_location
+
+        gguf_location(spec)  # a folder of GGUF files: names the --gguf_file to add
     if spec in REFERENCE_CONFIGS or spec in gpt_preset_names():
         return preset_shape(spec)
     p = Path(spec)
