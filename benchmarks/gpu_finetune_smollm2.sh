@@ -4,6 +4,7 @@
 # The GGUF does not fit one call: `bash benchmarks/gguf_parts.sh split` here, then carry .gguf-parts/0, /1, /2 in
 # three calls on one warm machine (any GPU script that starts with `gguf_parts.sh stash` keeps its part); this
 # script runs once all three are on the machine. Carry also .whl and .data/zh-poetry.
+# COMPILE=1 compiles each block as the lora/qlora presets do (the sixth session's 0.4-minute rows ran eager).
 bash benchmarks/gguf_parts.sh stash
 GGUF=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f $GGUF ] || { echo "no $GGUF yet: nothing run"; exit 0; }
@@ -14,7 +15,8 @@ export HF_CGPU_CACHE=/tmp/hfc PYTHONUNBUFFERED=1
   python3 -c "import torch,transformers,peft;print('torch',torch.__version__,'transformers',transformers.__version__,'peft',peft.__version__)"
 } > $OUT/env.txt 2>&1
 timeout ${LIMIT:-540} python3 benchmarks/bench_finetune_smollm2.py --gguf $GGUF --zh .data/zh-poetry \
-  --minutes ${MINUTES:-2} --train_examples ${EXAMPLES:-4000} --out /tmp/smg > $OUT/smollm2.log 2>&1
+  --minutes ${MINUTES:-2} --train_examples ${EXAMPLES:-4000} --out /tmp/smg ${COMPILE:+--compile} \
+  > $OUT/smollm2.log 2>&1
 echo "bench exit $?" >> $OUT/smollm2.log
 cp /tmp/smg/results.json $OUT/smollm2_results.json 2>/dev/null
 grep -E "^(base|lora|qlora|adamw8bit) |bench exit|Error" $OUT/smollm2.log | tail -8
