@@ -14,12 +14,14 @@ from .errors import SettingsError
 
 def continue_texts(
     model, tokenizer, prompts: list[str], max_new_tokens: int = 60, temperature: float = 0.8, top_k: int = 50,
-    top_p: float = 0.95, seed: int = 0, do_sample: bool = True, log=None,
+    top_p: float = 0.95, seed: int = 0, do_sample: bool = True, log=None, chat: bool = False,
 ) -> list[str]:
     """Continue each prompt (one at a time: no padding needed) and return prompt + continuation.
 
-    A continuation ends at the model's context (``n_positions``); ``log`` (default: stderr) says when that cuts
-    ``max_new_tokens`` short."""
+    With ``chat`` each prompt is a user turn in the tokenizer's chat template (generation prompt added) and the
+    text returned is the prompt, a newline and the model's answer. A continuation ends at the model's context
+    (``n_positions``); ``log`` (default: stderr) says when that cuts ``max_new_tokens`` short, and when the model
+    ends at once (its end-of-text token first)."""
     if log is None:
         def log(msg: str) -> None:
             print(msg, file=sys.stderr)
@@ -29,7 +31,12 @@ def continue_texts(
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     texts = []
     for i, prompt in enumerate(prompts):
-        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                return_tensors="pt")
+            ids = (ids["input_ids"] if hasattr(ids, "keys") else ids).to(device)
+        else:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
         if ids.shape[1] == 0:  # an empty prompt starts from the document separator
             ids = torch.tensor([[tokenizer.eos_token_id]], device=device)
         new = max_new_tokens if limit is None else max(0, min(max_new_tokens, limit - ids.shape[1]))
@@ -39,12 +46,16 @@ def continue_texts(
         torch.manual_seed(seed + i)
         # compiled blocks would recompile for every cache length: decode eagerly
         stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") else nullcontext()
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p) if do_sample else {}
         with torch.no_grad(), stance:
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=do_sample,
-                temperature=temperature, top_k=top_k, top_p=top_p, pad_token_id=tokenizer.eos_token_id,
-            )
-        texts.append(tokenizer.decode(out[0], skip_special_tokens=True))
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=do_sample,
+                                 pad_token_id=tokenizer.eos_token_id, **sampling)
+        answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        if new and not answer.strip():
+            hint = "" if chat or not getattr(tokenizer, "chat_template", None) else (
+                ": an instruction model answers inside its chat template (--chat true)")
+            log(f"note: prompt {i + 1}: the model ended at once (its end token came first){hint}")
+        texts.append(prompt + "\n" + answer if chat else tokenizer.decode(out[0], skip_special_tokens=True))
     return texts
 
 
@@ -66,6 +77,18 @@ class GenerateSettings:
     """Seed of the sampling (prompt i uses seed + i)."""
     trust_remote_code: bool = False
     """Allow the model's own code from its folder or repo (not needed for hf_cgpu's GPT)."""
+    chat: str = "auto"
+    """auto: a tokenizer with a chat template (an instruction model, a chat fine-tune) gets each prompt as a user
+    turn and prints the answer; true: require the template; false: continue the raw text."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise SettingsError(f"--max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.temperature <= 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise SettingsError(f"--temperature must be > 0, --top_k >= 0 and --top_p in (0, 1] (got {self.temperature}, "
+                                f"{self.top_k}, {self.top_p}); --greedy decodes without sampling")
+        if self.chat not in ("auto", "true", "false"):
+            raise SettingsError(f"--chat {self.chat!r}: choose auto, true or false")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,13 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     ns = vars(parser.parse_args(argv))
     model_dir, prompts = ns.pop("model_dir"), ns.pop("prompt")
     s = GenerateSettings(**{k: v for k, v in ns.items() if v is not None})
-    if s.max_new_tokens < 1:
-        raise SettingsError(f"--max_new_tokens must be >= 1 (got {s.max_new_tokens})")
     tok, model = load_causal_lm(model_dir, s.trust_remote_code)
+    templated = bool(getattr(tok, "chat_template", None))
+    if s.chat == "true" and not templated:
+        raise SettingsError(f"--chat true: the tokenizer of {model_dir} has no chat template; use --chat false")
+    chat = s.chat == "true" or (s.chat == "auto" and templated)
+    if chat and s.chat == "auto":
+        print("note: prompts go in the tokenizer's chat template as user turns (--chat false continues the raw text)",
+              file=sys.stderr)
     if torch.cuda.is_available():
         model = model.to("cuda", dtype=torch.bfloat16)
     for text in continue_texts(model, tok, prompts, s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.seed,
-                               do_sample=not s.greedy):
+                               do_sample=not s.greedy, chat=chat):
         print(text)
         print("-" * 40)
     return 0

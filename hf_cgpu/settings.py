@@ -128,7 +128,8 @@ class TrainSettings:
     seed: int = 0
     """Seed of data order, initialisation and every random draw (each step reseeds from seed and step)."""
     report_to: str = "none"
-    """Experiment tracker for accelerate: none, tensorboard, wandb, ... (console logging is always on)."""
+    """Experiment trackers for accelerate, comma-separated: none, tensorboard, wandb, ... (console logging is always
+    on)."""
     peak_tflops: float = 0.0
     """bf16 peak used as the MFU denominator; 0 = what `hf-cgpu bench` measured on this machine, else none."""
     ema_decay: float = 0.0
@@ -181,6 +182,36 @@ class TrainSettings:
             raise SettingsError(f"hub_strategy={self.hub_strategy!r}; choose end or checkpoint")
         if (self.load_best_at_end or self.early_stopping_patience) and not self.eval_steps:
             raise SettingsError("load_best_at_end/early_stopping_patience need evaluations: set --eval_steps N")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """Values the libraries would reject with a traceback, or take silently to mean something else (a negative
+        eval_steps evaluated every step, min_lr_ratio 2 raised the learning rate, a negative clip turned it off)."""
+        at_least = {"log_steps": 1, "checkpoints_total_limit": 1, "nan_patience": 1, "lora_r": 1, "eval_steps": 0,
+                    "checkpointing_steps": 0, "max_minutes": 0, "max_grad_norm": 0, "weight_decay": 0, "seed": 0,
+                    "peak_tflops": 0}
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                zero = {"eval_steps": " (0 = only at the end)", "checkpointing_steps": " (0 = only at the end)",
+                        "max_minutes": " (0 = no time limit)", "max_grad_norm": " (0 = no clipping)"}.get(name, "")
+                raise SettingsError(f"--{name} must be >= {low}{zero}, got {getattr(self, name)}")
+        if self.seed >= 2**32:
+            raise SettingsError(f"--seed must be below 2**32 (numpy's seed range), got {self.seed}")
+        for name, value, closed in (("min_lr_ratio", self.min_lr_ratio, True), ("adam_beta1", self.adam_beta1, False),
+                                    ("adam_beta2", self.adam_beta2, False), ("lora_dropout", self.lora_dropout, False)):
+            if not (0 <= value <= 1 if closed else 0 <= value < 1):
+                raise SettingsError(f"--{name} must be in [0, 1{']' if closed else ')'}, got {value}")
+        if self.adam_eps <= 0 or self.lora_alpha <= 0 or self.spike_factor <= 1:
+            raise SettingsError("--adam_eps and --lora_alpha must be > 0 and --spike_factor > 1 "
+                                f"(got {self.adam_eps}, {self.lora_alpha}, {self.spike_factor})")
+        if self.report_to != "none":
+            from accelerate.utils import LoggerType
+
+            known = sorted(str(k.value) for k in LoggerType)
+            unknown = [n for n in self.report_to.split(",") if n.strip() not in known]
+            if unknown:
+                raise SettingsError(f"--report_to {self.report_to!r}: {', '.join(unknown)} is no tracker accelerate "
+                                    f"knows; choose none or from {', '.join(known)}")
 
     def samples_per_step(self, processes: int = 1) -> int:
         """Samples per optimizer step over ``processes`` data-parallel processes (the effective batch)."""

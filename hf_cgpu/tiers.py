@@ -197,6 +197,14 @@ def apply_lora(
         fan_in_fan_out=model_type == "gpt2",  # GPT-2's Conv1D stores weights transposed
         task_type="CAUSAL_LM" if isinstance(model, PreTrainedModel) else None,
     )
+    if isinstance(target_modules, (list, tuple, set)):
+        names = [n for n, _ in model.named_modules() if n]  # peft's list rule: a name, or a dotted suffix of one
+        missing = sorted(k for k in set(target_modules) if not any(n == k or n.endswith("." + k) for n in names))
+        if missing:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if n and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")})
+            raise SettingsError(f"--lora_target_modules: {', '.join(missing)} is no module of this "
+                                f"{type(model).__name__}; its linear layers are {', '.join(linear)}")
     with warnings.catch_warnings():  # peft reads the deprecated `is_gradient_checkpointing` on 5.23+
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=True)

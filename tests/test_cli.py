@@ -155,6 +155,8 @@ BAD: dict[str, list[tuple]] = {
         (["train", "lora", "--tier", "turbo"], "unknown tier"),
         (["train", "lora", "--model", "./no-such-base", "--output_dir", "{tmp}/run"], "base model './no-such-base'"),
         (["train", "classifier", "--widths", "1,2"], "four comma-separated"),
+        (["train", "gpt", "--log_steps", "0", "--output_dir", "{tmp}/run"], "--log_steps must be >= 1"),
+        (["train", "lora", "--lora_r", "0", "--output_dir", "{tmp}/run"], "--lora_r must be >= 1"),
     ],
     "flow2d": [(["flow2d", "--nfe_budgets", "2;5"], "comma-separated"),
                (["flow2d", "--time_sampling", "cosine"], "uniform or logit_normal")],
@@ -166,13 +168,17 @@ BAD: dict[str, list[tuple]] = {
     "generate": [(["generate", "{tmp}/nope", "hello"], "not found"),
                  (["generate", _not_a_model, "hello"], "holds no config.json"),
                  (["generate", _flow_folder, "hello"], "use `hf-cgpu sample"),
-                 (["generate", "{tmp}/x"], "the following arguments are required")],
+                 (["generate", "{tmp}/x"], "the following arguments are required"),
+                 (["generate", "{tmp}/x", "hello", "--temperature", "0"], "--greedy decodes without sampling"),
+                 (["generate", "{tmp}/x", "hello", "--chat", "maybe"], "choose auto, true or false")],
     "sample": [(["sample", "{tmp}/nope"], "not found"),
                (["sample", _gpt_folder], "use `hf-cgpu generate"),
                (["sample", _not_a_model], "holds no model_index.json"),
                (["sample", "{tmp}", "--scheduler", "dpm"], "choose euler or heun")],
     "eval": [(["eval", "{tmp}/nope", "--dataset", "builtin"], "not found"),
-             (["eval", _not_a_model, "--dataset", "builtin"], "holds no config.json")],
+             (["eval", _not_a_model, "--dataset", "builtin"], "holds no config.json"),
+             (["eval", "{tmp}", "--dataset", "builtin", "--batch_size", "0"], "--batch_size must be >= 1"),
+             (["eval", "{tmp}", "--dataset", "builtin", "--device", "cuda"], "no CUDA GPU")],
     "push": [(["push", "{tmp}/nope", "someone/x"], "not a directory")],
 }
 CASES = [(cmd, argv, fix) for cmd, cases in BAD.items() for argv, fix in cases]
@@ -231,8 +237,10 @@ def test_max_new_tokens_beyond_the_context_says_so():
 
     tok = train_tokenizer(["some text to learn a few merges from, again and again"] * 20, vocab_size=300,
                           show_progress=False)
+    torch.manual_seed(0)
     model = CgptForCausalLM(CgptConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tok), n_positions=16,
                                        eos_token_id=tok.eos_token_id))
+    model.generation_config.suppress_tokens = [tok.eos_token_id]  # no early end: the cut is what is measured
     notes = []
     out = continue_texts(model, tok, ["some text"], max_new_tokens=40, log=notes.append, do_sample=False)
     n_prompt = len(tok("some text").input_ids)
@@ -241,3 +249,35 @@ def test_max_new_tokens_beyond_the_context_says_so():
                      f"cut to {16 - n_prompt} (at most 16 tokens in all)"]
     assert continue_texts(model, tok, ["some text"], max_new_tokens=2, log=notes.append, do_sample=False)
     assert len(notes) == 1  # within the context: nothing to say
+
+
+def test_generate_puts_prompts_in_the_chat_template_and_says_when_the_model_ends_at_once():
+    from hf_cgpu.data.text import train_tokenizer
+    from hf_cgpu.errors import SettingsError
+    from hf_cgpu.generate import GenerateSettings, continue_texts
+    from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
+
+    tok = train_tokenizer(["user says hello, the assistant answers"] * 20, vocab_size=300, show_progress=False)
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    torch.manual_seed(0)
+    model = CgptForCausalLM(CgptConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tok), n_positions=64,
+                                       eos_token_id=tok.eos_token_id))
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"]) if not seen else None,
+                                    with_kwargs=True)
+    model.generation_config.suppress_tokens = [tok.eos_token_id]
+    notes = []
+    out = continue_texts(model, tok, ["hello"], max_new_tokens=3, do_sample=False, chat=True, log=notes.append)
+    templated = tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    templated = templated["input_ids"] if hasattr(templated, "keys") else templated
+    assert seen[0][0].tolist() == list(templated)  # the model saw the template, not the bare prompt
+    assert out[0].startswith("hello\n") and "<|" not in out[0] and notes == []  # the answer only, after the prompt
+
+    model.generation_config.suppress_tokens = [i for i in range(len(tok)) if i != tok.eos_token_id]  # EOS first
+    out = continue_texts(model, tok, ["hello"], max_new_tokens=3, do_sample=False, log=notes.append)
+    assert out == ["hello"] and len(notes) == 1 and "ended at once" in notes[0] and "--chat true" in notes[0]
+    with pytest.raises(SettingsError, match="--top_p"):
+        GenerateSettings(top_p=2)
+    with pytest.raises(SettingsError, match="--temperature"):
+        GenerateSettings(temperature=0)

@@ -72,6 +72,23 @@ def test_ema_decay_outside_zero_one_is_a_one_line_error(decay, tmp_path):
     TrainSettings(output_dir=str(tmp_path), ema_decay=0.0)
 
 
+@pytest.mark.parametrize("bad, message", [
+    (dict(log_steps=0), "--log_steps must be >= 1"), (dict(eval_steps=-1), "--eval_steps must be >= 0"),
+    (dict(checkpointing_steps=-1), "--checkpointing_steps must be >= 0"), (dict(seed=-1), "--seed must be >= 0"),
+    (dict(seed=2**32), "below 2\\*\\*32"), (dict(min_lr_ratio=2.0), r"--min_lr_ratio must be in \[0, 1\]"),
+    (dict(max_grad_norm=-1.0), "no clipping"), (dict(weight_decay=-1.0), "--weight_decay must be >= 0"),
+    (dict(adam_beta1=1.5), "--adam_beta1"), (dict(adam_beta2=1.0), "--adam_beta2"), (dict(lora_r=0), "--lora_r"),
+    (dict(max_minutes=-1.0), "no time limit"), (dict(checkpoints_total_limit=0), "--checkpoints_total_limit"),
+    (dict(report_to="bogus"), "no tracker accelerate knows"), (dict(report_to="tensorboard,bogus"), "bogus is no"),
+])
+def test_values_a_library_would_reject_or_misread_are_one_line_errors(bad, message, tmp_path):
+    """A negative eval_steps evaluated at every step, min_lr_ratio 2 raised the learning rate over the cosine, a
+    negative clip switched clipping off, log_steps 0 divided by zero: each is refused before anything runs."""
+    with pytest.raises(SettingsError, match=message):
+        TrainSettings(output_dir=str(tmp_path), **bad)
+    TrainSettings(output_dir=str(tmp_path), report_to="tensorboard,wandb", min_lr_ratio=1.0, max_grad_norm=0.0)
+
+
 def test_ema_weights_context_swaps_in_and_back():
     model = torch.nn.Linear(2, 2)
     ema = EMA(model, decay=0.5)

@@ -148,6 +148,13 @@ def evaluate_language_model(
 
     if split not in ("train", "validation"):
         raise SettingsError(f"--split {split!r}: choose train or validation")
+    if batch_size < 1 or max_windows < 0 or seq_len < 0:
+        raise SettingsError(f"--batch_size must be >= 1, --max_windows and --seq_len >= 0 (0 = all / the model's "
+                            f"positions); got {batch_size}, {max_windows}, {seq_len}")
+    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+        raise SettingsError(f"--device {device!r}: choose auto, cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SettingsError(f"--device {device}: this machine has no CUDA GPU; use --device cpu (or auto)")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tokenizer, model = load_causal_lm(model_dir, trust_remote_code, dtype)
