@@ -145,3 +145,15 @@ def test_a_model_file_that_is_no_config_is_a_one_line_error(tmp_path, capsys):
         describe_run(["--model", str(tmp_path)])
     with pytest.raises(SettingsError, match="give --model too"):
         describe_run(["--gguf_file", "x.gguf"])
+
+
+def test_budget_prices_only_the_tiers_a_from_scratch_gpt_trains_with():
+    """Training refuses LoRA/QLoRA for pretraining (a frozen random base learns nothing); the ledger did not, and its
+    --autofit ladder ended in a LoRA plan for a GPT preset. A fine-tuning shape keeps the adapter rungs."""
+    for tier in ("lora", "qlora"):
+        with pytest.raises(SettingsError, match=f"{tier} is a fine-tuning tier"):
+            run(["--preset", "tiny", "--tier", tier])
+    gpt = run(["--preset", "tiny", "--autofit", "--memory_cap", "0.1GB"])
+    assert "lora" not in gpt.split("plan:")[1].split("\n")[0] and "-> LoRA" in gpt  # the ladder's title only
+    assert "  plan: lora" in run(["--preset", "pythia-1.4b", "--autofit", "--memory_cap", "4GB"])
+    assert describe_run(["--preset", "tiny"])[0].pretrain and not describe_run(["--preset", "pythia-1.4b"])[0].pretrain

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MissingPathError, SettingsError
+from ..tiers import validate_tier
 from .ladder import RUNGS, autofit, next_rung
 from .memory import (
     BF16,
@@ -305,6 +306,8 @@ def run(argv: Sequence[str] | None = None) -> str:
     if shape.max_positions and run_shape.seq_len > shape.max_positions:
         raise SettingsError(f"--seq_len {run_shape.seq_len} is longer than the model's {shape.max_positions} "
                             f"positions; training would refuse it: use --seq_len {shape.max_positions} or less")
+    if run_shape.pretrain:  # a from-scratch GPT: the tiers training takes, no adapter rung
+        validate_tier(train.tier, train.recompute, "pretrain")
     cap = parse_memory(train.memory_cap or DEFAULT_MEMORY_CAP)
     peer = {"stock_peft": True, "loss_chunk_size": 0} if opts.stock_peft else {}  # stock: the model's full logits
     setup = run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp, **peer)
@@ -315,7 +318,8 @@ def run(argv: Sequence[str] | None = None) -> str:
             shape, cap, seq_len=setup.seq_len, effective_batch_tokens=tokens,
             micro_batch_size=None if tokens else setup.micro_batch_size,
             gradient_accumulation_steps=setup.gradient_accumulation_steps, min_micro_batch=opts.min_micro_batch,
-            rungs=[r for r in RUNGS if not (opts.no_lora and r in ("lora", "qlora"))], base=setup,
+            rungs=[r for r in RUNGS if not ((opts.no_lora or run_shape.pretrain) and r in ("lora", "qlora"))],
+            base=setup,
         )
         out.append("autofit (the seed's ladder: micro-batch -> recompute -> sequence -> 8-bit AdamW -> LoRA -> QLoRA):")
         out += [f"  {i}. {r}" for i, r in enumerate(plan.reasons, 1)]

@@ -443,6 +443,8 @@ class RunShape:
     loss_in_forward: bool = True
     """The loss runs inside ``model.forward`` (our GPT), so a whole-model compile fuses it; False when the task
     calls the backbone itself (the fine-tuning loss)."""
+    pretrain: bool = False
+    """Trained from random weights (our GPT's task): the adapter tiers are refused, as training refuses them."""
 
     def setup(self, settings: Any, **peer: Any) -> TrainSetup:
         """The ``TrainSetup`` of a run with ``settings`` (a ``TrainSettings``); ``peer`` sets stock_peft."""

@@ -22,7 +22,8 @@ from .settings import GPTSettings
 
 def cgpt_run_shape(config: CgptConfig, name: str = "") -> RunShape:
     """Our GPT's run shape: the sequence is its position table, the loss chunk its config's, the loss in forward."""
-    return RunShape(ModelShape.from_config(config, name or "cgpt"), config.n_positions, config.loss_chunk_size)
+    return RunShape(ModelShape.from_config(config, name or "cgpt"), config.n_positions, config.loss_chunk_size,
+                    pretrain=True)
 
 MANY_EPOCHS = 4  # Muennighoff et al. (2023): up to ~4 epochs are nearly as good as fresh data, then returns drop
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio (the seed's table uses it too)

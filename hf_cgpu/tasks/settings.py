@@ -124,7 +124,7 @@ class GPTSettings:
 
         kwargs = self.model_config_kwargs(vocab_size or self.vocab_size, eos_token_id=0)
         shape = ModelShape.from_config({"model_type": "cgpt", **kwargs}, name or "cgpt")
-        return RunShape(shape, self.seq_len, self.loss_chunk_size)
+        return RunShape(shape, self.seq_len, self.loss_chunk_size, pretrain=True)
 
 
 @dataclass(frozen=True)
