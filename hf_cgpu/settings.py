@@ -204,6 +204,11 @@ class TrainSettings:
         if self.adam_eps <= 0 or self.lora_alpha <= 0 or self.spike_factor <= 1:
             raise SettingsError("--adam_eps and --lora_alpha must be > 0 and --spike_factor > 1 "
                                 f"(got {self.adam_eps}, {self.lora_alpha}, {self.spike_factor})")
+        resume = self.resume_from_checkpoint
+        if resume not in ("", "latest") and not Path(resume).expanduser().is_dir():  # before any folder is made
+            from .errors import MissingPathError
+
+            raise MissingPathError(f"checkpoint {resume!r} not found; pass 'latest' or an existing step_N directory")
         if self.report_to != "none":
             from accelerate.utils import LoggerType
 

@@ -156,6 +156,8 @@ BAD: dict[str, list[tuple]] = {
         (["train", "lora", "--model", "./no-such-base", "--output_dir", "{tmp}/run"], "base model './no-such-base'"),
         (["train", "classifier", "--widths", "1,2"], "four comma-separated"),
         (["train", "gpt", "--log_steps", "0", "--output_dir", "{tmp}/run"], "--log_steps must be >= 1"),
+        (["train", "gpt", "--resume_from_checkpoint", "{tmp}/no/step_9", "--output_dir", "{tmp}/run"],
+         "an existing step_N directory"),
         (["train", "lora", "--lora_r", "0", "--output_dir", "{tmp}/run"], "--lora_r must be >= 1"),
     ],
     "flow2d": [(["flow2d", "--nfe_budgets", "2;5"], "comma-separated"),

@@ -130,6 +130,7 @@ def resolve_model(spec: str, gguf_file: str = "") -> ModelShape:
         from ..finetune import gguf_location
 
         gguf_location(spec)  # a folder of GGUF files: names the --gguf_file to add
+        raise MissingPathError(f"folder {spec!r} holds no config.json: pass a model's folder or its config.json")
     if spec in REFERENCE_CONFIGS or spec in gpt_preset_names():
         return preset_shape(spec)
     p = Path(spec)

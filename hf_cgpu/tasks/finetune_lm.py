@@ -39,6 +39,9 @@ class FinetuneTask(PackedTokensTask):
 
         cfg = self.cfg
         self.settings, self.accelerator = settings, accelerator
+        if cfg.merge and settings.tier not in ("lora", "qlora"):
+            accelerator.print(f"note: --merge folds an adapter into its base; tier {settings.tier} trains every weight, "
+                              "so the saved model is already whole (no merged/ folder)")
         require_model(cfg.model, "base model")
         if not Path(cfg.model).expanduser().exists():
             check_hub_model(cfg.model, "base model", filename=cfg.gguf_file or "config.json")
