@@ -30,7 +30,6 @@ class FinetuneTask(PackedTokensTask):
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         from transformers import AutoTokenizer
 
-        from ..data.text import load_text_dataset, pack_dataset
         from ..tiers import count_parameters, load_base_model
 
         from ..errors import require_model
