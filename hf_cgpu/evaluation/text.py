@@ -140,8 +140,13 @@ def evaluate_language_model(
     cache_dir: str | None = None,
     trust_remote_code: bool = False,
     progress: bool = True,
+    data_format: str = "auto",
 ) -> dict:
-    """Load ``model_dir`` (a folder or Hub id) and its tokenizer, score ``split`` of ``dataset``; see ``score_stream``."""
+    """Load ``model_dir`` (a folder, an adapter folder or a Hub id) and its tokenizer, score ``split`` of ``dataset``:
+    a text stream (``score_stream``), or instruction rows (messages, instruction/output or prompt/response columns,
+    ``data_format`` auto or instruct) on their responses only, as the fine-tuning run scores them (``score_rows``;
+    ``max_windows`` then counts examples)."""
+    from ..data.instruct import build_rows, instruction_format, load_instruction_splits
     from ..data.text import BUILTIN, load_text_dataset, pack_dataset
     from ..generate import load_causal_lm
     from ..settings import SettingsError
@@ -163,7 +168,18 @@ def evaluate_language_model(
     seq_len = seq_len or min(context or 1024, 2048)
     if context and seq_len > context:
         raise SettingsError(f"--seq_len {seq_len} exceeds the model's {context} positions; use --seq_len {context}")
-    ds = load_text_dataset(None if dataset == BUILTIN else dataset, text_column=text_column)
+    source = None if dataset == BUILTIN else dataset
+    fmt = instruction_format(source, data_format, text_column)
+    if fmt is not None:  # as the fine-tuning run scores it: the responses only, one example per row
+        rows_split = load_instruction_splits(source)[0][split]
+        n = len(rows_split) if not max_windows else min(max_windows, len(rows_split))
+        rows = build_rows(rows_split.select(range(n)), tokenizer, seq_len, fmt)
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            scores = score_rows(causal_lm_target_loss(model), rows, batch_size, dev, progress=progress)
+        return {"model": model_dir, "dataset": dataset, "split": split, "seq_len": seq_len, "format": fmt,
+                "examples": n, "cut_at_seq_len": rows.n_truncated, "characters": rows.n_chars, **scores,
+                "whole_split": n == len(rows_split)}
+    ds = load_text_dataset(source, text_column=text_column)
     data = pack_dataset(ds[split], tokenizer, seq_len, cache_dir=cache_dir, text_column=text_column)
     with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
         scores = score_stream(causal_lm_target_loss(model), data, seq_len, batch_size, dev,
@@ -193,9 +209,11 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--cache_dir", default=None, help="packed-token cache (default: the training cache)")
     p.add_argument("--trust_remote_code", action="store_true", help="allow the model's own code from its folder/repo")
     p.add_argument("--output_json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--data_format", default="auto", help="auto (instruction columns -> the responses, as the "
+                   "fine-tuning run scores them; else text), instruct or text")
     a = p.parse_args(argv)
     out = evaluate_language_model(a.model_dir, a.dataset, a.split, a.text_column, a.seq_len, a.batch_size,
-                                  a.max_windows, a.device, a.cache_dir, a.trust_remote_code)
+                                  a.max_windows, a.device, a.cache_dir, a.trust_remote_code, data_format=a.data_format)
     text = json.dumps(out, indent=2)
     if a.output_json:
         Path(a.output_json).write_text(text + "\n")

@@ -70,17 +70,12 @@ class FinetuneTask(PackedTokensTask):
 
     def _load_data(self, accelerator) -> bool:
         """Instruction rows (True) or a packed text stream (False), by ``data_format`` and the columns."""
-        from ..data.instruct import build_rows, detect_format, load_instruction_splits
-        from ..data.text import _load_splits, load_text_dataset, pack_dataset
+        from ..data.instruct import build_rows, instruction_format, load_instruction_splits
+        from ..data.text import load_text_dataset, pack_dataset
 
         cfg = self.cfg
         source = None if cfg.dataset == "builtin" else cfg.dataset
-        fmt = None
-        if cfg.data_format != "text" and source is not None:
-            fmt = detect_format(_load_splits(source, cfg.text_column)["train"].column_names)
-            if fmt is None and cfg.data_format == "instruct":
-                raise SettingsError(f"--data_format instruct: {cfg.dataset} has no messages, instruction/output or "
-                                    "prompt/response columns; use --data_format text")
+        fmt = instruction_format(source, cfg.data_format, cfg.text_column)
         if fmt is not None:
             splits, self.fmt = load_instruction_splits(source)
             self.train_rows = build_rows(splits["train"], self.tokenizer, cfg.seq_len, self.fmt)
