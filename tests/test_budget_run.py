@@ -143,6 +143,8 @@ def test_a_model_file_that_is_no_config_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "model.Q4.gguf").write_bytes(b"GGUF")
     with pytest.raises(SettingsError, match="add --gguf_file model.Q4.gguf"):
         describe_run(["--model", str(tmp_path)])
+    with pytest.raises(SettingsError, match="--n_layer shape a from-scratch GPT"):
+        describe_run(["--preset", "pythia-1.4b", "--n_layer", "2"])
     with pytest.raises(SettingsError, match="give --model too"):
         describe_run(["--gguf_file", "x.gguf"])
 

@@ -174,6 +174,12 @@ def _source(argv: list[str]) -> tuple[list[str], str | None]:
     return argv, None
 
 
+GPT_SHAPE_FLAGS = frozenset(f"--{n}" for n in ("n_layer", "n_embd", "n_head", "mlp_ratio", "bias", "vocab_size",
+                                                 "position_embedding", "qk_norm", "activation", "norm",
+                                                 "tie_word_embeddings"))
+"""GPTSettings flags that shape our GPT only: another causal LM's shape is its config's."""
+
+
 def describe_run(argv: Sequence[str] | None = None):
     """Parse a training command line: (RunShape, TrainSettings, BudgetSettings)."""
     from ..settings import TrainSettings, parse_settings
@@ -189,6 +195,11 @@ def describe_run(argv: Sequence[str] | None = None):
     given_preset = any(a == "--preset" or a.startswith("--preset=") for a in args)
     if (opts.config or opts.model or reference) and given_preset:
         raise SettingsError("give one of --preset, --config or --model")
+    if opts.config or opts.model or reference:
+        shape_flags = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in GPT_SHAPE_FLAGS]
+        if shape_flags:
+            raise SettingsError(f"{', '.join(shape_flags)} shape a from-scratch GPT (--preset); with --model or "
+                                "--config the model's own config sets the shape: drop them")
     if opts.config:
         model = ModelShape.from_config_file(opts.config)
     elif reference or opts.model:
