@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import MissingPathError, SettingsError
+from .gguf import gguf_location
 from .tiers import default_target_modules
 
 __all__ = ["save_adapter", "merge_and_save", "format_instruction_example", "default_target_modules", "resolve_base"]
@@ -78,30 +78,6 @@ def merge_and_save(
         if src.is_file():
             shutil.copy2(src, output_dir / name)
     return output_dir
-
-
-def gguf_location(model: str, gguf_file: str = "") -> tuple[Path, str] | None:
-    """(folder or Hub id, file name) of a GGUF checkpoint named as ``--model`` takes it (a ``.gguf`` file, or a
-    folder/Hub id plus ``--gguf_file``), checked to exist where it is local and the ``gguf`` package importable;
-    ``None`` when ``model`` is no GGUF checkpoint."""
-    path = Path(model).expanduser()
-    if not gguf_file and path.suffix.lower() == ".gguf":
-        path, gguf_file = path.parent, path.name
-    if not gguf_file:
-        found = sorted(f.name for f in path.glob("*.gguf")) if path.is_dir() else []
-        if found and not (path / "config.json").is_file():
-            raise SettingsError(f"{model} holds no config.json but GGUF checkpoints ({', '.join(found[:3])}): "
-                                f"add --gguf_file {found[0]}")
-        return None
-    if path.exists() and not (path / gguf_file).is_file():
-        raise MissingPathError(f"GGUF file {path / gguf_file} not found; check --model / --gguf_file")
-    if not path.exists() and (Path(model).suffix.lower() == ".gguf" or str(model).startswith((".", "/", "~"))):
-        raise MissingPathError(f"GGUF file {Path(model).expanduser()} not found; check --model / --gguf_file")
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        raise SettingsError("loading a GGUF checkpoint needs the gguf package: pip install gguf") from None
-    return path, gguf_file
 
 
 def resolve_base(model: str, gguf_file: str = "", cache_dir: str | Path | None = None) -> tuple[str, dict[str, Any]]:

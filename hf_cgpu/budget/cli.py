@@ -127,7 +127,7 @@ def resolve_model(spec: str, gguf_file: str = "") -> ModelShape:
     if gguf_file or Path(spec).suffix.lower() == ".gguf":
         return ModelShape.from_gguf(spec, gguf_file)
     if Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
-        from ..finetune import gguf_location
+        from ..gguf import gguf_location
 
         gguf_location(spec)  # a folder of GGUF files: names the --gguf_file to add
         raise MissingPathError(f"folder {spec!r} holds no config.json: pass a model's folder or its config.json")

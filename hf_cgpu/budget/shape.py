@@ -157,7 +157,7 @@ class ModelShape:
     def from_gguf(cls, model: str, gguf_file: str = "") -> ModelShape:
         """From a GGUF checkpoint as the fine-tuning command's ``--model`` (and ``--gguf_file``) name it: its
         metadata through ``transformers.AutoConfig(..., gguf_file=)``; no tensor is read or de-quantised."""
-        from ..finetune import gguf_location
+        from ..gguf import gguf_location
 
         folder, name = gguf_location(model, gguf_file)
         from transformers import AutoConfig
