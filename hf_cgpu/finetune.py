@@ -9,7 +9,6 @@ nf4 weights they were trained on and the bf16 ones is the known QLoRA merge cave
 from __future__ import annotations
 
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 from torch import nn
 
 from .gguf import gguf_location
-from .tiers import default_target_modules
+from .tiers import default_target_modules, peft_quiet
 
 __all__ = ["save_adapter", "merge_and_save", "format_instruction_example", "default_target_modules", "resolve_base"]
 
@@ -45,12 +44,10 @@ def save_adapter(model: nn.Module, output_dir: str | Path) -> Path:
 
 
 def load_adapter(base: nn.Module, adapter_dir: str | Path):
-    """``PeftModel.from_pretrained(base, adapter_dir)``, without the FutureWarning peft triggers on transformers 5.23+
-    (it reads the deprecated ``is_gradient_checkpointing``)."""
+    """``PeftModel.from_pretrained(base, adapter_dir)`` under ``tiers.peft_quiet``."""
     from peft import PeftModel
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with peft_quiet():
         return PeftModel.from_pretrained(base, str(adapter_dir))
 
 

@@ -85,8 +85,8 @@ class GenerateSettings:
         if self.max_new_tokens < 1:
             raise SettingsError(f"--max_new_tokens must be >= 1 (got {self.max_new_tokens})")
         if self.temperature <= 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise SettingsError(f"--temperature must be > 0, --top_k >= 0 and --top_p in (0, 1] (got {self.temperature}, "
-                                f"{self.top_k}, {self.top_p}); --greedy decodes without sampling")
+            raise SettingsError(f"--temperature must be > 0, --top_k >= 0 and --top_p in (0, 1] (got "
+                                f"{self.temperature}, {self.top_k}, {self.top_p}); --greedy decodes without sampling")
         if self.chat not in ("auto", "true", "false"):
             raise SettingsError(f"--chat {self.chat!r}: choose auto, true or false")
 
@@ -128,6 +128,7 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch
     require_model(model_dir)
     path = Path(model_dir).expanduser()
     base = None
+    own_tokenizer = path.is_dir() and any((path / n).is_file() for n in TOKENIZER_FILES)
     if path.is_dir():
         if (path / "model_index.json").is_file():
             raise SettingsError(f"{model_dir} is a FlowMatchPipeline (model_index.json), not a language model; "
@@ -137,7 +138,7 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch
         elif not (path / "config.json").is_file():
             raise MissingPathError(f"{model_dir} holds no config.json; pass a trained run's output_dir (or its "
                                    "best/ or merged/ folder)")
-        if base is None and not any((path / n).is_file() for n in TOKENIZER_FILES):
+        if base is None and not own_tokenizer:
             raise MissingPathError(f"{model_dir} has no tokenizer files; save the tokenizer beside the weights "
                                    "(tokenizer.save_pretrained(dir))")
     else:
@@ -155,8 +156,9 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch
         else:
             from .finetune import load_adapter
 
-            own = any((path / n).is_file() for n in TOKENIZER_FILES)  # the run saves the tokenizer it trained with
-            tok = AutoTokenizer.from_pretrained(str(path) if own else base, trust_remote_code=trust_remote_code)
+            # the run saves the tokenizer it trained with beside the adapter; else the base's
+            tok = AutoTokenizer.from_pretrained(str(path) if own_tokenizer else base,
+                                                trust_remote_code=trust_remote_code)
             model = load_adapter(
                 AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code), path)
     except (OSError, ValueError) as e:  # a Hub id that does not resolve, offline, a gated repo, a foreign config

@@ -17,8 +17,9 @@ def gguf_location(model: str, gguf_file: str = "") -> tuple[Path, str] | None:
     if not gguf_file and path.suffix.lower() == ".gguf":
         path, gguf_file = path.parent, path.name
     if not gguf_file:
-        found = sorted(f.name for f in path.glob("*.gguf")) if path.is_dir() else []
-        if found and not (path / "config.json").is_file():
+        bare = path.is_dir() and not (path / "config.json").is_file()
+        found = sorted(f.name for f in path.glob("*.gguf")) if bare else []
+        if found:
             raise SettingsError(f"{model} holds no config.json but GGUF checkpoints ({', '.join(found[:3])}): "
                                 f"add --gguf_file {found[0]}")
         return None

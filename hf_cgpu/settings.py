@@ -209,14 +209,19 @@ class TrainSettings:
             from .errors import MissingPathError
 
             raise MissingPathError(f"checkpoint {resume!r} not found; pass 'latest' or an existing step_N directory")
-        if self.report_to != "none":
+        if self.trackers:
             from accelerate.utils import LoggerType
 
             known = sorted(str(k.value) for k in LoggerType)
-            unknown = [n for n in self.report_to.split(",") if n.strip() not in known]
+            unknown = [n for n in self.trackers if n not in known]
             if unknown:
                 raise SettingsError(f"--report_to {self.report_to!r}: {', '.join(unknown)} is no tracker accelerate "
                                     f"knows; choose none or from {', '.join(known)}")
+
+    @property
+    def trackers(self) -> list[str] | None:
+        """``report_to`` as accelerate's ``log_with`` takes it: the names, or None for none."""
+        return None if self.report_to == "none" else [n.strip() for n in self.report_to.split(",")]
 
     def samples_per_step(self, processes: int = 1) -> int:
         """Samples per optimizer step over ``processes`` data-parallel processes (the effective batch)."""

@@ -56,6 +56,7 @@ the "off" rows: the peer's checkpointing most likely did not (fully) engage. Eit
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -166,6 +167,15 @@ def _is_4bit(model: nn.Module) -> bool:
     return any(type(m).__name__ == "Linear4bit" for m in model.modules())
 
 
+@contextlib.contextmanager
+def peft_quiet():
+    """Around peft's model wrapping: without the FutureWarning it triggers on transformers 5.23+ (it reads the
+    deprecated ``is_gradient_checkpointing``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def apply_lora(
     model: nn.Module,
     r: int = 16,
@@ -205,8 +215,7 @@ def apply_lora(
                              if n and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")})
             raise SettingsError(f"--lora_target_modules: {', '.join(missing)} is no module of this "
                                 f"{type(model).__name__}; its linear layers are {', '.join(linear)}")
-    with warnings.catch_warnings():  # peft reads the deprecated `is_gradient_checkpointing` on 5.23+
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with peft_quiet():
         peft_model = get_peft_model(model, lora_config, autocast_adapter_dtype=True)
     for p in peft_model.parameters():
         if p.requires_grad and p.dtype != torch.float32:

@@ -159,3 +159,11 @@ def test_budget_prices_only_the_tiers_a_from_scratch_gpt_trains_with():
     assert "lora" not in gpt.split("plan:")[1].split("\n")[0] and "-> LoRA" in gpt  # the ladder's title only
     assert "  plan: lora" in run(["--preset", "pythia-1.4b", "--autofit", "--memory_cap", "4GB"])
     assert describe_run(["--preset", "tiny"])[0].pretrain and not describe_run(["--preset", "pythia-1.4b"])[0].pretrain
+
+
+def test_a_preset_name_wins_over_a_folder_of_that_name(tmp_path, monkeypatch):
+    from hf_cgpu.budget.cli import preset_shape, resolve_model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()  # e.g. a run folder named like the preset, without config.json
+    assert resolve_model("tiny") == preset_shape("tiny")

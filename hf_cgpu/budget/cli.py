@@ -126,16 +126,16 @@ def resolve_model(spec: str, gguf_file: str = "") -> ModelShape:
     (or its directory), or a Hub id, in that order."""
     if gguf_file or Path(spec).suffix.lower() == ".gguf":
         return ModelShape.from_gguf(spec, gguf_file)
-    if Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
-        from ..gguf import gguf_location
-
-        gguf_location(spec)  # a folder of GGUF files: names the --gguf_file to add
-        raise MissingPathError(f"folder {spec!r} holds no config.json: pass a model's folder or its config.json")
     if spec in REFERENCE_CONFIGS or spec in gpt_preset_names():
         return preset_shape(spec)
     p = Path(spec)
     if p.is_file() or (p.is_dir() and (p / "config.json").is_file()):
         return ModelShape.from_config_file(p)
+    if p.is_dir():
+        from ..gguf import gguf_location
+
+        gguf_location(spec)  # a folder of GGUF files: names the --gguf_file to add
+        raise MissingPathError(f"folder {spec!r} holds no config.json: pass a model's folder or its config.json")
     if p.suffix == ".json" or spec.startswith((".", "/")):
         raise MissingPathError(f"no config.json at {spec!r}: pass an existing file, a preset ({', '.join(preset_names())})")
     return ModelShape.from_hub(spec)

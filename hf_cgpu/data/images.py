@@ -211,7 +211,8 @@ def cache_file(
 
 
 def default_cache_dir() -> Path:
-    """``$HF_CGPU_CACHE/images``, else ``~/.cache/hf_cgpu/images`` (the package's one cache root, ``bench.cache_dir``)."""
+    """``$HF_CGPU_CACHE/images``, else ``~/.cache/hf_cgpu/images`` (the package's one cache root,
+    ``bench.cache_dir``)."""
     from ..bench import cache_dir
 
     return cache_dir() / "images"

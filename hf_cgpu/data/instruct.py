@@ -119,31 +119,23 @@ def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str) -> Instr
     return InstructionRows(torch.from_numpy(ids), torch.from_numpy(targets), round(chars), truncated, seq_len)
 
 
-def instruction_format(source: str | None, data_format: str = "auto", text_column: str = "text") -> str | None:
-    """The instruction format of ``source`` (``detect_format`` of its columns) under ``--data_format`` auto,
-    instruct or text; ``None`` for plain text (``builtin`` is text). ``instruct`` on columns that hold none is a
-    one-line error."""
+def instruction_splits(source: str | None, data_format: str = "auto", text_column: str = "text",
+                       validation_fraction: float = 0.05, seed: int = 0) -> tuple[dict, str] | None:
+    """``({"train": ds, "validation": ds}, format)`` of ``source`` when its columns hold instructions
+    (``detect_format``) under ``--data_format`` auto or instruct, loaded once; ``None`` for plain text (``builtin``
+    is text, and so is anything under ``text``). A validation split is carved from train when it has none:
+    ``validation_fraction`` of the rows, at least 1. ``instruct`` on columns that hold none is a one-line error."""
     from .text import _load_splits
 
     if data_format not in ("auto", "instruct", "text"):
         raise DataError(f"--data_format {data_format!r}: choose auto, instruct or text")
     if data_format == "text" or source is None or source == "builtin":
         return None
-    fmt = detect_format(_load_splits(source, text_column)["train"].column_names)
-    if fmt is None and data_format == "instruct":
-        raise DataError(f"--data_format instruct: {source} has no messages, instruction/output or prompt/response "
-                        "columns; use --data_format text")
-    return fmt
-
-
-def load_instruction_splits(source: str, validation_fraction: float = 0.05, seed: int = 0) -> tuple[dict, str]:
-    """``({"train": ds, "validation": ds}, format)`` of an instruction dataset (a validation split carved from
-    train when it has none: ``validation_fraction`` of the rows, at least 1)."""
-    from .text import _load_splits
-
-    splits = _load_splits(source, "text")
+    splits = _load_splits(source, text_column)
     fmt = detect_format(splits["train"].column_names)
     if fmt is None:
+        if data_format == "auto":
+            return None
         raise DataError(
             f"{source!r} has columns {', '.join(splits['train'].column_names)}: no messages, instruction/output or "
             "prompt/response; use --data_format text for plain text"
@@ -155,3 +147,8 @@ def load_instruction_splits(source: str, validation_fraction: float = 0.05, seed
         cut = splits["train"].train_test_split(test_size=max(1, round(validation_fraction * n)), seed=seed)
         splits = {"train": cut["train"], "validation": cut["test"]}
     return splits, fmt
+
+
+def load_instruction_splits(source: str, validation_fraction: float = 0.05, seed: int = 0) -> tuple[dict, str]:
+    """``instruction_splits`` of a source that must hold instructions."""
+    return instruction_splits(source, "instruct", validation_fraction=validation_fraction, seed=seed)

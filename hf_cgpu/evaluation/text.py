@@ -146,7 +146,7 @@ def evaluate_language_model(
     a text stream (``score_stream``), or instruction rows (messages, instruction/output or prompt/response columns,
     ``data_format`` auto or instruct) on their responses only, as the fine-tuning run scores them (``score_rows``;
     ``max_windows`` then counts examples)."""
-    from ..data.instruct import build_rows, instruction_format, load_instruction_splits
+    from ..data.instruct import build_rows, instruction_splits
     from ..data.text import BUILTIN, load_text_dataset, pack_dataset
     from ..generate import load_causal_lm
     from ..settings import SettingsError
@@ -169,9 +169,10 @@ def evaluate_language_model(
     if context and seq_len > context:
         raise SettingsError(f"--seq_len {seq_len} exceeds the model's {context} positions; use --seq_len {context}")
     source = None if dataset == BUILTIN else dataset
-    fmt = instruction_format(source, data_format, text_column)
-    if fmt is not None:  # as the fine-tuning run scores it: the responses only, one example per row
-        rows_split = load_instruction_splits(source)[0][split]
+    found = instruction_splits(source, data_format, text_column)
+    if found is not None:  # as the fine-tuning run scores it: the responses only, one example per row
+        splits, fmt = found
+        rows_split = splits[split]
         n = len(rows_split) if not max_windows else min(max_windows, len(rows_split))
         rows = build_rows(rows_split.select(range(n)), tokenizer, seq_len, fmt)
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):

@@ -39,8 +39,8 @@ class FinetuneTask(PackedTokensTask):
         cfg = self.cfg
         self.settings, self.accelerator = settings, accelerator
         if cfg.merge and settings.tier not in ("lora", "qlora"):
-            accelerator.print(f"note: --merge folds an adapter into its base; tier {settings.tier} trains every weight, "
-                              "so the saved model is already whole (no merged/ folder)")
+            accelerator.print(f"note: --merge folds an adapter into its base; tier {settings.tier} trains every "
+                              "weight, so the saved model is already whole (no merged/ folder)")
         require_model(cfg.model, "base model")
         if not Path(cfg.model).expanduser().exists():
             check_hub_model(cfg.model, "base model", filename=cfg.gguf_file or "config.json")
@@ -70,14 +70,14 @@ class FinetuneTask(PackedTokensTask):
 
     def _load_data(self, accelerator) -> bool:
         """Instruction rows (True) or a packed text stream (False), by ``data_format`` and the columns."""
-        from ..data.instruct import build_rows, instruction_format, load_instruction_splits
+        from ..data.instruct import build_rows, instruction_splits
         from ..data.text import load_text_dataset, pack_dataset
 
         cfg = self.cfg
         source = None if cfg.dataset == "builtin" else cfg.dataset
-        fmt = instruction_format(source, cfg.data_format, cfg.text_column)
-        if fmt is not None:
-            splits, self.fmt = load_instruction_splits(source)
+        found = instruction_splits(source, cfg.data_format, cfg.text_column)
+        if found is not None:
+            splits, self.fmt = found
             self.train_rows = build_rows(splits["train"], self.tokenizer, cfg.seq_len, self.fmt)
             self.val_rows = build_rows(splits["validation"], self.tokenizer, cfg.seq_len, self.fmt)
             return True

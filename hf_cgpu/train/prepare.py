@@ -87,8 +87,8 @@ def prepare(task: Task, s: TrainSettings) -> Run:
     out_dir = Path(s.output_dir)
     lock = claim(out_dir, s.resume_from_checkpoint, s.overwrite_output_dir) if _is_main() else None
     try:
-        trackers = None if s.report_to == "none" else [n.strip() for n in s.report_to.split(",")]
-        accelerator = make_accelerator(mixed_precision=mixed_precision(s), project_dir=str(out_dir), log_with=trackers)
+        accelerator = make_accelerator(mixed_precision=mixed_precision(s), project_dir=str(out_dir),
+                                       log_with=s.trackers)
         accelerator.wait_for_everyone()  # the folder is claimed (and an earlier run cleared) before anyone reads it
         return _prepare(task, s, accelerator, out_dir, lock)
     except BaseException:
