@@ -7,8 +7,8 @@ FLOPs against the bf16 matmul rate measured in this same process) and peak memor
 
 GPU:  python benchmarks/bench_gpt_throughput.py --variants hf_cgpu-whole-fulllogits,nanogpt,transformers_gpt2 \
           [--batch 8|16|32] --json $OUT/gpt_throughput.json
-      add hf_cgpu-fulllogits-cudagraphs / hf_cgpu-fulllogits-autotune to --variants for ours under
-      --compile_mode reduce-overhead / max-autotune-no-cudagraphs (the peers stay on torch.compile's default)
+      more of ours in --variants (VARIANTS below): cuDNN attention, cut_cross_entropy's fused head + loss, a compiled
+      clip + optimizer, compile modes reduce-overhead / max-autotune, torchao float8; nanogpt-cudnn for the peer
 CPU:  python benchmarks/bench_gpt_throughput.py --smoke     (tiny shapes, eager: checks the script, no figure)
 """
 
@@ -27,14 +27,31 @@ from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 from hf_cgpu.budget import ModelShape, TrainSetup, flops_per_token
 
 
-VARIANTS = {  # name: (model, compile scope, loss chunk, torch.compile mode)
-    "hf_cgpu-blocks": ("hf_cgpu", "blocks", 1024, None),
-    "hf_cgpu-whole": ("hf_cgpu", "whole", 1024, None),
-    "hf_cgpu-whole-fulllogits": ("hf_cgpu", "whole", 0, None),
-    "hf_cgpu-fulllogits-cudagraphs": ("hf_cgpu", "whole", 0, "reduce-overhead"),  # --compile_mode reduce-overhead
-    "hf_cgpu-fulllogits-autotune": ("hf_cgpu", "whole", 0, "max-autotune-no-cudagraphs"),
-    "transformers_gpt2": ("gpt2", "whole", 0, None),
-    "nanogpt": ("nanogpt", "whole", 0, None),
+
+def _v(model="hf_cgpu", scope="whole", chunk=0, mode=None, attn=None, loss="model", fp8=False, opt="fused"):
+    return dict(model=model, scope=scope, chunk=chunk, mode=mode, attn=attn, loss=loss, fp8=fp8, opt=opt)
+
+
+# name: how the step is built. chunk: the model's loss_chunk_size; mode: torch.compile's mode; attn "cudnn": SDPA
+# pinned to cuDNN's attention (flash otherwise); loss "cce": the head + loss through cut_cross_entropy's fused kernel
+# (never builds the logits); fp8: torchao float8 training of the blocks' linears (not the identical step: its own
+# row); opt "compiled": clipping + AdamW (foreach) in one compiled function instead of fused AdamW.
+VARIANTS = {
+    "hf_cgpu-blocks": _v(scope="blocks", chunk=1024),
+    "hf_cgpu-whole": _v(chunk=1024),
+    "hf_cgpu-whole-fulllogits": _v(),
+    "hf_cgpu-cudnn": _v(attn="cudnn"),
+    "hf_cgpu-cce": _v(loss="cce"),
+    "hf_cgpu-cudnn-cce": _v(attn="cudnn", loss="cce"),
+    "hf_cgpu-compiled-opt": _v(opt="compiled"),
+    "hf_cgpu-cudnn-cce-compiled-opt": _v(attn="cudnn", loss="cce", opt="compiled"),
+    "hf_cgpu-fulllogits-cudagraphs": _v(mode="reduce-overhead"),
+    "hf_cgpu-fulllogits-autotune": _v(mode="max-autotune-no-cudagraphs"),
+    "hf_cgpu-fp8": _v(fp8=True),
+    "hf_cgpu-cudnn-cce-fp8": _v(attn="cudnn", loss="cce", fp8=True),
+    "nanogpt-cudnn": _v(model="nanogpt", attn="cudnn"),
+    "transformers_gpt2": _v(model="gpt2"),
+    "nanogpt": _v(model="nanogpt"),
 }
 NANOGPT = Path(__file__).resolve().parent / "third_party" / "nanogpt" / "model.py"
 
@@ -66,8 +83,20 @@ def build(kind: str, args, chunk: int = 1024):
     return GPT2LMHeadModel(cfg), shape
 
 
+def attention_backends(attn):
+    """Context pinning SDPA's backend (picked when the graph is traced, so it wraps warm-up and timing)."""
+    from contextlib import nullcontext
+
+    if attn is None:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([{"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[attn]])
+
+
 def run(variant: str, args, peak: float) -> dict:
-    kind, scope, chunk, mode = VARIANTS[variant]
+    v = VARIANTS[variant]
+    kind = v["model"]
     cuda = not args.smoke
     dev = "cuda" if cuda else "cpu"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -75,49 +104,72 @@ def run(variant: str, args, peak: float) -> dict:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    model, shape = build(kind, args, chunk)
+    model, shape = build(kind, args, v["chunk"])
     model = model.to(dev).train()
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    if v["fp8"]:  # torchao float8 training: the blocks' linears (the tied head stays bf16)
+        from torchao.float8 import convert_to_float8_training
+
+        trunk = model.transformer if kind != "gpt2" else model.transformer
+        convert_to_float8_training(trunk, module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))
+    compiled_opt = v["opt"] == "compiled"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda and not compiled_opt,
+                            foreach=True if compiled_opt else None)
+    cce = v["loss"] == "cce"
+    if cce:
+        assert kind == "hf_cgpu", "the cce loss is wired for hf_cgpu's model"
+        from cut_cross_entropy import linear_cross_entropy
+    target = model.transformer if cce else model  # cce: the trunk compiled, the fused head + loss outside
     if not cuda:
-        step_model = model
-    elif scope == "blocks":  # every block compiled in place, loss and head eager
+        step_model = target
+    elif v["scope"] == "blocks":  # every block compiled in place, loss and head eager
         from hf_cgpu.tiers import apply_compile
 
-        step_model = apply_compile(model, True)
+        step_model = apply_compile(target, True)
     else:  # the whole forward + loss in one graph
-        step_model = torch.compile(model, dynamic=False, mode=mode)
+        step_model = torch.compile(target, dynamic=False, mode=v["mode"])
     x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=dev)
     inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()  # nanoGPT views its targets
 
+    def clip_and_step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    update = torch.compile(clip_and_step) if compiled_opt and cuda else clip_and_step
+
     def step():
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
-            if kind == "hf_cgpu":
+            if cce:
+                hidden = step_model(input_ids=inputs, use_cache=False).last_hidden_state
+                loss = linear_cross_entropy(hidden.to(torch.bfloat16), model.lm_head.weight.to(torch.bfloat16),
+                                            targets)
+            elif kind == "hf_cgpu":
                 loss = step_model(input_ids=inputs, shift_labels=targets, use_cache=False).loss
             elif kind == "nanogpt":
                 loss = step_model(inputs, targets)[1]
             else:  # transformers shifts the labels itself
                 loss = step_model(input_ids=inputs, labels=inputs, use_cache=False).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        update()
         opt.zero_grad(set_to_none=True)
+        return loss
 
-    for _ in range(args.warmup):
-        step()
-    sync()
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        step()
+    with attention_backends(v["attn"]):
+        for _ in range(args.warmup):
+            loss = step()
         sync()
-        times.append(time.perf_counter() - t0)
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            loss = step()
+            sync()
+            times.append(time.perf_counter() - t0)
     dt = statistics.median(times)
     tok_s = args.batch * args.seq / dt
     flops = flops_per_token(ModelShape.from_config(shape), TrainSetup(seq_len=args.seq))  # 6N + 12 L T d, as the trainer
     return {
         "model": variant, "params_M": round(n_params / 1e6, 1), "tok_per_s": round(tok_s),
-        "mfu": round(flops * tok_s / (peak * 1e12), 3),
+        "mfu": round(flops * tok_s / (peak * 1e12), 3), "last_loss": round(float(loss), 4),
         "peak_alloc_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "peak_reserved_GiB": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
     }
@@ -138,17 +190,25 @@ def main():
         args.batch, args.seq, args.warmup, args.steps = 2, 32, 1, 2
     torch.backends.cuda.matmul.allow_tf32 = True
     peak = measure_matmul(8192) if not args.smoke else 1.0
-    rows = [run(v, args, peak) for v in args.variants.split(",")]
     where = torch.cuda.get_device_name() if not args.smoke else "CPU (smoke: the script only, no figure)"
-    print(f"{where}  torch {torch.__version__}  measured bf16 matmul peak {peak:.0f} TFLOP/s")
-    print("| model | params (M) | tok/s | MFU | peak alloc GiB | peak reserved GiB |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['model']} | {r['params_M']} | {r['tok_per_s']:,} | {r['mfu']} | {r['peak_alloc_GiB']} | "
-              f"{r['peak_reserved_GiB']} |")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"peak_tflops": peak, "rows": rows}, fh, indent=1)
+    print(f"{where}  torch {torch.__version__}  measured bf16 matmul peak {peak:.0f} TFLOP/s", flush=True)
+    print("| model | params (M) | tok/s | MFU | loss after the steps | peak alloc GiB | peak reserved GiB |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    rows = []
+    for name in args.variants.split(","):  # each row printed and saved when done: a timeout keeps the rows before it
+        try:
+            r = run(name, args, peak)
+        except Exception as exc:  # one variant's library failing (cce, torchao) does not cost the others
+            r = {"model": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            print(f"| {name} | failed: {r['error']} |", flush=True)
+        else:
+            print(f"| {r['model']} | {r['params_M']} | {r['tok_per_s']:,} | {r['mfu']} | {r['last_loss']} | "
+                  f"{r['peak_alloc_GiB']} | {r['peak_reserved_GiB']} |", flush=True)
+        rows.append(r)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"peak_tflops": peak, "device": where, "torch": torch.__version__, "rows": rows}, fh,
+                          indent=1)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_speed.sh gpt           GPT 124M step vs nanoGPT (vendored model.py) and transformers GPT2 at
 #                                              micro-batch 16 (and 8, 32 with BATCHES="8 16 32"; ~2 min each;
-#                                              VARIANTS=...,hf_cgpu-fulllogits-cudagraphs adds our compile modes)
+#                                              VARIANTS=...: cuDNN attention, cut_cross_entropy, compiled optimizer,
+#                                              compile modes, float8 (bench_gpt_throughput.py's VARIANTS; LIMIT=s))
 #   bash benchmarks/gpu_speed.sh flow          seed pipeline vs --preset cifar10: steady-state img/s, cold/warm start-up,
 #                                              recompiles (benchmarks/gpu_flow_speed.sh; ~5 min)
 #   bash benchmarks/gpu_speed.sh lora          LoRA recompute off/full/selective on the Pythia-1.4B shape, seq 1024 x 4:
@@ -40,8 +41,12 @@ case "$PART" in
     timeout 400 python3 benchmarks/bench_lora_recompute.py --shape pythia-1.4b --tier "$PART" --seq 1024 --batch 4 \
       --warmup 3 --steps 10 --json "$OUT/${PART}_recompute.json" 2>&1 | tee "$OUT/${PART}_recompute.log" ;;
   gpt)
+    # the cce / fp8 variants need cut_cross_entropy and torchao: carry .whl-unsloth (benchmarks/unsloth_wheels.sh)
+    ls .whl-unsloth/cut_cross_entropy-*.whl .whl-unsloth/torchao-*.whl > /dev/null 2>&1 && python3 -m pip install -q \
+      --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-kernels .whl-unsloth/cut_cross_entropy-*.whl \
+      .whl-unsloth/torchao-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site-kernels
     for B in ${BATCHES:-16}; do
-      timeout 300 python3 benchmarks/bench_gpt_throughput.py --batch "$B" ${VARIANTS:+--variants $VARIANTS} \
+      timeout ${LIMIT:-300} python3 benchmarks/bench_gpt_throughput.py --batch "$B" ${VARIANTS:+--variants $VARIANTS} \
         --json "$OUT/gpt_throughput_b$B.json" 2>&1 \
         | tee "$OUT/gpt_throughput_b$B.log"
     done ;;
