@@ -12,8 +12,8 @@
 # GPU:   bash benchmarks/gpu_flow_speed.sh                  (STEPS=300 WARM=50 LOG=25 by default; ~5 minutes)
 # CPU:   bash benchmarks/gpu_flow_speed.sh --smoke          (tiny preset on DATA=a CIFAR-shaped folder; checks the
 #        script runs end to end, no figure to quote)
-# Writes under $OUT (default /tmp/flow_speed): env.txt, seed.log, seed.json, ours.log, ours_results.json,
-# ours_history.json, ours_warm.log, ours_warm_results.json, summary.json, summary.md.
+# Writes under $OUT (default /tmp/flow_speed): env.txt, seed.log, seed.json, ours_LABEL.log, ours_LABEL_results.json,
+# ours_LABEL_history.json (one set per VARIANTS entry), ours_warm.log, ours_warm_results.json, summary.json, summary.md.
 set -u
 SMOKE=0; [ "${1:-}" = "--smoke" ] && SMOKE=1
 if [ $SMOKE = 0 ] && ls .whl/*.whl > /dev/null 2>&1; then
@@ -43,15 +43,25 @@ timeout 300 python3 benchmarks/bench_seed_flow_speed.py --dataset "$DATA" --warm
 
 COMMON=(--preset "$PRESET" --dataset "$DATA" --log_steps "$LOG" --eval_steps 0 --sample_every_epochs 0
         --checkpointing_steps 0 --progress false)
-timeout 300 python3 recipes/train_flow.py "${COMMON[@]}" --output_dir "$RUNS/ours" --max_steps "$TOTAL" \
-  > "$OUT/ours.log" 2>&1 || echo "our run failed: see ours.log"
-cp "$RUNS/ours/all_results.json" "$OUT/ours_results.json" 2>/dev/null
-cp "$RUNS/ours/history.json" "$OUT/ours_history.json" 2>/dev/null
-timeout 200 python3 recipes/train_flow.py "${COMMON[@]}" --output_dir "$RUNS/ours_warm" --max_steps "$LOG" \
-  > "$OUT/ours_warm.log" 2>&1 || echo "warm start-up run failed: see ours_warm.log"
-cp "$RUNS/ours_warm/all_results.json" "$OUT/ours_warm_results.json" 2>/dev/null
+# VARIANTS="label=extra args|label=extra args": our run once per variant (default: the preset as it is), e.g.
+# VARIANTS="preset=|graphs=--compile_mode reduce-overhead"; the warm start-up run uses the first variant only
+IFS='|' read -ra RUNSPECS <<< "${VARIANTS:-preset=}"
+LABELS=()
+for spec in "${RUNSPECS[@]}"; do
+  label=${spec%%=*}; read -ra extra <<< "${spec#*=}"; LABELS+=("$label")
+  timeout ${OURS_LIMIT:-300} python3 recipes/train_flow.py "${COMMON[@]}" "${extra[@]}" --output_dir "$RUNS/$label" \
+    --max_steps "$TOTAL" > "$OUT/ours_$label.log" 2>&1 || echo "our run $label failed: see ours_$label.log"
+  cp "$RUNS/$label/all_results.json" "$OUT/ours_${label}_results.json" 2>/dev/null
+  cp "$RUNS/$label/history.json" "$OUT/ours_${label}_history.json" 2>/dev/null
+done
+if [ "${WARMRUN:-1}" = 1 ]; then
+  first=${RUNSPECS[0]}; read -ra extra <<< "${first#*=}"
+  timeout 200 python3 recipes/train_flow.py "${COMMON[@]}" "${extra[@]}" --output_dir "$RUNS/ours_warm" \
+    --max_steps "$LOG" > "$OUT/ours_warm.log" 2>&1 || echo "warm start-up run failed: see ours_warm.log"
+  cp "$RUNS/ours_warm/all_results.json" "$OUT/ours_warm_results.json" 2>/dev/null
+fi
 
-WARM=$WARM SMOKE=$SMOKE PRESET=$PRESET python3 - "$OUT" <<'EOF'
+LABELS="${LABELS[*]}" WARM=$WARM SMOKE=$SMOKE PRESET=$PRESET python3 - "$OUT" <<'EOF'
 import json, os, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1]); warm = int(os.environ["WARM"])
@@ -60,28 +70,31 @@ def load(name):
         return json.loads((out / name).read_text())
     except (OSError, ValueError):
         return None
-seed, ours, ours_warm, hist = (load(n) for n in ("seed.json", "ours_results.json", "ours_warm_results.json",
-                                                  "ours_history.json"))
-windows = [h["train/img_per_s"] for h in (hist or []) if "train/img_per_s" in h and h["step"] > warm]
-steady = statistics.median(windows) if windows else None
-s = {"seed_img_per_s": seed and seed["img_per_s"], "ours_img_per_s_steady_median": steady,
-     "ours_img_per_s_steady_mean": statistics.fmean(windows) if windows else None, "ours_windows": len(windows),
-     "ours_img_per_s_run_mean": ours and ours.get("img_per_s"),
-     "speedup_steady": steady / seed["img_per_s"] if steady and seed else None,
-     "seed_seconds_to_first_step": seed and seed["seconds_to_first_step"],
-     "ours_seconds_to_first_step_cold": ours and ours.get("seconds_to_first_step"),
-     "ours_seconds_to_first_step_warm": ours_warm and ours_warm.get("seconds_to_first_step"),
-     "ours_recompiles": ours and ours.get("recompiles"), "device": (ours or {}).get("device"),
-     "smoke (CPU, tiny: no figure to quote)": os.environ["SMOKE"] == "1"}
-(out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
 f = lambda v, p=0: "n/a" if v is None else f"{v:,.{p}f}"
-md = ["| pipeline | img/s steady state | s to first step | recompiles |", "|---|---|---|---|",
+seed, ours_warm = load("seed.json"), load("ours_warm_results.json")
+s = {"seed_img_per_s": seed and seed["img_per_s"], "seed_seconds_to_first_step": seed and seed["seconds_to_first_step"],
+     "ours_seconds_to_first_step_warm": ours_warm and ours_warm.get("seconds_to_first_step"),
+     "smoke (CPU, tiny: no figure to quote)": os.environ["SMOKE"] == "1", "variants": {}}
+md = ["| pipeline | img/s steady state | s to first step | recompiles | train loss at the end |", "|---|---|---|---|---|",
       f"| seed (DataLoader x8, loss.item(), AveragedModel) | {f(s['seed_img_per_s'])} | "
-      f"{f(s['seed_seconds_to_first_step'], 1)} | |",
-      f"| ours `--preset {os.environ['PRESET']}` | {f(steady)} (median of {len(windows)} windows; run mean "
-      f"{f(s['ours_img_per_s_run_mean'])}) | cold {f(s['ours_seconds_to_first_step_cold'], 1)}, warm "
-      f"{f(s['ours_seconds_to_first_step_warm'], 1)} | {s['ours_recompiles']} |",
-      f"speed-up (steady state): {f(s['speedup_steady'], 2)}x on {s['device']}"]
+      f"{f(s['seed_seconds_to_first_step'], 1)} | | |"]
+for i, label in enumerate(os.environ["LABELS"].split()):
+    ours, hist = load(f"ours_{label}_results.json"), load(f"ours_{label}_history.json")
+    windows = [h["train/img_per_s"] for h in (hist or []) if "train/img_per_s" in h and h["step"] > warm]
+    losses = [h["train/loss"] for h in (hist or []) if "train/loss" in h]
+    steady = statistics.median(windows) if windows else None
+    v = {"img_per_s_steady_median": steady, "img_per_s_steady_mean": statistics.fmean(windows) if windows else None,
+         "windows": len(windows), "img_per_s_run_mean": ours and ours.get("img_per_s"),
+         "speedup_steady": steady / seed["img_per_s"] if steady and seed else None,
+         "seconds_to_first_step_cold": ours and ours.get("seconds_to_first_step"),
+         "recompiles": ours and ours.get("recompiles"), "last_train_loss": losses[-1] if losses else None,
+         "device": (ours or {}).get("device")}
+    s["variants"][label] = v
+    start = f"cold {f(v['seconds_to_first_step_cold'], 1)}" + (
+        f", warm {f(s['ours_seconds_to_first_step_warm'], 1)}" if i == 0 else "")
+    md.append(f"| ours `--preset {os.environ['PRESET']}` {label} | {f(steady)} (median of {len(windows)} windows; "
+              f"{f(v['speedup_steady'], 2)}x the seed) | {start} | {v['recompiles']} | {f(v['last_train_loss'], 4)} |")
+(out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
 (out / "summary.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))
 EOF

@@ -66,6 +66,25 @@ def kernel_times(prof) -> dict[str, tuple[int, float]]:
     return out
 
 
+def launchers(prof, kernels: list[str], steps: int) -> list[dict]:
+    """Which CPU op (with its input shapes and 3 parents) launched each of ``kernels``, by device time."""
+    wanted, found = set(kernels), {}
+    for ev in prof.events():
+        for k in getattr(ev, "kernels", []) or []:
+            if k.name not in wanted:
+                continue
+            parents, up = [], ev.cpu_parent
+            while up is not None and len(parents) < 3:
+                parents.append(up.name)
+                up = up.cpu_parent
+            key = (k.name, ev.name, str(ev.input_shapes), tuple(parents))
+            calls, ms = found.get(key, (0, 0.0))
+            found[key] = (calls + 1, ms + k.duration / 1e3)
+    rows = [{"kernel": key[0], "op": key[1], "shapes": key[2], "parents": list(key[3]), "calls_per_step": n // steps,
+             "ms_per_step": ms / steps} for key, (n, ms) in found.items()]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:20]
+
+
 def build(args):
     from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 
@@ -133,13 +152,14 @@ def flow_step(a, dev, cuda):
 
     size, base = (8, 32) if a.smoke else (32, 128)
     model = FlowUNet2DModel(sample_size=size, base_channels=base, num_classes=10).to(dev)
-    model = model.to(memory_format=torch.channels_last).train()
+    layout = torch.channels_last if a.memory_format == "channels_last" else torch.contiguous_format
+    model = model.to(memory_format=layout).train()
     params = [q for q in model.parameters() if q.requires_grad]
     ema = [q.detach().clone() for q in params]
     opt = torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0, fused=cuda)
     step_model = torch.compile(model, dynamic=False) if a.compile == "true" else model
     matcher = FlowMatcher(time_sampling="logit_normal")
-    x1 = (torch.rand(a.batch, 3, size, size, device=dev) * 2 - 1).contiguous(memory_format=torch.channels_last)
+    x1 = (torch.rand(a.batch, 3, size, size, device=dev) * 2 - 1).contiguous(memory_format=layout)
     labels = torch.randint(0, 10, (a.batch,), device=dev)
     gen = torch.Generator(dev).manual_seed(0)
 
@@ -170,6 +190,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="profiled steps")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default="gpt_profile")
+    p.add_argument("--memory_format", default="channels_last", choices=["channels_last", "contiguous"],
+                   help="flow: the UNet's and the batch's memory format")
+    p.add_argument("--launchers", type=int, default=0, help="also list the CPU ops (input shapes, 3 parents) that "
+                   "launched the N kernels with the most device time")
+    p.add_argument("--trace", action="store_true", help="also write the chrome trace (trace.json, 10-15 MB)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 warm-up + 2 profiled steps")
     a = p.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
@@ -188,7 +213,7 @@ def main() -> None:
         step()
     sync()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, record_shapes=a.launchers > 0) as prof:
         t0 = time.perf_counter()
         for _ in range(a.steps):
             step()
@@ -196,7 +221,8 @@ def main() -> None:
         wall = time.perf_counter() - t0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(out / "trace.json"))
+    if a.trace:
+        prof.export_chrome_trace(str(out / "trace.json"))
 
     rows = []
     if cuda:
@@ -225,6 +251,8 @@ def main() -> None:
                            **({"gaps (wall - device busy)": gap / wall_ms} if gap is not None else {})},
         "top": rows[: a.top],
     }
+    if a.launchers and cuda:
+        summary["launchers"] = launchers(prof, [r["name"] for r in rows[: a.launchers]], a.steps)
     (out / "profile.json").write_text(json.dumps(summary, indent=1))
     shape = (f"batch {a.batch} x seq {a.seq} x accumulation {a.accumulation}" if unit == "tok"
              else f"batch {a.batch} images")
@@ -236,7 +264,10 @@ def main() -> None:
     for r in rows[: a.top]:
         print(f"| {r['name'][:90]} | {r['calls'] // a.steps} | {r['ms'] / a.steps:.3f} | {r['ms'] / wall_ms:.1%} | "
               f"{r['category']} |")
-    print(f"wrote {out / 'profile.json'} and {out / 'trace.json'}")
+    for r in summary.get("launchers", []):
+        print(f"launcher: {r['ms_per_step']:.3f} ms/step, {r['calls_per_step']} calls/step of {r['kernel'][:60]} <- "
+              f"{r['op']} {r['shapes']} <- {' <- '.join(r['parents'])}")
+    print(f"wrote {out / 'profile.json'}" + (f" and {out / 'trace.json'}" if a.trace else ""))
 
 
 if __name__ == "__main__":

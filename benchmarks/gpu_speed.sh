@@ -72,8 +72,9 @@ case "$PART" in
     timeout 400 python3 benchmarks/bench_flow_sampling.py --json "$OUT/flow_sampling.json" 2>&1 \
       | tee "$OUT/flow_sampling.log" ;;
   flow-profile)
-    timeout ${LIMIT:-300} python3 benchmarks/gpu_gpt_profile.py --model flow --out "$OUT/flow_profile" 2>&1 \
-      | tee "$OUT/flow_profile.log" ;;
+    # PROFILE_ARGS="--memory_format contiguous --launchers 6" TAG=name: another layout, who launched the top kernels
+    timeout ${LIMIT:-300} python3 benchmarks/gpu_gpt_profile.py --model flow ${PROFILE_ARGS:-} \
+      --out "$OUT/flow_profile${TAG:+_$TAG}" 2>&1 | tee "$OUT/flow_profile${TAG:+_$TAG}.log" ;;
   gpt-profile)
     for B in ${BATCHES:-16}; do
       timeout 300 python3 benchmarks/gpu_gpt_profile.py --batch "$B" --out "$OUT/gpt_profile_b$B" 2>&1 \
