@@ -157,7 +157,12 @@ def flow_step(a, dev, cuda):
     params = [q for q in model.parameters() if q.requires_grad]
     ema = [q.detach().clone() for q in params]
     opt = torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.999), weight_decay=0.0, fused=cuda)
-    step_model = torch.compile(model, dynamic=False) if a.compile == "true" else model
+    if a.compile == "true":  # as the loop compiles it (apply_compile: channels_last kept inside inductor)
+        from hf_cgpu.tiers import compile_options
+
+        step_model = torch.compile(model, dynamic=False, **compile_options(model, None))
+    else:
+        step_model = model
     matcher = FlowMatcher(time_sampling="logit_normal")
     x1 = (torch.rand(a.batch, 3, size, size, device=dev) * 2 - 1).contiguous(memory_format=layout)
     labels = torch.randint(0, 10, (a.batch,), device=dev)

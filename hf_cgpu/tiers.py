@@ -341,9 +341,29 @@ def apply_compile(model: nn.Module, enabled: bool, mode: str | None = None, back
     blocks = _transformer_blocks(model) if hasattr(model, "peft_config") else []
     if blocks and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
+    how = compile_options(model, mode, backend)
     for block in blocks or [model]:
-        block.compile(dynamic=False, mode=mode, backend=backend)
+        block.compile(dynamic=False, backend=backend, **how)
     return model
+
+
+def compile_options(model: nn.Module, mode: str | None, backend: str = "inductor") -> dict:
+    """torch.compile's ``mode`` / ``options`` for ``model``: a model whose convolution weights are channels_last keeps
+    channels_last inside inductor (``force_layout_optimization``, with the mode's own options merged in, since
+    torch.compile takes one or the other). Inductor's heuristic turns its layout optimization off for a whole graph
+    when one convolution has at least twice as many input as output channels (a UNet decoder's concatenated skips);
+    the flow UNet's backward then fed NCHW tensors to cuDNN, which copied 23 activation-sized tensors a step back to
+    channels_last (profiled on an H200: 3 ms of a 14 ms step, benchmarks/RESULTS.md)."""
+    import torch
+
+    convs = [p for p in model.parameters() if p.dim() == 4]  # 1x1 kernels are both layouts at once
+    channels_last = all(p.is_contiguous(memory_format=torch.channels_last) for p in convs) and any(
+        not p.is_contiguous() for p in convs)
+    if backend != "inductor" or not channels_last:
+        return {"mode": mode}
+    import torch._inductor
+
+    return {"options": {**torch._inductor.list_mode_options(mode or "default"), "force_layout_optimization": True}}
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
