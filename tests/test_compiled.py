@@ -99,3 +99,45 @@ def test_uncompiled_run_records_no_recompile_count():
 
     m = Metrics(Acc(), S(), "img", 0.0, (0.0, "none"))
     assert m.summary()["recompiles"] is None and m.summary()["seconds_to_first_step"] is None
+
+
+def test_channels_last_unet_keeps_layout_optimization_in_forward_and_backward(monkeypatch):
+    """The flow UNet (channels_last) compiled by apply_compile: inductor lowers its forward and its backward graph with
+    layout optimization on, which its heuristic alone turns off for this UNet (decoder convs with in >= 2 x out
+    channels); off, cuDNN's backward copied activations back to channels_last (issue 12's profile). mkldnn is off so
+    the CPU takes the GPU's heuristic instead of always choosing channels_last."""
+    from torch._inductor.graph import GraphLowering
+
+    from hf_cgpu.flow.unet import FlowUNet2DModel
+    from hf_cgpu.tiers import apply_compile, compile_options
+
+    decided = []
+    original = GraphLowering.decide_layout_opt
+
+    def record(gm, *, is_inference):
+        decided.append(original(gm, is_inference=is_inference))
+        return decided[-1]
+
+    monkeypatch.setattr(GraphLowering, "decide_layout_opt", staticmethod(record))
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")  # a cached graph would skip the lowering
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    torch._dynamo.reset()
+
+    def unet():
+        torch.manual_seed(0)
+        return FlowUNet2DModel(sample_size=4, base_channels=8, norm_num_groups=4).to(memory_format=torch.channels_last)
+
+    x = torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+    plain = torch.compile(unet(), dynamic=False)  # torch.compile as is: the heuristic's choice
+    plain(x, torch.rand(2)).sample.sum().backward()
+    assert decided == [False, False]
+    decided.clear()
+    torch._dynamo.reset()
+    model = apply_compile(unet(), True)
+    model(x, torch.rand(2)).sample.sum().backward()
+    assert decided == [True, True]  # forward and backward (compiled later, out of torch.compile's scope)
+    torch._dynamo.reset()
+    assert compile_options(unet(), "reduce-overhead") == {
+        "options": {"triton.cudagraphs": True, "force_layout_optimization": True}}  # the mode is not lost
+    assert compile_options(FlowUNet2DModel(sample_size=4, base_channels=8, norm_num_groups=4), None) == {"mode": None}
