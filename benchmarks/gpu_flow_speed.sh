@@ -75,7 +75,8 @@ seed, ours_warm = load("seed.json"), load("ours_warm_results.json")
 s = {"seed_img_per_s": seed and seed["img_per_s"], "seed_seconds_to_first_step": seed and seed["seconds_to_first_step"],
      "ours_seconds_to_first_step_warm": ours_warm and ours_warm.get("seconds_to_first_step"),
      "smoke (CPU, tiny: no figure to quote)": os.environ["SMOKE"] == "1", "variants": {}}
-md = ["| pipeline | img/s steady state | s to first step | recompiles | train loss at the end |", "|---|---|---|---|---|",
+md = ["| pipeline | img/s steady state | s to first step | recompiles | train loss at the end |",
+      "|---|---|---|---|---|",
       f"| seed (DataLoader x8, loss.item(), AveragedModel) | {f(s['seed_img_per_s'])} | "
       f"{f(s['seed_seconds_to_first_step'], 1)} | | |"]
 for i, label in enumerate(os.environ["LABELS"].split()):

@@ -17,8 +17,9 @@ explicit older checkpoint sets the newer ones aside as ``.superseded-step_N`` fo
 
 An adapter run (LoRA, QLoRA) checkpoints only its trainable tensors: the frozen base is rebuilt from ``--model`` at
 resume, so it is not written again at every save (SmolLM2-135M LoRA: 59 MB a checkpoint, 328 MB with the base's
-289 MB in it; a 1.4B base at bf16 would add 2.8 GB to each). ``trainer_state.json`` then records a digest of the frozen tensors, and a resume onto
-a base whose weights differ (another fine-tune with the same config) is refused instead of silently training on it.
+289 MB in it; a 1.4B base at bf16 would add 2.8 GB to each). ``trainer_state.json`` then records a digest of the
+frozen tensors, and a resume onto a base whose weights differ (another fine-tune with the same config) is refused
+instead of silently training on it.
 
 ``Checkpointer`` is the loop's component: it saves, seals, prunes, and resumes a run only into the model, tokenizer,
 data and seed it was written for (``TrainState.fingerprint``), with the same effective batch.
