@@ -110,8 +110,7 @@ def run(variant: str, args, peak: float) -> dict:
     if v["fp8"]:  # torchao float8 training: the blocks' linears (the tied head stays bf16)
         from torchao.float8 import convert_to_float8_training
 
-        trunk = model.transformer if kind != "gpt2" else model.transformer
-        convert_to_float8_training(trunk, module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))
+        convert_to_float8_training(model.transformer, module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))
     compiled_opt = v["opt"] == "compiled"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda and not compiled_opt,
                             foreach=True if compiled_opt else None)

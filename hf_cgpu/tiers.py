@@ -353,7 +353,7 @@ def compile_options(model: nn.Module, mode: str | None, backend: str = "inductor
     torch.compile takes one or the other). Inductor's heuristic turns its layout optimization off for a whole graph
     when one convolution has at least twice as many input as output channels (a UNet decoder's concatenated skips);
     the flow UNet's backward then fed NCHW tensors to cuDNN, which copied 23 activation-sized tensors a step back to
-    channels_last (profiled on an H200: 3 ms of a 14 ms step, benchmarks/RESULTS.md)."""
+    channels_last (profiled on an H200: 2.98 ms of the step's 13.9 ms of device time, benchmarks/RESULTS.md)."""
     import torch
 
     convs = [p for p in model.parameters() if p.dim() == 4]  # 1x1 kernels are both layouts at once

@@ -322,15 +322,11 @@ class Checkpointer:
         """Called (in the sealing thread) with each checkpoint once it is sealed in place: the Hub upload."""
         self._sealer = _Sealer()
         self.trainable_only = model is not None and _is_adapter(accelerator, model)
-        self._frozen_digest: str | None = None
+        # the frozen base's digest, taken now, before any forward: bitsandbytes repacks 4-bit weights for the CPU at
+        # the first one
+        self.frozen = frozen_digest(model) if self.trainable_only else None
         if self.trainable_only:
             accelerator.register_save_state_pre_hook(_keep_trainable)
-            # now, before any forward: bitsandbytes repacks 4-bit weights for the CPU at the first one
-            self._frozen_digest = frozen_digest(model)
-
-    def frozen_digest(self) -> str:
-        """The frozen base's digest, taken when the run started (before any forward)."""
-        return self._frozen_digest
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -369,7 +365,7 @@ class Checkpointer:
                 trainer_state = {**dataclasses.asdict(state), "step": step,
                                  "best": self.keeper.state_dict() if self.keeper is not None else {}}
                 if self.trainable_only:
-                    trainer_state.update(model_weights=TRAINABLE_ONLY, frozen_digest=self.frozen_digest())
+                    trainer_state.update(model_weights=TRAINABLE_ONLY, frozen_digest=self.frozen)
                 (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
                 if self.metrics is not None:
                     (tmp / HISTORY).write_text(json.dumps(self.metrics.state_dict()))
@@ -490,7 +486,7 @@ class Checkpointer:
             raise CheckpointError(f"{found.name} holds {len(stored)} trainable tensors, this run's model has "
                                   f"{len(wanted)} (first differences: {odd}); resume with the adapter settings it "
                                   "was made with, or use a fresh --output_dir")
-        if saved.get("frozen_digest") != self.frozen_digest():
+        if saved.get("frozen_digest") != self.frozen:
             raise CheckpointError(f"{found.name} was trained on a base model whose weights differ from this run's "
                                   "--model (same config, other weights); resume with the base it was made with, or "
                                   "use a fresh --output_dir")
