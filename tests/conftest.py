@@ -36,6 +36,30 @@ def tiny_base(tmp_path_factory):
     tok.save_pretrained(d)
     return d
 
+
+@pytest.fixture
+def fused_adamw(monkeypatch):
+    """The loop builds the optimizer it builds on CUDA (torch's fused AdamW, which skips a non-finite step on the
+    device: the path where step k is read one step late) on the CPU too. No fork() after it: its OpenMP region hangs
+    in a forked child."""
+    from hf_cgpu import tiers
+    from hf_cgpu.train import prepare
+
+    def build(*args, **kwargs):
+        return tiers.build_optimizer(*args, **{**kwargs, "fused": True})
+
+    monkeypatch.setattr(prepare, "build_optimizer", build)
+
+
+@pytest.fixture(params=["host", "device"])
+def skip_on(request):
+    """Where a non-finite step is skipped: on the host (read at once), or on the device (fused AdamW's found_inf,
+    read one step late)."""
+    if request.param == "device":
+        request.getfixturevalue("fused_adamw")
+    return request.param
+
+
 # tests/upstream holds vendored mixin sources of transformers / diffusers: imported by our test modules, not collected.
 collect_ignore = ["upstream"]
 

@@ -108,9 +108,6 @@ def test_channels_last_unet_keeps_layout_optimization_in_forward_and_backward(mo
     the CPU takes the GPU's heuristic instead of always choosing channels_last."""
     from torch._inductor.graph import GraphLowering
 
-    from hf_cgpu.flow.unet import FlowUNet2DModel
-    from hf_cgpu.tiers import apply_compile, compile_options
-
     decided = []
     original = GraphLowering.decide_layout_opt
 
@@ -120,8 +117,16 @@ def test_channels_last_unet_keeps_layout_optimization_in_forward_and_backward(mo
 
     monkeypatch.setattr(GraphLowering, "decide_layout_opt", staticmethod(record))
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
-    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")  # a cached graph would skip the lowering
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    # a cached graph would skip the lowering. The config's own patch: monkeypatch would find no attribute in the
+    # module's __dict__ and delete it on undo, which hides the setting from every later compile in the process
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _check_layout_decisions(decided)
+
+
+def _check_layout_decisions(decided: list) -> None:
+    from hf_cgpu.flow.unet import FlowUNet2DModel
+    from hf_cgpu.tiers import apply_compile, compile_options
+
     torch._dynamo.reset()
 
     def unet():

