@@ -40,9 +40,9 @@ from .prepare import Run, prepare
 from .quiet import quiet_saves
 from .schedule import TimeFit, lr_at, set_lr
 from .step import Stepper
-from .update import Updater
 from .stopping import Stopping
 from .task import Task
+from .update import Updater
 from .validation import BestKeeper, Validator
 
 

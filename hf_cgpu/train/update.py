@@ -5,9 +5,9 @@ Where the optimizer can skip on the device, the host never waits for the GPU bet
 Adam/AdamW take a ``found_inf`` tensor (GradScaler's flag: no update, no moment or step-count change), the EMA update
 is scaled by the same flag, and step k's figures travel to pinned host memory behind a non-blocking copy and an event
 while step k+1 is queued, so the loop reads them one step late (the first step of a process, and every step after
-a non-finite one until a finite one, at once). Everywhere else (8-bit AdamW, Muon, fp16's GradScaler, which sets ``found_inf`` itself,
-FSDP2 shards) the figures are read at once and a non-finite step is skipped on the host. Both paths skip the same
-steps: those whose loss or gradient norm is not finite. ``HF_CGPU_SYNC_STEPS=1`` takes the second path everywhere
+a non-finite one until a finite one, at once). Everywhere else (8-bit AdamW, Muon, fp16's GradScaler, which sets
+``found_inf`` itself, FSDP2 shards) the figures are read at once and a non-finite step is skipped on the host. Both
+paths skip the same steps: those whose loss or gradient norm is not finite. ``HF_CGPU_SYNC_STEPS=1`` takes the second path everywhere
 (a step-by-step A/B of what the wait costs, ``benchmarks/gpu_flow_speed.sh``)."""
 
 from __future__ import annotations
