@@ -141,6 +141,11 @@ class Guards:
         self.spike = SpikeGuard(settings.spike_factor)
         self.oom = OOMGuard(settings.oom_retry and processes == 1, first_step, oom_advice)
 
+    @property
+    def skipping(self) -> bool:
+        """The last step checked was non-finite (a run of them may be a divergence under way)."""
+        return self.finite.in_row > 0
+
     def check(self, step: int, loss: float, grad_norm: float) -> Verdict:
         self.label_leak.check(step, self.first_step, loss, self.log)
         verdict = self.finite.check(step, loss, grad_norm, self.log)

@@ -193,7 +193,7 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
             evaluate, save = validator.due(step, state.last_step(s)), checkpointer.due(step)
             if evaluate or save:
                 account(updater.flush())
-                if guards.finite.in_row:  # this step was skipped: a divergence under way prunes no older checkpoint
+                if guards.skipping:  # this step was skipped: a divergence under way prunes no older checkpoint
                     evaluate = save = False
             if evaluate:
                 with metrics.paused():
