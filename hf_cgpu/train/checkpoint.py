@@ -297,12 +297,12 @@ def frozen_digest(model: torch.nn.Module, chunk: int = 1 << 24) -> str:
         if name in trainable or not isinstance(t, torch.Tensor):
             continue
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        plain = weighted = 0
+        sums = torch.zeros(2, dtype=torch.int64, device=flat.device)  # summed where the tensor lives, read once
         for start in range(0, flat.numel(), chunk):
             part = flat[start : start + chunk].to(torch.int64)
             where = torch.arange(start, start + part.numel(), device=part.device, dtype=torch.int64) % 65521 + 1
-            plain += int(part.sum())
-            weighted += int((part * where).sum())
+            sums += torch.stack([part.sum(), (part * where).sum()])
+        plain, weighted = sums.tolist()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{plain}|{weighted};".encode())
     return h.hexdigest()
 
