@@ -8,7 +8,6 @@ import runpy
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from hf_cgpu.train.compiled import RecompileWatch, describe, use_compile_cache

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import math
 from contextlib import nullcontext
-from pathlib import Path
 from types import SimpleNamespace
 
 import datasets
