@@ -168,7 +168,40 @@ def measure(a, mode: str, device: torch.device, interleave: bool = False):
         return row, timed
     row["times"] = [timed() for _ in range(a.steps)]
     row["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    if a.profile:
+        row["profile"] = profile_steps(step, sync, device, a.profile)
     return row, None
+
+
+def profile_steps(step, sync, device: torch.device, steps: int) -> dict:
+    """torch.profiler over ``steps`` steps: wall and device-busy ms per step, device ms per kernel category (the
+    categories of ``gpu_gpt_profile.py``) and the top kernels; on the CPU, self CPU time per op instead."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_gpt_profile import category, kernel_times
+
+    cuda = device.type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    if cuda:
+        times = {k: ms / steps for k, (n, ms) in kernel_times(prof).items()}
+    else:
+        times = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.self_cpu_time_total > 0}
+    shares: dict[str, float] = collections.Counter()
+    for k, ms in times.items():
+        shares[category(k)] += ms
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:10]
+    return {"wall_ms_per_step": wall, "busy_ms_per_step": sum(times.values()) if cuda else None,
+            "ms_by_category": dict(sorted(shares.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": k[:120], "ms_per_step": ms} for k, ms in top]}
 
 
 def finish(row: dict, tokens: int) -> dict:
@@ -200,6 +233,8 @@ def main() -> None:
     p.add_argument("--compile", type=lambda v: v == "true", default=False,
                    help="true: time each mode with the blocks compiled (FLOPs, bytes and calls stay the eager step's)")
     p.add_argument("--compile_backend", default="inductor", help="aot_eager: check the script on a CPU")
+    p.add_argument("--profile", type=int, default=0, help="N > 0: also profile N steps of each mode (torch.profiler): "
+                   "device ms per kernel category and the top kernels, i.e. where recompute's extra time goes")
     p.add_argument("--json", default="")
     a = p.parse_args()
     if a.threads:
@@ -238,6 +273,14 @@ def main() -> None:
               f"modules of layer 1 entered again in the backward: {sorted(r['calls']['backward']) or 'none'}; "
               f"embeddings/final norm/head again: "
               f"{[n for n in ('embed_in', 'final_layer_norm', 'head') if n in r['calls']['backward']] or 'none'}")
+    for r in rows:
+        if "profile" in r:
+            pr = r["profile"]
+            busy = f", device busy {pr['busy_ms_per_step']:.1f}" if pr["busy_ms_per_step"] is not None else ""
+            print(f"{r['mode']} profiled: {pr['wall_ms_per_step']:.1f} ms/step{busy}; "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in pr["ms_by_category"].items()))
+            for t in pr["top"][:6]:
+                print(f"    {t['ms_per_step']:8.2f} ms  {t['name'][:100]}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"device": where, "args": vars(a), "rows": rows}, fh, indent=1)

@@ -21,6 +21,8 @@
 #   bash benchmarks/gpu_speed.sh flow-sampling 10,000 images at 20 evaluations: eager fp32/bf16, compiled, CUDA graphs
 #   bash benchmarks/gpu_speed.sh flow-profile  torch.profiler of the flow UNet step (base 128, batch 256): convolution /
 #                                              group norm / elementwise / optimizer / gap shares (~2 min)
+#   bash benchmarks/gpu_speed.sh flow-loop-profile  --preset cifar10's own loop under the profiler (profile_recipe.py),
+#                                              reading the figures one step late and at once (SYNCS="0 1"; ~2 min)
 #   bash benchmarks/gpu_speed.sh gpt-profile   torch.profiler of the GPT 124M step at micro-batch 16 (and 8, 32 with
 #                                              BATCHES="8 16 32"): top kernels, attention/loss/optimizer/gap shares
 #   bash benchmarks/gpu_speed.sh preset-profile the same profiler on the zh-poetry and zh-poetry-modern presets' own
@@ -66,7 +68,7 @@ case "$PART" in
       | tee "$OUT/unsloth.log" ;;
   lora-compiled)
     timeout 400 python3 benchmarks/bench_lora_recompute.py --shape pythia-1.4b --tier lora --seq 1024 --batch 4 \
-      --warmup 3 --steps 10 --compile true --json "$OUT/lora_compiled_recompute.json" 2>&1 \
+      --warmup 3 --steps 10 --compile true ${EXTRA:-} --json "$OUT/lora_compiled_recompute.json" 2>      --warmup 3 --steps 10 --compile true --json "$OUT/lora_compiled_recompute.json" 2>&1 \1 \
       | tee "$OUT/lora_compiled_recompute.log" ;;
   flow-sampling)
     timeout 400 python3 benchmarks/bench_flow_sampling.py --json "$OUT/flow_sampling.json" 2>&1 \
@@ -75,6 +77,13 @@ case "$PART" in
     # PROFILE_ARGS="--memory_format contiguous --launchers 6" TAG=name: another layout, who launched the top kernels
     timeout ${LIMIT:-300} python3 benchmarks/gpu_gpt_profile.py --model flow ${PROFILE_ARGS:-} \
       --out "$OUT/flow_profile${TAG:+_$TAG}" 2>&1 | tee "$OUT/flow_profile${TAG:+_$TAG}.log" ;;
+  flow-loop-profile)
+    for S in ${SYNCS:-0 1}; do
+      HF_CGPU_SYNC_STEPS=$S timeout 300 python3 benchmarks/profile_recipe.py --skip 60 --active 10 \
+        --out "$OUT/flow_loop_sync$S" -- recipes/train_flow.py --preset cifar10 --dataset .data/cifar10 --max_steps 100 \
+        --log_steps 25 --eval_steps 0 --sample_every_epochs 0 --checkpointing_steps 0 --progress false \
+        --output_dir "/tmp/flow_loop_$S" ${EXTRA:-} 2>&1 | tail -60 | tee "$OUT/flow_loop_sync$S.log"
+    done ;;
   gpt-profile)
     for B in ${BATCHES:-16}; do
       timeout 300 python3 benchmarks/gpu_gpt_profile.py --batch "$B" --out "$OUT/gpt_profile_b$B" 2>&1 \
@@ -85,5 +94,5 @@ case "$PART" in
       timeout 240 python3 benchmarks/gpu_gpt_profile.py --preset "$P" --steps 3 --out "$OUT/profile_$P" 2>&1 \
         | tee "$OUT/profile_$P.log"
     done ;;
-  *) echo "usage: bash benchmarks/gpu_speed.sh gpt|flow|lora|lora-compiled|qlora|lora-speed|lora-peers|flow-sampling|flow-profile|gpt-profile|preset-profile"; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_speed.sh gpt|flow|lora|lora-compiled|qlora|lora-speed|lora-peers|flow-sampling|flow-profile|flow-loop-profile|gpt-profile|preset-profile"; exit 2 ;;
 esac
