@@ -68,7 +68,7 @@ case "$PART" in
       | tee "$OUT/unsloth.log" ;;
   lora-compiled)
     timeout 400 python3 benchmarks/bench_lora_recompute.py --shape pythia-1.4b --tier lora --seq 1024 --batch 4 \
-      --warmup 3 --steps 10 --compile true ${EXTRA:-} --json "$OUT/lora_compiled_recompute.json" 2>      --warmup 3 --steps 10 --compile true --json "$OUT/lora_compiled_recompute.json" 2>&1 \1 \
+      --warmup 3 --steps 10 --compile true ${EXTRA:-} --json "$OUT/lora_compiled_recompute.json" 2>&1 \
       | tee "$OUT/lora_compiled_recompute.log" ;;
   flow-sampling)
     timeout 400 python3 benchmarks/bench_flow_sampling.py --json "$OUT/flow_sampling.json" 2>&1 \
