@@ -57,6 +57,8 @@ the "off" rows: the peer's checkpointing most likely did not (fully) engage. Eit
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -268,8 +270,6 @@ def _checkpoint_kwargs(policy: str) -> dict[str, Any]:
         raise SettingsError(f"unknown recompute policy {policy!r}: choose one of {', '.join(RECOMPUTE_POLICIES)}")
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if policy == "selective":
-        import functools
-
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         _ATTENTION.update(_attention_ops())
@@ -342,9 +342,37 @@ def apply_compile(model: nn.Module, enabled: bool, mode: str | None = None, back
     if blocks and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
     how = compile_options(model, mode, backend)
+    for block in blocks:
+        _checkpoint_inside(block)
     for block in blocks or [model]:
         block.compile(dynamic=False, backend=backend, **how)
     return model
+
+
+def _checkpointed_forward(self, *args, **kwargs):
+    import torch
+
+    forward = type(self).forward.__get__(self)
+    if self.training and torch.is_grad_enabled():
+        return self._hf_cgpu_checkpoint(functools.partial(forward, **kwargs), *args)
+    return forward(*args, **kwargs)
+
+
+def _checkpoint_inside(block: nn.Module) -> None:
+    """Move a checkpointed block's checkpoint from transformers' wrapper into the block's own ``forward``, i.e. into
+    the region ``Module.compile`` compiles. Transformers before 5.23 checkpoint a layer in ``__call__``, outside
+    the compiled ``_call_impl``: the backward then replays the compiled forward eagerly through autograd and
+    runs its backward as a second graph, and a selective policy never reaches the traced ops (on an H200, 1.4B
+    LoRA, transformers 5.17: full recompute +111% wall time for +36% device time, selective +85% with full's
+    matmuls; benchmarks/RESULTS.md). Inside, dynamo traces the checkpoint into the block's graph, so the
+    backward graph contains the recompute and the policy decides what is saved, as transformers >= 5.23 (which
+    checkpoints ``forward``) already does. Same checkpoint function, same arguments; no-op when not checkpointed."""
+    func = getattr(block, "_gradient_checkpointing_func", None)
+    if not getattr(block, "gradient_checkpointing", False) or func is None:
+        return
+    block.gradient_checkpointing = False  # transformers' wrapper (either version) now calls the block as is
+    block._hf_cgpu_checkpoint = func
+    block.forward = types.MethodType(_checkpointed_forward, block)
 
 
 def compile_options(model: nn.Module, mode: str | None, backend: str = "inductor") -> dict:
