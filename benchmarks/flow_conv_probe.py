@@ -1,6 +1,6 @@
 """What each convolution backward of the compiled flow UNet receives, and what it converts: dtype and layout of its
 grad_output, input and weight (a dispatch mode over the backward only, so the forward stays compiled), and every
-``aten::to`` that runs inside ``aten::convolution_backward`` with its arguments (torch.profiler, record_shapes).
+copy (``aten::_to_copy``, ``aten::clone``) that runs inside ``aten::convolution_backward`` (torch.profiler).
 Issue 12's profile found activation-sized copies there (``aten::to`` -> ``aten::_to_copy``) after the layout fix.
 
 GPU:  python benchmarks/flow_conv_probe.py            (base 128, batch 256, as the cifar10 preset)
@@ -74,17 +74,19 @@ def main() -> None:
     out = loss()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         out.backward()
-    inside = collections.Counter()
+    copies = collections.Counter()  # real copies: aten::to returns its input as is when the layout already fits
     for ev in prof.events():
-        parent = ev.cpu_parent
-        if parent is not None and parent.name == "aten::convolution_backward" and ev.name != "aten::empty":
-            concrete = [c for c in (getattr(ev, "concrete_inputs", None) or []) if c not in ("", None)]
-            inside[(ev.name, str(ev.input_shapes), str(concrete), str(parent.input_shapes[:3]))] += 1
-    print("ops inside aten::convolution_backward (name, input shapes, scalar arguments, the backward's first 3 "
-          "input shapes): calls")
-    for k, n in sorted(inside.items(), key=lambda kv: -kv[1]):
-        print(f"  {n} x {k[0]} {k[1]} {k[2]} <- {k[3]}")
-
+        if ev.name not in ("aten::_to_copy", "aten::clone"):
+            continue
+        up = ev.cpu_parent
+        while up is not None and up.name != "aten::convolution_backward":
+            up = up.cpu_parent
+        if up is not None:
+            copies[(ev.name, str(ev.input_shapes[:1]), str(up.input_shapes[:3]))] += 1
+    print(f"copies inside aten::convolution_backward: {sum(copies.values())} (op, copied shape <- the backward's "
+          "grad_output, input, weight shapes)")
+    for k, n in sorted(copies.items(), key=lambda kv: -kv[1]):
+        print(f"  {n} x {k[0]} {k[1]} <- {k[2]}")
 
 if __name__ == "__main__":
     main()

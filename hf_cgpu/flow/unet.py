@@ -39,37 +39,15 @@ def sinusoidal_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)  # (B, dim)
 
 
-class GroupNorm(nn.GroupNorm):
-    """``nn.GroupNorm`` (same parameters, same values) that keeps a channels_last input channels_last under
-    ``torch.compile``. CUDA's group-norm kernels return, and their fake tensors describe, contiguous tensors, so the
-    compiled backward handed every convolution a contiguous gradient and cuDNN copied each one back to channels_last
-    (``aten::to`` inside ``convolution_backward``, 12 activation-sized copies a step at base 128, batch 256, on an
-    H200; benchmarks/RESULTS.md). Written with elementwise ops and ``var_mean``, the norm keeps its input's layout in
-    forward and backward; inductor fuses it as it fuses the decomposed group norm. Eager keeps the native kernel."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (torch.compiler.is_compiling() and x.dim() == 4 and not x.is_contiguous()
-                and x.is_contiguous(memory_format=torch.channels_last)):
-            return super().forward(x)
-        n, c, h, w = x.shape
-        grouped = x.float().view(n, self.num_groups, c // self.num_groups, h, w)
-        var, mean = torch.var_mean(grouped, dim=(2, 3, 4), keepdim=True, correction=0)
-        y = ((grouped - mean) * torch.rsqrt(var + self.eps)).view(n, c, h, w)
-        if self.affine:
-            y = y * self.weight.float().view(1, c, 1, 1) + self.bias.float().view(1, c, 1, 1)
-        # autocast runs group_norm in fp32 and returns fp32; without it the output has the input's dtype
-        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
-
-
 class ResBlock(nn.Module):
     """GN-SiLU-conv3x3, add projected embedding, GN-SiLU-conv3x3, plus a (1x1 when widths differ) skip."""
 
     def __init__(self, in_channels: int, out_channels: int, emb_dim: int, groups: int) -> None:
         super().__init__()
-        self.norm1 = GroupNorm(groups, in_channels)
+        self.norm1 = nn.GroupNorm(groups, in_channels)
         self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
         self.emb_proj = nn.Linear(emb_dim, out_channels)
-        self.norm2 = GroupNorm(groups, out_channels)
+        self.norm2 = nn.GroupNorm(groups, out_channels)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
         self.skip = nn.Conv2d(in_channels, out_channels, 1) if in_channels != out_channels else nn.Identity()
 
@@ -131,7 +109,7 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         self.mid = ResBlock(c2, c3, tdim, g)
         self.u2 = ResBlock(c3 + c2, c2, tdim, g)
         self.u1 = ResBlock(c2 + c1, c1, tdim, g)
-        self.out = nn.Sequential(GroupNorm(g, c1), nn.SiLU(), nn.Conv2d(c1, out_channels, 3, padding=1))
+        self.out = nn.Sequential(nn.GroupNorm(g, c1), nn.SiLU(), nn.Conv2d(c1, out_channels, 3, padding=1))
         self.gradient_checkpointing = False
 
     @property
