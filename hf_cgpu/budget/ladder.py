@@ -188,21 +188,15 @@ def oom_advice(setup: TrainSetup) -> str:
     return f"CUDA out of memory even at micro_batch_size 1; next rung of the memory ladder: {steps} (see `hf-cgpu budget`)"
 
 
-COMPILED_RECOMPUTE_NOTE = (
-    "an adapter tier's recompute is the low-memory setting the ledger prices eagerly: at the Pythia-1.4B shape, "
-    "micro-batch 4 x 1024, the ledger says 4.09 GiB and the eager recipe took 3.93, the blocks compiled took 6.18 "
-    "on an H200 (benchmarks/RESULTS.md)")
-"""Why a compiled adapter step with recompute is not the lowest-memory rung; ``--autofit`` and the trainer say it."""
-
-
 def autofit_settings(settings: Any, run_shape: RunShape | None, device_memory: int | None, log=print,
                      processes: int = 1, parallel: str = "single") -> Any:
     """``--autofit``: the trainer's ``settings`` (a ``TrainSettings``) with micro-batch, accumulation, recompute and
     8-bit AdamW chosen by the ladder so the run fits ``memory_cap`` (else ``device_memory``); a new object.
 
     The effective batch (tokens per optimizer step) is kept; the sequence length and the model are not touched,
-    and adapter tiers are not chosen (the base model is already loaded). Where it turns recompute on for an adapter
-    tier it turns compile off (``COMPILED_RECOMPUTE_NOTE``). Logs each reason.
+    and adapter tiers are not chosen (the base model is already loaded). Compile stays as asked: compiled adapter
+    blocks trace their checkpoint (``tiers._checkpoint_inside``), so recompute saves what the ledger prices (1.4B
+    LoRA, micro-batch 4 x 1024 on an H200: 3.89 GiB compiled, ledger 4.09; benchmarks/RESULTS.md). Logs each reason.
     """
     if run_shape is None:
         raise SettingsError("--autofit needs a language-model task; set micro_batch_size/recompute by hand here")
@@ -223,11 +217,7 @@ def autofit_settings(settings: Any, run_shape: RunShape | None, device_memory: i
         raise SettingsError(f"autofit: no micro-batch/recompute/8-bit setting fits {fmt_gib(cap)}; "
                             f"pick a smaller preset or fine-tune an existing model with --tier lora{shard}")
     chosen = plan.setup
-    compile = settings.compile
-    if compile and chosen.recompute and chosen.adapters:
-        compile = False
-        log(f"autofit: compile off with the recompute it chose ({COMPILED_RECOMPUTE_NOTE})")
     return dataclasses.replace(settings, micro_batch_size=chosen.micro_batch_size, tier=chosen.tier,
                                gradient_accumulation_steps=chosen.gradient_accumulation_steps,
-                               recompute=chosen.recompute, compile=compile)
+                               recompute=chosen.recompute)
 

@@ -15,9 +15,8 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from ..budget import autofit_settings, flops_per_token
-from ..budget.ladder import COMPILED_RECOMPUTE_NOTE
 from ..settings import TrainSettings
-from ..tiers import ADAPTER_TIERS, apply_tiers, build_optimizer, validate_tier
+from ..tiers import apply_tiers, build_optimizer, validate_tier
 from .compiled import RecompileWatch, use_compile_cache
 from .ema import EMA
 from .outdir import RunLock, check_free_space, checkpoint_bytes, claim
@@ -122,9 +121,6 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     if s.compile and not compile:
         accelerator.print(f"compile: skipped on {device.type} (torch.compile is applied on CUDA only: on a CPU the "
                           "first step compiles for minutes and the steps are rarely faster)")
-    if compile and s.recompute and s.tier in ADAPTER_TIERS:
-        accelerator.print(f"note: --recompute with compiled blocks may not save the memory it should "
-                          f"({COMPILED_RECOMPUTE_NOTE}); add --compile false where memory is what counts")
     watch = None
     if compile:
         use_compile_cache(accelerator.print)  # before the first compile: a second run finds its kernels
