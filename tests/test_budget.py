@@ -461,3 +461,19 @@ def test_ledger_within_10pct_of_h200(row):
     shape = preset_shape(model)
     predicted = ledger(shape, _bench_setup(tier, recompute, mb, stock)).allocated
     assert abs(predicted / GiB - measured) / measured < 0.10, f"{name}: {predicted / GiB:.2f} vs {measured}"
+
+
+def test_selective_recompute_ledger_sits_between_off_and_full():
+    """Selective keeps each block's input and its projection and attention outputs: less than no recompute, more
+    than full recompute, and it re-runs no matmul (the FLOPs of no recompute)."""
+    shape = ModelShape.reference("pythia-1.4b")
+    base = TrainSetup(seq_len=1024, micro_batch_size=4, tier="lora")
+    off, full, sel = (ledger(shape, dataclasses.replace(base, recompute=r, recompute_policy=p))
+                      for r, p in ((False, "full"), (True, "full"), (True, "selective")))
+    assert full.total < sel.total < off.total
+    assert sel.row("activations") < 0.6 * off.row("activations")
+    assert sel.row("recompute_layer") < full.row("recompute_layer")
+    assert flops_per_token(shape, dataclasses.replace(base, recompute=True, recompute_policy="selective")) == \
+        flops_per_token(shape, base) < flops_per_token(shape, dataclasses.replace(base, recompute=True))
+    with pytest.raises(SettingsError, match="full, selective"):
+        TrainSetup(recompute=True, recompute_policy="some")

@@ -75,18 +75,29 @@ def test_compiled_preset_trains_saves_merges_without_recompiles(tiny_base, tmp_p
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_recompute_with_compiled_blocks_says_it_may_not_save_memory(tiny_base, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recompute_with_compiled_blocks_takes_the_policy_without_recompiles(tiny_base, tmp_path, monkeypatch, capsys,
+                                                                           policy):
+    """--recompute_policy reaches the checkpointed blocks (and the ledger's description); compiled blocks with their
+    checkpoint traced inside run without a recompile."""
     import torch
+
+    import hf_cgpu.tiers as tiers
 
     torch._dynamo.reset()
     monkeypatch.setenv("HF_CGPU_COMPILE_ON_CPU", "aot_eager")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    asked = []
+    original = tiers.apply_recompute
+    monkeypatch.setattr(tiers, "apply_recompute", lambda model, policy="full": asked.append(policy) or original(
+        model, policy))
     run_recipe(["--preset", "lora", "--model", str(tiny_base), "--dataset", "builtin", "--seq_len", "32",
                 "--micro_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_steps", "2",
                 "--warmup_steps", "1", "--eval_steps", "0", "--eval_batches", "1", "--checkpointing_steps", "0",
-                "--progress", "false", "--output_dir", str(tmp_path / "run"), "--lora_r", "4", "--recompute", "true"])
+                "--progress", "false", "--output_dir", str(tmp_path / "run"), "--lora_r", "4", "--recompute", "true",
+                "--recompute_policy", policy])
     log = capsys.readouterr().out
-    assert "--recompute with compiled blocks may not save the memory" in log and "--compile false" in log
+    assert asked == [policy]
     assert json.loads((tmp_path / "run" / "all_results.json").read_text())["recompiles"] == 0, log
 
 

@@ -69,8 +69,9 @@ LADDER: tuple[Rung, ...] = (
          lambda b, a: f"micro-batch {b.micro_batch_size} -> {a.micro_batch_size}, accumulation "
                       f"{b.gradient_accumulation_steps} -> {a.gradient_accumulation_steps}"),
     Rung("recompute", "--recompute",
-         lambda s, tokens, floor: None if s.recompute else dataclasses.replace(s, recompute=True),
-         lambda b, a: "recompute on", grow_back=True),
+         lambda s, tokens, floor: None if s.recompute and s.recompute_policy == "full"
+         else dataclasses.replace(s, recompute=True, recompute_policy="full"),
+         lambda b, a: "full recompute" if b.recompute else "recompute on", grow_back=True),
     Rung("sequence", "a shorter --seq_len", _halve_sequence, lambda b, a: f"sequence {b.seq_len} -> {a.seq_len}"),
     _tier_rung("adamw8bit", "8-bit AdamW", "--tier adamw8bit"),
     _tier_rung("lora", "LoRA", "--tier lora (fine-tune an existing model instead)"),
@@ -119,7 +120,7 @@ def autofit(
         raise SettingsError(f"unknown rungs {sorted(unknown)}: choose from {', '.join(RUNGS)}")
     base = dataclasses.replace(base or TrainSetup(), seq_len=seq_len)
     if "recompute" in rungs:  # recompute is the ladder's to choose: a run that fits without it is faster
-        base = dataclasses.replace(base, recompute=False)
+        base = dataclasses.replace(base, recompute=False, recompute_policy="full")
     if effective_batch_tokens is None:
         mb = micro_batch_size or base.micro_batch_size
         effective_batch_tokens = mb * (gradient_accumulation_steps or base.gradient_accumulation_steps) * seq_len
@@ -165,7 +166,7 @@ def autofit(
     if final.fits:
         reasons.append(f"fits: {fmt_gib(final.total)} <= {fmt_gib(cap)} at micro-batch {setup.micro_batch_size} "
                        f"x accumulation {setup.gradient_accumulation_steps}, seq {setup.seq_len}, tier {setup.tier}"
-                       f"{', recompute' if setup.recompute else ''}")
+                       f"{', ' + setup.recompute_words if setup.recompute else ''}")
     else:
         reasons.append(f"nothing on the ladder fits: {over(setup)} even at the last rung; pick a smaller model")
     return FitPlan(setup=setup, ledger=final, fits=final.fits, reasons=tuple(reasons), memory_cap=cap)
@@ -219,5 +220,5 @@ def autofit_settings(settings: Any, run_shape: RunShape | None, device_memory: i
     chosen = plan.setup
     return dataclasses.replace(settings, micro_batch_size=chosen.micro_batch_size, tier=chosen.tier,
                                gradient_accumulation_steps=chosen.gradient_accumulation_steps,
-                               recompute=chosen.recompute)
+                               recompute=chosen.recompute, recompute_policy=chosen.recompute_policy)
 

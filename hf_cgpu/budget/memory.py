@@ -385,6 +385,20 @@ def outside_blocks_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> floa
     return (r.norm_save + BF16) * shape.d_model
 
 
+def selective_kept_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> float:
+    """Bytes one block keeps per token under selective recompute (``tiers.selective_recompute_policy``), before
+    ``ACTIVATION_SCALE``: the block input (the checkpoint's), the outputs of its projections (qkv, out, MLP) and of
+    attention (output + log-sum-exp); the norms, activations and casts are re-run in the backward. The LoRA A outputs
+    (r values per adapted linear) are left out."""
+    r = regime(setup)
+    d, ff, q, kv, H, T = shape.d_model, shape.d_ff, shape.q_dim, shape.kv_dim, shape.n_head, setup.seq_len
+    mlp = (2 * ff + d) if shape.family == "llama" else (ff + d)
+    projections = r.proj_out * (q + 2 * kv + d + mlp)
+    attn = r.attn * q + (((EAGER_SCORE_BYTES if r.attn == BF16 else FP32) * H * T) if shape.attention == "eager"
+                         else FLASH_LSE_BYTES * H)
+    return r.resid * d + projections + attn
+
+
 @dataclass(frozen=True)
 class ActivationBytes:
     no_recompute: float
@@ -393,6 +407,18 @@ class ActivationBytes:
     recompute_layer: float
     """One block's activations re-created during backward (only with recompute)."""
     per_token_per_layer: float
+    selective: float = 0.0
+    """What every block keeps under selective recompute (+ the final norm and head inputs)."""
+    selective_layer: float = 0.0
+    """One block's re-run norms and activations during the backward under selective recompute."""
+
+    def kept(self, setup: TrainSetup) -> tuple[float, float]:
+        """(activations alive at the start of the backward, one block's tensors re-created in it) for ``setup``."""
+        if not setup.recompute:
+            return self.no_recompute, 0.0
+        if setup.recompute_policy == "selective":
+            return self.selective, self.selective_layer
+        return self.recompute, self.recompute_layer
 
 
 def activation_bytes(shape: ModelShape, setup: TrainSetup) -> ActivationBytes:
@@ -400,11 +426,14 @@ def activation_bytes(shape: ModelShape, setup: TrainSetup) -> ActivationBytes:
     per_layer = layer_activation_bytes_per_token(shape, setup) * ACTIVATION_SCALE
     outside = outside_blocks_bytes_per_token(shape, setup) * tokens
     r = regime(setup)
+    kept = min(per_layer, selective_kept_bytes_per_token(shape, setup) * ACTIVATION_SCALE)
     return ActivationBytes(
         no_recompute=shape.n_layer * per_layer * tokens + outside,
         recompute=shape.n_layer * r.resid * shape.d_model * tokens + outside,
         recompute_layer=per_layer * tokens,
         per_token_per_layer=per_layer,
+        selective=shape.n_layer * kept * tokens + outside,
+        selective_layer=(per_layer - kept) * tokens,
     )
 
 
@@ -508,10 +537,12 @@ def ledger(
     logits, logits_note = logits_bytes(shape, setup)
     accumulate = setup.gradient_accumulation_steps > 1
     grads_at_peak = st.gradients if accumulate else 0.0
-    activations = act.recompute if setup.recompute else act.no_recompute
-    recompute_layer = act.recompute_layer if setup.recompute else 0.0
+    activations, recompute_layer = act.kept(setup)
     per_d = act.per_token_per_layer / shape.d_model
-    if setup.recompute:
+    if setup.recompute and setup.recompute_policy == "selective":
+        act_note = (f"block inputs, projection and attention outputs; without recompute {fmt_gib(act.no_recompute)} "
+                    f"({per_d:.1f} x d/token/layer)")
+    elif setup.recompute:
         act_note = f"block inputs only; without recompute {fmt_gib(act.no_recompute)} ({per_d:.1f} x d/token/layer)"
     else:
         act_note = f"{per_d:.1f} x d bytes/token/layer; with recompute {fmt_gib(act.recompute + act.recompute_layer)}"

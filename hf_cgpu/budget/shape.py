@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MissingPathError, SettingsError
-from ..tiers import ADAPTER_TIERS, TIERS, validate_optimizer
+from ..tiers import ADAPTER_TIERS, RECOMPUTE_POLICIES, TIERS, validate_optimizer
 
 FAMILIES = ("gpt", "gptneox", "llama")
 ATTENTIONS = ("sdpa", "eager")
@@ -350,6 +350,9 @@ class TrainSetup:
     """full (AdamW), adamw8bit (bitsandbytes 8-bit m, v), lora (frozen bf16 base + adapters), qlora (nf4 base)."""
     recompute: bool = False
     """Full-layer activation checkpointing: keep each block's input, re-run one block at a time in backward."""
+    recompute_policy: str = "full"
+    """With recompute: full (re-run the whole block) or selective (keep matmul and attention outputs, re-run the
+    norms, activations and casts)."""
     lora_r: int = 16
     """LoRA rank r: each adapted linear gains r * (d_in + d_out) trainable parameters."""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
@@ -385,6 +388,9 @@ class TrainSetup:
             raise SettingsError(f"loss_chunk_size must be 0 (full logits) or a positive token count, "
                                 f"got {self.loss_chunk_size!r}")
         validate_optimizer(self.optimizer, self.tier)
+        if self.recompute_policy not in RECOMPUTE_POLICIES:
+            raise SettingsError(f"unknown recompute_policy {self.recompute_policy!r}: choose one of "
+                                f"{', '.join(RECOMPUTE_POLICIES)}")
         if isinstance(self.lora_target_modules, str):
             object.__setattr__(self, "lora_target_modules", _targets(self.lora_target_modules))
 
@@ -395,6 +401,11 @@ class TrainSetup:
     @property
     def tokens_per_step(self) -> int:
         return self.tokens_per_micro_batch * self.gradient_accumulation_steps
+
+    @property
+    def recompute_words(self) -> str:
+        return ("no recompute" if not self.recompute else
+                "selective recompute" if self.recompute_policy == "selective" else "recompute")
 
     @property
     def adapters(self) -> bool:
@@ -421,7 +432,7 @@ class TrainSetup:
         return (
             f"{what}; seq {self.seq_len} x micro-batch {self.micro_batch_size} x accumulation "
             f"{self.gradient_accumulation_steps} = {self.tokens_per_step:,} tokens/step{gpus}; "
-            f"{'recompute' if self.recompute else 'no recompute'}; {loss}"
+            f"{self.recompute_words}; {loss}"
         )
 
 
@@ -453,7 +464,8 @@ class RunShape:
         return TrainSetup(
             seq_len=self.seq_len, micro_batch_size=settings.micro_batch_size,
             gradient_accumulation_steps=settings.gradient_accumulation_steps, tier=settings.tier,
-            recompute=settings.recompute, lora_r=settings.lora_r, lora_target_modules=_targets(settings.lora_target_modules),
+            recompute=settings.recompute, recompute_policy=getattr(settings, "recompute_policy", "full"),
+            lora_r=settings.lora_r, lora_target_modules=_targets(settings.lora_target_modules),
             loss_chunk_size=self.loss_chunk_size, compiled_loss=compiled,
             optimizer=getattr(settings, "optimizer", "adamw"), ema=getattr(settings, "ema_decay", 0.0) > 0, **peer,
         )

@@ -23,7 +23,8 @@ def flops_per_token(shape: ModelShape, setup: TrainSetup, count_recompute: bool 
     """Training FLOPs per token (see the module docstring for the derivation).
 
     Full: 6 N + 12 L T d. Frozen base (LoRA/QLoRA): 4 N (no weight gradients) + 6 N_adapters + 12 L T d.
-    Recompute adds one more forward, 2 N + 4 L T d, when ``count_recompute`` (executed FLOPs, for hours);
+    Full recompute adds one more forward, 2 N + 4 L T d, when ``count_recompute`` (executed FLOPs, for hours;
+    selective recompute re-runs no matmul and adds none);
     model FLOPs utilisation (MFU) counts the model's FLOPs without it.
     """
     n = shape.n_matmul_params
@@ -35,7 +36,8 @@ def flops_per_token(shape: ModelShape, setup: TrainSetup, count_recompute: bool 
     else:
         flops = 6.0 * n + attn
         extra = 2.0 * n + attn / 3
-    return flops + (extra if setup.recompute and count_recompute else 0.0)
+    full = setup.recompute and setup.recompute_policy == "full"  # selective re-runs no matmul
+    return flops + (extra if full and count_recompute else 0.0)
 
 
 def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:

@@ -126,8 +126,9 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
         use_compile_cache(accelerator.print)  # before the first compile: a second run finds its kernels
         watch = RecompileWatch(accelerator.print).install()
     model = apply_tiers(
-        plan.model, s.tier, recompute=s.recompute, compile=compile, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
-        lora_dropout=s.lora_dropout, target_modules=[m for m in s.lora_target_modules.split(",") if m] or None,
+        plan.model, s.tier, recompute=s.recompute, recompute_policy=s.recompute_policy, compile=compile,
+        lora_r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout,
+        target_modules=[m for m in s.lora_target_modules.split(",") if m] or None,
         compile_backend=cpu_backend if device.type != "cuda" and cpu_backend else "inductor",
         compile_mode=None if s.compile_mode == "default" else s.compile_mode,
     )
