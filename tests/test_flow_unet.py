@@ -107,3 +107,71 @@ def test_bad_widths_fail_with_the_fix():
     with pytest.raises(ValueError, match="norm_num_groups"):
         FlowUNet2DModel(base_channels=12)
 
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiled_group_norm_keeps_channels_last_and_the_values(autocast):
+    """Under compile the UNet's GroupNorm runs as elementwise ops + var_mean on a channels_last input (no group_norm
+    op in the traced graph, whose CUDA kernels would hand the backward contiguous tensors): output, dtype, layout and
+    gradients as nn.GroupNorm's, fp32 and under bf16 autocast (where group_norm returns fp32)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from hf_cgpu.flow.unet import GroupNorm
+
+    torch.manual_seed(0)
+    ours, ref = GroupNorm(4, 16), torch.nn.GroupNorm(4, 16)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_()
+    ref.load_state_dict(ours.state_dict())
+    x = (3 * torch.randn(2, 16, 6, 5) + 1).contiguous(memory_format=torch.channels_last)
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes)
+        return aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend=backend, dynamic=False)
+    outs, grads = [], []
+    for m in (compiled, ref):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = m(xi)
+        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append(y)
+        grads.append((xi.grad, *(p.grad for p in m.parameters())))
+    assert targets and not any("group_norm" in t for t in targets), targets
+    assert outs[0].dtype == outs[1].dtype == torch.float32
+    assert outs[0].is_contiguous(memory_format=torch.channels_last) and not outs[0].is_contiguous()
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_upsample_keeps_channels_last_and_the_values():
+    """Under compile upsample2x works on the NHWC view of a channels_last input: the values of nearest upsampling,
+    and both the output and the gradient sent back are channels_last."""
+    import torch.nn.functional as F
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from hf_cgpu.flow.unet import upsample2x
+
+    torch._dynamo.reset()
+    targets = []
+
+    def backend(gm, example_inputs):  # the CPU's native op keeps channels_last too; CUDA's lowering did not
+        targets.extend(str(n.target) for n in gm.graph.nodes)
+        return aot_eager(gm, example_inputs)
+
+    x = torch.randn(2, 6, 4, 3).contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    y = torch.compile(upsample2x, backend=backend, dynamic=False)(x)
+    assert targets and not any("interpolate" in t or "upsample" in t for t in targets), targets
+    ref = F.interpolate(x.detach(), scale_factor=2.0, mode="nearest")
+    torch.testing.assert_close(y, ref, atol=0, rtol=0)
+    assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+    g = torch.randn_like(y).contiguous(memory_format=torch.channels_last)
+    y.backward(g)
+    assert x.grad.is_contiguous(memory_format=torch.channels_last) and not x.grad.is_contiguous()
+    torch.testing.assert_close(x.grad, g.view(2, 6, 4, 2, 3, 2).sum((3, 5)), atol=1e-6, rtol=1e-6)
+    assert torch.equal(upsample2x(x.detach().contiguous()), ref)  # eager / NCHW: the native op
+

@@ -39,15 +39,53 @@ def sinusoidal_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)  # (B, dim)
 
 
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+class GroupNorm(nn.GroupNorm):
+    """``nn.GroupNorm`` (same parameters, same values) that keeps a channels_last input channels_last under
+    ``torch.compile``: CUDA's group-norm kernels return contiguous tensors, and inductor lays out the compiled
+    backward by them, so cuDNN's convolution backward received contiguous gradients and copied each back to
+    channels_last (``aten::to`` inside ``convolution_backward``, 11-12 activation-sized copies a step at base 128,
+    batch 256 on an H200, benchmarks/RESULTS.md). Written with elementwise ops and ``var_mean`` the norm keeps its
+    input's layout in forward and backward, and inductor fuses it as it fuses the decomposed group norm. Eager keeps
+    the native kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (torch.compiler.is_compiling() and _channels_last(x)):
+            return super().forward(x)
+        n, c, h, w = x.shape
+        grouped = x.float().view(n, self.num_groups, c // self.num_groups, h, w)
+        var, mean = torch.var_mean(grouped, dim=(2, 3, 4), keepdim=True, correction=0)
+        y = ((grouped - mean) * torch.rsqrt(var + self.eps)).view(n, c, h, w)
+        if self.affine:
+            y = y * self.weight.float().view(1, c, 1, 1) + self.bias.float().view(1, c, 1, 1)
+        # autocast runs group_norm in fp32 and returns fp32; without it the output has the input's dtype
+        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+
+def upsample2x(x: torch.Tensor) -> torch.Tensor:
+    """Nearest-neighbour upsampling by 2, as ``F.interpolate(x, scale_factor=2.0, mode="nearest")``. Under compile a
+    channels_last input is upsampled on its NHWC view, so the output and the gradient it sends back stay
+    channels_last (inductor laid out the native op's backward contiguous: four more gradient copies in the decoder's
+    convolution backwards, seen on an H200). Eager keeps the native op."""
+    if not (torch.compiler.is_compiling() and _channels_last(x)):
+        return F.interpolate(x, scale_factor=2.0, mode="nearest")
+    b, c, h, w = x.shape
+    nhwc = x.permute(0, 2, 3, 1)[:, :, None, :, None, :].expand(b, h, 2, w, 2, c)
+    return nhwc.reshape(b, 2 * h, 2 * w, c).permute(0, 3, 1, 2)
+
+
 class ResBlock(nn.Module):
     """GN-SiLU-conv3x3, add projected embedding, GN-SiLU-conv3x3, plus a (1x1 when widths differ) skip."""
 
     def __init__(self, in_channels: int, out_channels: int, emb_dim: int, groups: int) -> None:
         super().__init__()
-        self.norm1 = nn.GroupNorm(groups, in_channels)
+        self.norm1 = GroupNorm(groups, in_channels)
         self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
         self.emb_proj = nn.Linear(emb_dim, out_channels)
-        self.norm2 = nn.GroupNorm(groups, out_channels)
+        self.norm2 = GroupNorm(groups, out_channels)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
         self.skip = nn.Conv2d(in_channels, out_channels, 1) if in_channels != out_channels else nn.Identity()
 
@@ -109,7 +147,7 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         self.mid = ResBlock(c2, c3, tdim, g)
         self.u2 = ResBlock(c3 + c2, c2, tdim, g)
         self.u1 = ResBlock(c2 + c1, c1, tdim, g)
-        self.out = nn.Sequential(nn.GroupNorm(g, c1), nn.SiLU(), nn.Conv2d(c1, out_channels, 3, padding=1))
+        self.out = nn.Sequential(GroupNorm(g, c1), nn.SiLU(), nn.Conv2d(c1, out_channels, 3, padding=1))
         self.gradient_checkpointing = False
 
     @property
@@ -150,9 +188,9 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         h1 = self._block(self.d1, h0, emb)  # (B, c1, H, W)
         h2 = self._block(self.d2, self.down1(h1), emb)  # (B, c2, H/2, W/2)
         m = self._block(self.mid, self.down2(h2), emb)  # (B, c3, H/4, W/4)
-        up2 = torch.cat([F.interpolate(m, scale_factor=2.0, mode="nearest"), h2], dim=1)  # (B, c3 + c2, H/2, W/2)
+        up2 = torch.cat([upsample2x(m), h2], dim=1)  # (B, c3 + c2, H/2, W/2)
         h = self._block(self.u2, up2, emb)  # (B, c2, H/2, W/2)
-        up1 = torch.cat([F.interpolate(h, scale_factor=2.0, mode="nearest"), h1], dim=1)  # (B, c2 + c1, H, W)
+        up1 = torch.cat([upsample2x(h), h1], dim=1)  # (B, c2 + c1, H, W)
         h = self._block(self.u1, up1, emb)  # (B, c1, H, W)
         out = self.out(h)  # (B, out_channels, H, W)
         if not return_dict:
