@@ -167,3 +167,16 @@ def test_a_preset_name_wins_over_a_folder_of_that_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny").mkdir()  # e.g. a run folder named like the preset, without config.json
     assert resolve_model("tiny") == preset_shape("tiny")
+
+
+def test_autofit_keeps_qlora_with_recompute_eager():
+    """QLoRA's compiled recompute is not measured: where the 1.4B QLoRA run needs recompute (4 GB cap), autofit turns
+    compile off and says why; where it fits without (8 GB), compile stays."""
+    for cap, recompute in (("4GB", True), ("8GB", False)):
+        shape, train, _ = describe_run(["--model", "pythia-1.4b", "--tier", "qlora", "--compile", "true", "--seq_len",
+                                        "1024", "--micro_batch_size", "4", "--gradient_accumulation_steps", "8",
+                                        "--memory_cap", cap])
+        said = []
+        chosen = autofit_settings(train, shape, None, log=said.append)
+        assert (chosen.recompute, chosen.compile) == (recompute, not recompute)
+        assert any("compile off" in line for line in said) == recompute

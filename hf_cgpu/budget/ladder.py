@@ -189,15 +189,23 @@ def oom_advice(setup: TrainSetup) -> str:
     return f"CUDA out of memory even at micro_batch_size 1; next rung of the memory ladder: {steps} (see `hf-cgpu budget`)"
 
 
+QLORA_RECOMPUTE_NOTE = (
+    "QLoRA's compiled blocks with recompute were never measured, and a checkpoint dynamo cannot trace falls back to "
+    "wrapping the compiled block, which took 6.18 GiB against the ledger's 4.09 for LoRA; the eager QLoRA step with "
+    "recompute took 2.62 GiB at the Pythia-1.4B shape (benchmarks/RESULTS.md)")
+"""Why autofit keeps QLoRA with recompute eager (LoRA's compiled recompute is measured: 3.89 GiB, ledger 4.09)."""
+
+
 def autofit_settings(settings: Any, run_shape: RunShape | None, device_memory: int | None, log=print,
                      processes: int = 1, parallel: str = "single") -> Any:
     """``--autofit``: the trainer's ``settings`` (a ``TrainSettings``) with micro-batch, accumulation, recompute and
     8-bit AdamW chosen by the ladder so the run fits ``memory_cap`` (else ``device_memory``); a new object.
 
     The effective batch (tokens per optimizer step) is kept; the sequence length and the model are not touched,
-    and adapter tiers are not chosen (the base model is already loaded). Compile stays as asked: compiled adapter
-    blocks trace their checkpoint (``tiers._checkpoint_inside``), so recompute saves what the ledger prices (1.4B
-    LoRA, micro-batch 4 x 1024 on an H200: 3.89 GiB compiled, ledger 4.09; benchmarks/RESULTS.md). Logs each reason.
+    and adapter tiers are not chosen (the base model is already loaded). Compile stays as asked for LoRA: compiled
+    adapter blocks trace their checkpoint (``tiers._checkpoint_inside``), so recompute saves what the ledger prices
+    (1.4B LoRA, micro-batch 4 x 1024 on an H200: 3.89 GiB compiled, ledger 4.09; benchmarks/RESULTS.md); QLoRA with
+    recompute goes eager (``QLORA_RECOMPUTE_NOTE``). Logs each reason.
     """
     if run_shape is None:
         raise SettingsError("--autofit needs a language-model task; set micro_batch_size/recompute by hand here")
@@ -218,7 +226,11 @@ def autofit_settings(settings: Any, run_shape: RunShape | None, device_memory: i
         raise SettingsError(f"autofit: no micro-batch/recompute/8-bit setting fits {fmt_gib(cap)}; "
                             f"pick a smaller preset or fine-tune an existing model with --tier lora{shard}")
     chosen = plan.setup
+    compile = settings.compile
+    if compile and chosen.recompute and chosen.tier == "qlora":
+        compile = False
+        log(f"autofit: compile off with the recompute it chose ({QLORA_RECOMPUTE_NOTE})")
     return dataclasses.replace(settings, micro_batch_size=chosen.micro_batch_size, tier=chosen.tier,
                                gradient_accumulation_steps=chosen.gradient_accumulation_steps,
-                               recompute=chosen.recompute, recompute_policy=chosen.recompute_policy)
+                               recompute=chosen.recompute, recompute_policy=chosen.recompute_policy, compile=compile)
 
