@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ArgumentParser, SettingsError
-from .tiers import COMPILE_MODES, RECOMPUTE_POLICIES, TIERS, validate_optimizer
+from .tiers import COMPILE_MODES, TIERS, validate_optimizer, validate_recompute_policy
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -178,9 +178,7 @@ class TrainSettings:
         if self.early_stopping_patience < 0 or self.eval_batches < 0:
             raise SettingsError("early_stopping_patience and eval_batches must be >= 0")
         validate_optimizer(self.optimizer, self.tier)
-        if self.recompute_policy not in RECOMPUTE_POLICIES:
-            raise SettingsError(f"recompute_policy={self.recompute_policy!r}; choose one of "
-                                f"{', '.join(RECOMPUTE_POLICIES)}")
+        validate_recompute_policy(self.recompute_policy)
         if self.muon_learning_rate <= 0 or not 0 <= self.muon_momentum < 1 or self.muon_weight_decay < 0:
             raise SettingsError("muon_learning_rate must be > 0, muon_momentum in [0, 1) and muon_weight_decay >= 0; "
                                 "e.g. --muon_learning_rate 0.02 --muon_momentum 0.95")

@@ -265,9 +265,16 @@ def selective_recompute_policy(ctx, op, *args, **kwargs):
 _ATTENTION: set = set()
 
 
-def _checkpoint_kwargs(policy: str) -> dict[str, Any]:
+def validate_recompute_policy(policy: str) -> None:
+    """One-line error for a recompute policy that is not one of ``RECOMPUTE_POLICIES`` (the settings, the ledger's
+    setup and ``apply_recompute`` all check through here)."""
     if policy not in RECOMPUTE_POLICIES:
-        raise SettingsError(f"unknown recompute policy {policy!r}: choose one of {', '.join(RECOMPUTE_POLICIES)}")
+        raise SettingsError(f"unknown recompute policy {policy!r}: choose one of {', '.join(RECOMPUTE_POLICIES)} "
+                            "(--recompute_policy)")
+
+
+def _checkpoint_kwargs(policy: str) -> dict[str, Any]:
+    validate_recompute_policy(policy)
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if policy == "selective":
         from torch.utils.checkpoint import create_selective_checkpoint_contexts

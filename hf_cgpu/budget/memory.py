@@ -342,6 +342,13 @@ def _group_input_bytes(shape: ModelShape, setup: TrainSetup, r: Regime) -> float
     return total
 
 
+def _attention_stats_bytes(shape: ModelShape, setup: TrainSetup, r) -> float:
+    """What attention saves per token besides q, k, v and its output: eager's scores, or flash's log-sum-exp."""
+    if shape.attention == "eager":
+        return (EAGER_SCORE_BYTES if r.attn == BF16 else FP32) * shape.n_head * setup.seq_len
+    return FLASH_LSE_BYTES * shape.n_head
+
+
 def layer_activation_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> float:
     """Bytes one block saves for backward per token (no recompute), before ``ACTIVATION_SCALE``.
 
@@ -352,7 +359,7 @@ def layer_activation_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> fl
     assumes a bf16 residual stream and counts two dropout masks).
     """
     r = regime(setup)
-    d, ff, q, kv, H, T = shape.d_model, shape.d_ff, shape.q_dim, shape.kv_dim, shape.n_head, setup.seq_len
+    d, ff, q, kv = shape.d_model, shape.d_ff, shape.q_dim, shape.kv_dim
     n_norms = 2
     if shape.family == "llama":  # RMSNorm: fp32 upcast of the input + normalised tensor for a trainable gain
         norm = n_norms * (FP32 + (r.resid if r.base_trainable else 0)) * d
@@ -367,11 +374,7 @@ def layer_activation_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> fl
         attn += r.attn * (q + kv)
     if shape.family == "gpt" and (shape.qk_norm or not shape.n_positions):
         attn += r.attn * (q + kv)  # cgpt rotary / qk_norm: fresh q, k while v keeps the fused qkv buffer alive
-    attn += r.attn * q  # output
-    if shape.attention == "eager":
-        attn += (EAGER_SCORE_BYTES if r.attn == BF16 else FP32) * H * T
-    else:
-        attn += FLASH_LSE_BYTES * H
+    attn += r.attn * q + _attention_stats_bytes(shape, setup, r)  # output, scores or log-sum-exp
     if shape.family == "llama":  # gate out (SiLU input), up out, SiLU out
         mlp = 3 * r.proj_out * ff
     else:  # GELU input
@@ -391,12 +394,10 @@ def selective_kept_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> floa
     attention (output + log-sum-exp); the norms, activations and casts are re-run in the backward. The LoRA A outputs
     (r values per adapted linear) are left out."""
     r = regime(setup)
-    d, ff, q, kv, H, T = shape.d_model, shape.d_ff, shape.q_dim, shape.kv_dim, shape.n_head, setup.seq_len
+    d, ff, q, kv = shape.d_model, shape.d_ff, shape.q_dim, shape.kv_dim
     mlp = (2 * ff + d) if shape.family == "llama" else (ff + d)
     projections = r.proj_out * (q + 2 * kv + d + mlp)
-    attn = r.attn * q + (((EAGER_SCORE_BYTES if r.attn == BF16 else FP32) * H * T) if shape.attention == "eager"
-                         else FLASH_LSE_BYTES * H)
-    return r.resid * d + projections + attn
+    return r.resid * d + projections + r.attn * q + _attention_stats_bytes(shape, setup, r)
 
 
 @dataclass(frozen=True)
@@ -414,11 +415,8 @@ class ActivationBytes:
 
     def kept(self, setup: TrainSetup) -> tuple[float, float]:
         """(activations alive at the start of the backward, one block's tensors re-created in it) for ``setup``."""
-        if not setup.recompute:
-            return self.no_recompute, 0.0
-        if setup.recompute_policy == "selective":
-            return self.selective, self.selective_layer
-        return self.recompute, self.recompute_layer
+        return {"off": (self.no_recompute, 0.0), "full": (self.recompute, self.recompute_layer),
+                "selective": (self.selective, self.selective_layer)}[setup.recompute_mode]
 
 
 def activation_bytes(shape: ModelShape, setup: TrainSetup) -> ActivationBytes:
@@ -539,7 +537,7 @@ def ledger(
     grads_at_peak = st.gradients if accumulate else 0.0
     activations, recompute_layer = act.kept(setup)
     per_d = act.per_token_per_layer / shape.d_model
-    if setup.recompute and setup.recompute_policy == "selective":
+    if setup.recompute_mode == "selective":
         act_note = (f"block inputs, projection and attention outputs; without recompute {fmt_gib(act.no_recompute)} "
                     f"({per_d:.1f} x d/token/layer)")
     elif setup.recompute:

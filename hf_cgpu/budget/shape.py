@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MissingPathError, SettingsError
-from ..tiers import ADAPTER_TIERS, RECOMPUTE_POLICIES, TIERS, validate_optimizer
+from ..tiers import ADAPTER_TIERS, TIERS, validate_optimizer, validate_recompute_policy
 
 FAMILIES = ("gpt", "gptneox", "llama")
 ATTENTIONS = ("sdpa", "eager")
@@ -388,9 +388,7 @@ class TrainSetup:
             raise SettingsError(f"loss_chunk_size must be 0 (full logits) or a positive token count, "
                                 f"got {self.loss_chunk_size!r}")
         validate_optimizer(self.optimizer, self.tier)
-        if self.recompute_policy not in RECOMPUTE_POLICIES:
-            raise SettingsError(f"unknown recompute_policy {self.recompute_policy!r}: choose one of "
-                                f"{', '.join(RECOMPUTE_POLICIES)}")
+        validate_recompute_policy(self.recompute_policy)
         if isinstance(self.lora_target_modules, str):
             object.__setattr__(self, "lora_target_modules", _targets(self.lora_target_modules))
 
@@ -403,9 +401,13 @@ class TrainSetup:
         return self.tokens_per_micro_batch * self.gradient_accumulation_steps
 
     @property
+    def recompute_mode(self) -> str:
+        """off, full or selective: what the backward re-runs."""
+        return self.recompute_policy if self.recompute else "off"
+
+    @property
     def recompute_words(self) -> str:
-        return ("no recompute" if not self.recompute else
-                "selective recompute" if self.recompute_policy == "selective" else "recompute")
+        return {"off": "no recompute", "full": "recompute", "selective": "selective recompute"}[self.recompute_mode]
 
     @property
     def adapters(self) -> bool:

@@ -36,8 +36,7 @@ def flops_per_token(shape: ModelShape, setup: TrainSetup, count_recompute: bool 
     else:
         flops = 6.0 * n + attn
         extra = 2.0 * n + attn / 3
-    full = setup.recompute and setup.recompute_policy == "full"  # selective re-runs no matmul
-    return flops + (extra if full and count_recompute else 0.0)
+    return flops + (extra if setup.recompute_mode == "full" and count_recompute else 0.0)  # selective: no matmul
 
 
 def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:

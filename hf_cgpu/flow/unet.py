@@ -39,8 +39,10 @@ def sinusoidal_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0)
     return torch.cat([angles.cos(), angles.sin()], dim=-1)  # (B, dim)
 
 
-def _channels_last(x: torch.Tensor) -> bool:
-    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+def _compiling_channels_last(x: torch.Tensor) -> bool:
+    """Under torch.compile with a (strictly) channels_last 4-D input: where the layout-keeping forms below apply."""
+    return (torch.compiler.is_compiling() and x.dim() == 4 and not x.is_contiguous()
+            and x.is_contiguous(memory_format=torch.channels_last))
 
 
 class GroupNorm(nn.GroupNorm):
@@ -53,7 +55,7 @@ class GroupNorm(nn.GroupNorm):
     the native kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (torch.compiler.is_compiling() and _channels_last(x)):
+        if not _compiling_channels_last(x):
             return super().forward(x)
         n, c, h, w = x.shape
         grouped = x.float().view(n, self.num_groups, c // self.num_groups, h, w)
@@ -70,7 +72,7 @@ def upsample2x(x: torch.Tensor) -> torch.Tensor:
     channels_last input is upsampled on its NHWC view, so the output and the gradient it sends back stay
     channels_last (inductor laid out the native op's backward contiguous: four more gradient copies in the decoder's
     convolution backwards, seen on an H200). Eager keeps the native op."""
-    if not (torch.compiler.is_compiling() and _channels_last(x)):
+    if not _compiling_channels_last(x):
         return F.interpolate(x, scale_factor=2.0, mode="nearest")
     b, c, h, w = x.shape
     nhwc = x.permute(0, 2, 3, 1)[:, :, None, :, None, :].expand(b, h, 2, w, 2, c)
