@@ -50,6 +50,7 @@ VARIANTS = {
     "hf_cgpu-fp8": _v(fp8=True),
     "hf_cgpu-cudnn-cce-fp8": _v(attn="cudnn", loss="cce", fp8=True),
     "nanogpt-cudnn": _v(model="nanogpt", attn="cudnn"),
+    "nanogpt-autotune": _v(model="nanogpt", mode="max-autotune-no-cudagraphs"),
     "transformers_gpt2": _v(model="gpt2"),
     "nanogpt": _v(model="nanogpt"),
 }

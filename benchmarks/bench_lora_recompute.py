@@ -2,7 +2,8 @@
 
 A GPTNeoX (Pythia) of random weights, frozen bf16 base (``--tier qlora``: nf4, CUDA only), LoRA r16 on the four
 projections through ``hf_cgpu.tiers.apply_tiers``; the step is the fine-tuning task's: ``causal_lm_loss_from_hidden``
-(chunked loss) under bf16 autocast, backward, AdamW. For each recompute setting (``--modes``: off, full, selective):
+(chunked loss) under bf16 autocast, backward, AdamW. For each recompute setting (``--modes``: off, full, selective,
+each optionally ``+cpp`` or ``+graphs``, see ``measure``):
 
     median seconds per step over ``--steps`` steps after ``--warmup``, and the ratio to ``off``;
     forward calls of every leaf module of layer 1 in the forward and in the backward (forward hooks on the leaves;
@@ -55,8 +56,10 @@ def build(shape: str, tier: str, mode: str, device: torch.device, compile: bool 
     else:
         with torch.device(device):  # initialised where it trains: seconds, not minutes, at 1.4B
             model = GPTNeoXForCausalLM(cfg).to(torch.bfloat16)
-    model = apply_tiers(model, tier, recompute=mode != "off", compile=compile, compile_backend=compile_backend,
-                        recompute_policy="selective" if mode == "selective" else "full")
+    recompute, _, how = mode.partition("+")
+    model = apply_tiers(model, tier, recompute=recompute != "off", compile=compile, compile_backend=compile_backend,
+                        recompute_policy="selective" if recompute == "selective" else "full",
+                        compile_mode="reduce-overhead" if how == "graphs" else None)
     for n, p in model.named_parameters():
         if "lora_B" in n:  # not zero, so every adapter is on the gradient path as after a few steps
             torch.nn.init.normal_(p, std=0.02)
@@ -108,6 +111,17 @@ class LiveBytes:
 
 
 def measure(a, mode: str, device: torch.device, interleave: bool = False):
+    """One mode's row; ``mode`` is off / full / selective, optionally ``+cpp`` (inductor's C++ wrapper launches the
+    compiled kernels instead of Python) or ``+graphs`` (``compile_mode="reduce-overhead"``: CUDA graphs)."""
+    if mode.endswith("+cpp"):
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(cpp_wrapper=True):
+            return _measure(a, mode, device, interleave)
+    return _measure(a, mode, device, interleave)
+
+
+def _measure(a, mode: str, device: torch.device, interleave: bool = False):
     from hf_cgpu.tiers import causal_lm_loss_from_hidden, unwrap_model
 
     model = build(a.shape, a.tier, mode, device, a.compile, a.compile_backend)
@@ -169,13 +183,15 @@ def measure(a, mode: str, device: torch.device, interleave: bool = False):
     row["times"] = [timed() for _ in range(a.steps)]
     row["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     if a.profile:
-        row["profile"] = profile_steps(step, sync, device, a.profile)
+        row["profile"] = profile_steps(step, sync, device, a.profile,
+                                       trace=f"{a.trace}/lora_{mode.replace('+', '-')}.json" if a.trace else "")
     return row, None
 
 
-def profile_steps(step, sync, device: torch.device, steps: int) -> dict:
+def profile_steps(step, sync, device: torch.device, steps: int, trace: str = "") -> dict:
     """torch.profiler over ``steps`` steps: wall and device-busy ms per step, device ms per kernel category (the
-    categories of ``gpu_gpt_profile.py``) and the top kernels; on the CPU, self CPU time per op instead."""
+    categories of ``gpu_gpt_profile.py``) and the top kernels; on the CPU, self CPU time per op instead. ``trace``: also
+    write the chrome trace there (gzipped) and add where the GPU waited for the host (``trace_gaps.py``)."""
     import sys
     from pathlib import Path
 
@@ -199,7 +215,21 @@ def profile_steps(step, sync, device: torch.device, steps: int) -> dict:
     for k, ms in times.items():
         shares[category(k)] += ms
     top = sorted(times.items(), key=lambda kv: -kv[1])[:10]
-    return {"wall_ms_per_step": wall, "busy_ms_per_step": sum(times.values()) if cuda else None,
+    gaps = None
+    if trace and cuda:
+        import gzip
+        import os
+        import shutil
+
+        from trace_gaps import analyse, load
+
+        os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
+        prof.export_chrome_trace(trace)
+        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace)
+        gaps = analyse(load(trace + ".gz"), steps)
+    return {"gaps": gaps,"wall_ms_per_step": wall, "busy_ms_per_step": sum(times.values()) if cuda else None,
             "ms_by_category": dict(sorted(shares.items(), key=lambda kv: -kv[1])),
             "top": [{"name": k[:120], "ms_per_step": ms} for k, ms in top]}
 
@@ -235,6 +265,8 @@ def main() -> None:
     p.add_argument("--compile_backend", default="inductor", help="aot_eager: check the script on a CPU")
     p.add_argument("--profile", type=int, default=0, help="N > 0: also profile N steps of each mode (torch.profiler): "
                    "device ms per kernel category and the top kernels, i.e. where recompute's extra time goes")
+    p.add_argument("--trace", default="", help="with --profile: write each mode's chrome trace (gzipped) to this folder "
+                   "and print where the GPU waited for the host (benchmarks/trace_gaps.py)")
     p.add_argument("--json", default="")
     a = p.parse_args()
     if a.threads:
@@ -243,8 +275,15 @@ def main() -> None:
     interleave = a.interleave if a.interleave is not None else device.type == "cpu"
     rows, steps = [], []
     for mode in a.modes.split(","):
-        row, step = measure(a, mode, device, interleave)
+        try:
+            row, step = measure(a, mode, device, interleave)
+        except Exception as exc:  # one variant failing (CUDA graphs, the C++ wrapper) does not cost the other rows
+            print(f"{mode}: failed: {type(exc).__name__}: {str(exc)[:300]}")
+            continue
         rows.append(row)
+        if row["times"]:  # each row as soon as it is measured: a timeout keeps the rows before it
+            print(f"{mode}: median {statistics.median(row['times']):.4f} s/step, peak alloc "
+                  f"{row['peak_alloc_gib'] or 0:.2f} GiB", flush=True)
         steps.append(step)
         if device.type == "cuda" and not interleave:
             torch.cuda.empty_cache()
@@ -281,6 +320,10 @@ def main() -> None:
                   + ", ".join(f"{k} {v:.1f}" for k, v in pr["ms_by_category"].items()))
             for t in pr["top"][:6]:
                 print(f"    {t['ms_per_step']:8.2f} ms  {t['name'][:100]}")
+            if pr.get("gaps"):
+                from trace_gaps import report
+
+                print(report(pr["gaps"], f"{r['mode']} trace:"))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"device": where, "args": vars(a), "rows": rows}, fh, indent=1)

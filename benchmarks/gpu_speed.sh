@@ -67,8 +67,11 @@ case "$PART" in
       --rows unsloth-lora,unsloth-qlora --stock_json "$OUT/peers.json" --json "$OUT/unsloth.json" 2>&1 \
       | tee "$OUT/unsloth.log" ;;
   lora-compiled)
-    timeout 400 python3 benchmarks/bench_lora_recompute.py --shape pythia-1.4b --tier lora --seq 1024 --batch 4 \
-      --warmup 3 --steps 10 --compile true ${EXTRA:-} --json "$OUT/lora_compiled_recompute.json" 2>&1 \
+    # MODES="off,full,full+cpp,full+graphs": the C++ wrapper / CUDA graphs rows; EXTRA="--profile 2 --trace $OUT/tr":
+    # device time by category and where the GPU waited for the host (benchmarks/trace_gaps.py)
+    timeout ${LIMIT:-400} python3 benchmarks/bench_lora_recompute.py --shape pythia-1.4b --tier lora --seq 1024 --batch 4 \
+      --warmup 3 --steps 10 --compile true ${MODES:+--modes $MODES} ${EXTRA:-} \
+      --json "$OUT/lora_compiled_recompute.json" 2>&1 \
       | tee "$OUT/lora_compiled_recompute.log" ;;
   flow-sampling)
     timeout 400 python3 benchmarks/bench_flow_sampling.py --json "$OUT/flow_sampling.json" 2>&1 \
