@@ -113,6 +113,8 @@ class LiveBytes:
 def measure(a, mode: str, device: torch.device, interleave: bool = False):
     """One mode's row; ``mode`` is off / full / selective, optionally ``+cpp`` (inductor's C++ wrapper launches the
     compiled kernels instead of Python) or ``+graphs`` (``compile_mode="reduce-overhead"``: CUDA graphs)."""
+    torch._dynamo.reset()  # a new model of the same blocks would reuse the previous mode's compiled code
+    torch._dynamo.utils.counters.clear()  # graph breaks of this mode's compile (row["graph_breaks"])
     if mode.endswith("+cpp"):
         import torch._inductor.config as inductor_config
 
@@ -177,7 +179,8 @@ def _measure(a, mode: str, device: torch.device, interleave: bool = False):
         sync()
         return time.perf_counter() - t0
 
-    row = {"mode": mode, **probe, "calls": calls, "times": []}
+    row = {"mode": mode, **probe, "calls": calls, "times": [],
+           "graph_breaks": dict(torch._dynamo.utils.counters["graph_break"])}
     if interleave:
         return row, timed
     row["times"] = [timed() for _ in range(a.steps)]
@@ -283,7 +286,7 @@ def main() -> None:
         rows.append(row)
         if row["times"]:  # each row as soon as it is measured: a timeout keeps the rows before it
             print(f"{mode}: median {statistics.median(row['times']):.4f} s/step, peak alloc "
-                  f"{row['peak_alloc_gib'] or 0:.2f} GiB", flush=True)
+                  f"{row['peak_alloc_gib'] or 0:.2f} GiB, graph breaks {row['graph_breaks'] or 'none'}", flush=True)
         steps.append(step)
         if device.type == "cuda" and not interleave:
             torch.cuda.empty_cache()

@@ -36,6 +36,9 @@ ROWS = {
     "qlora-stock": ("QLoRA, stock peft (eager)", "qlora", "stock", False, False),
     "qlora-compiled": ("QLoRA, ours --compile true", "qlora", "ours", True, False),
     "qlora-eager": ("QLoRA, ours eager", "qlora", "ours", False, False),
+    "lora-graphs": ("LoRA, ours --compile true --compile_mode reduce-overhead", "lora", "ours", True, False),
+    "qlora-graphs": ("QLoRA, ours --compile true --compile_mode reduce-overhead", "qlora", "ours", True, False),
+    "lora-recompute-graphs": ("LoRA, ours --recompute true --compile_mode reduce-overhead", "lora", "ours", True, True),
     "lora-recompute-eager": ("LoRA, ours --recompute true, eager", "lora", "ours", False, True),
     "lora-recompute-compiled": ("LoRA, ours --recompute true --compile true", "lora", "ours", True, True),
     "unsloth-lora": ("LoRA, Unsloth", "lora", "unsloth", False, False),
@@ -94,7 +97,7 @@ def unsloth_peft(path: Path, quantized: bool, seq_len: int, device):
     return model, opt
 
 
-def build(tier: str, whose: str, compile: bool, recompute: bool, path: Path, device, args):
+def build(tier: str, whose: str, compile: bool, recompute: bool, path: Path, device, args, mode: str | None = None):
     from bench_memory import stock_peft
     from hf_cgpu.tiers import apply_tiers, build_optimizer, load_base_model
 
@@ -107,7 +110,8 @@ def build(tier: str, whose: str, compile: bool, recompute: bool, path: Path, dev
     model = load_base_model(str(path), tier, device_map={"": device} if tier == "qlora" else None)
     if tier != "qlora":
         model = model.to(device)
-    model = apply_tiers(model, tier, recompute=recompute, compile=compile, compile_backend=args.compile_backend)
+    model = apply_tiers(model, tier, recompute=recompute, compile=compile, compile_backend=args.compile_backend,
+                        compile_mode=mode)
     return model, build_optimizer(model, tier, lr=1e-4), "neox"
 
 
@@ -116,11 +120,13 @@ def measure(key: str, args, device, path: Path) -> dict:
     from bench_memory import GiB, step_fn, timed_steps
 
     name, tier, whose, compile, recompute = ROWS[key]
+    mode = "reduce-overhead" if key.endswith("-graphs") else None  # CUDA graphs: peak_reserved_GiB holds their pool
+    torch._dynamo.reset()  # the same blocks in another row must compile again, not reuse this process's graphs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     t_build = time.perf_counter()
-    model, opt, kind = build(tier, whose, compile, recompute, path, device, args)
+    model, opt, kind = build(tier, whose, compile, recompute, path, device, args, mode)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len + 1), device=device)
     step = step_fn(model, opt, kind, ids, args.accumulation, device)
     for _ in range(args.warmup):
@@ -144,14 +150,14 @@ def measure(key: str, args, device, path: Path) -> dict:
 
 def table(rows: list[dict], stock: dict[str, int]) -> str:
     """Markdown rows; ``stock``: stock peft's tok/s by tier (from this run or ``--stock_json``)."""
-    out = ["| config | s/step | tok/s | vs stock peft | peak alloc GiB |", "|---|---|---|---|---|"]
+    out = ["| config | s/step | tok/s | vs stock peft | peak alloc GiB | peak reserved GiB |", "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['config']} | failed: {r['error']} |")
             continue
         ratio = f"{r['tok_per_s'] / stock[r['tier']]:.2f}x" if r["tier"] in stock else "-"
         out.append(f"| {r['config']} | {r['s_per_step']} | {r['tok_per_s']:,} | {ratio} | "
-                   f"{r.get('peak_alloc_GiB', '-')} |")
+                   f"{r.get('peak_alloc_GiB', '-')} | {r.get('peak_reserved_GiB', '-')} |")
     return "\n".join(out)
 
 

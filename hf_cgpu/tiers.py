@@ -359,10 +359,10 @@ def apply_compile(model: nn.Module, enabled: bool, mode: str | None = None, back
 def _checkpointed_forward(self, *args, **kwargs):
     import torch
 
-    forward = type(self).forward.__get__(self)
+    forward = type(self).forward  # the class's function, bound by partial: dynamo 2.11 breaks the graph on __get__
     if self.training and torch.is_grad_enabled():
-        return self._hf_cgpu_checkpoint(functools.partial(forward, **kwargs), *args)
-    return forward(*args, **kwargs)
+        return self._hf_cgpu_checkpoint(functools.partial(forward, self, **kwargs), *args)
+    return forward(self, *args, **kwargs)
 
 
 def _checkpoint_inside(block: nn.Module) -> None:

@@ -163,9 +163,12 @@ def test_compiled_blocks_trace_the_checkpoint(monkeypatch, transformers_style, p
     and an H200 paid +111% wall time for +36% device time. Same gradients as no recompute either way."""
     from torch._dynamo.backends.debugging import aot_eager
 
+    from torch._dynamo.utils import counters
+
     if transformers_style != "current":
         _old_style_layer(monkeypatch)
     torch._dynamo.reset()
+    counters.clear()
     graphs = []
 
     def backend(gm, example_inputs):
@@ -182,6 +185,7 @@ def test_compiled_blocks_trace_the_checkpoint(monkeypatch, transformers_style, p
     causal_lm_loss_from_hidden(model, ids, ids).backward()  # no dispatch mode: dynamo would leave the blocks eager
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert graphs and all("tag_activation_checkpoint" in " ".join(g) for g in graphs), graphs
+    assert not counters["graph_break"], dict(counters["graph_break"])  # torch 2.11 broke on the forward's __get__
     ref = step(lora_model(False))[3]
     assert ref.keys() == grads.keys() and ref
     for n in ref:
