@@ -85,14 +85,15 @@ class TrainSettings:
     compile_mode: str = "default"
     """torch.compile's mode with --compile: default, reduce-overhead (CUDA graphs: fewer kernel launches, more
     memory), max-autotune-no-cudagraphs (autotuned matmul templates: a much longer first compile) or
-    max-autotune (both). Not measured as a default; benchmarks/bench_gpt_throughput.py has rows for them."""
+    max-autotune (both). On an H200 the 124M GPT gained 0.5% from max-autotune-no-cudagraphs (cuBLAS won every
+    matmul it tuned); CUDA graphs fail for compiled LoRA blocks with gradient accumulation (benchmarks/RESULTS.md)."""
     recompute: bool = False
     """Activation checkpointing of every block: ~17x less activation memory for ~30% more time."""
     recompute_policy: str = "full"
     """With --recompute: full (the backward re-runs each block: the least memory) or selective (keeps the matmul and
     attention outputs and re-runs only norms, activations and casts; 1.4B LoRA with compiled blocks on an H200:
-    +33% time at 6.90 GiB against full's +54% at 3.89 and 10.30 without recompute). Without --compile selective
-    runs a Python policy on every op and is slower than full."""
+    +33% time at 6.90 GiB; full recompute +23-33% at 3.93 GiB in the recipe's step, 10.35 GiB without recompute).
+    Without --compile selective runs a Python policy on every op and is slower than full."""
     tier: str = "full"
     """Memory tier: full (AdamW), adamw8bit (bitsandbytes 8-bit states), lora (frozen base + adapters), qlora."""
     lora_r: int = 16

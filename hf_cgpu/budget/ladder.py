@@ -112,7 +112,7 @@ def autofit(
     sooner). Every later rung is switched on cumulatively, and after recompute and each tier the micro-batch (and
     the sequence) grow back as far as they fit, because a memory saving is best spent on throughput. When the
     ``recompute`` rung is among ``rungs`` the walk starts without recompute, whatever ``base`` says: recompute
-    costs a forward (+54% measured for LoRA on the 1.4B shape with compiled blocks, benchmarks/RESULTS.md), so it
+    costs a forward (+23-54% measured for LoRA on the 1.4B shape with compiled blocks, benchmarks/RESULTS.md), so it
     is only taken when the run does not fit otherwise (Pythia-1.4B LoRA fits 16 GB without it).
     """
     unknown = set(rungs) - set(RUNGS)
