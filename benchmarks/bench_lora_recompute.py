@@ -220,19 +220,10 @@ def profile_steps(step, sync, device: torch.device, steps: int, trace: str = "")
     top = sorted(times.items(), key=lambda kv: -kv[1])[:10]
     gaps = None
     if trace and cuda:
-        import gzip
-        import os
-        import shutil
+        from trace_gaps import export
 
-        from trace_gaps import analyse, load
-
-        os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
-        prof.export_chrome_trace(trace)
-        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(trace)
-        gaps = analyse(load(trace + ".gz"), steps)
-    return {"gaps": gaps,"wall_ms_per_step": wall, "busy_ms_per_step": sum(times.values()) if cuda else None,
+        gaps = export(prof, trace, steps)
+    return {"gaps": gaps, "wall_ms_per_step": wall, "busy_ms_per_step": sum(times.values()) if cuda else None,
             "ms_by_category": dict(sorted(shares.items(), key=lambda kv: -kv[1])),
             "top": [{"name": k[:120], "ms_per_step": ms} for k, ms in top]}
 
@@ -326,7 +317,7 @@ def main() -> None:
             if pr.get("gaps"):
                 from trace_gaps import report
 
-                print(report(pr["gaps"], f"{r['mode']} trace:"))
+                print(report(pr["gaps"], f"{r['mode']} trace"))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"device": where, "args": vars(a), "rows": rows}, fh, indent=1)

@@ -199,7 +199,8 @@ def main() -> None:
                    help="flow: the UNet's and the batch's memory format")
     p.add_argument("--launchers", type=int, default=0, help="also list the CPU ops (input shapes, 3 parents) that "
                    "launched the N kernels with the most device time")
-    p.add_argument("--trace", action="store_true", help="also write the chrome trace (trace.json, 10-15 MB)")
+    p.add_argument("--trace", action="store_true", help="also write the chrome trace (trace.json.gz) and "
+                   "print where the GPU waited for the host (benchmarks/trace_gaps.py)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 warm-up + 2 profiled steps")
     a = p.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke
@@ -226,8 +227,11 @@ def main() -> None:
         wall = time.perf_counter() - t0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.trace:
-        prof.export_chrome_trace(str(out / "trace.json"))
+    gaps = None
+    if a.trace:  # trace.json.gz, and where the GPU waited for the host (trace_gaps.py)
+        from trace_gaps import export
+
+        gaps = export(prof, str(out / "trace.json"), a.steps)
 
     rows = []
     if cuda:
@@ -256,6 +260,8 @@ def main() -> None:
                            **({"gaps (wall - device busy)": gap / wall_ms} if gap is not None else {})},
         "top": rows[: a.top],
     }
+    if gaps is not None:
+        summary["host_gaps"] = gaps
     if a.launchers and cuda:
         summary["launchers"] = launchers(prof, [r["name"] for r in rows[: a.launchers]], a.steps)
     (out / "profile.json").write_text(json.dumps(summary, indent=1))
@@ -272,7 +278,11 @@ def main() -> None:
     for r in summary.get("launchers", []):
         print(f"launcher: {r['ms_per_step']:.3f} ms/step, {r['calls_per_step']} calls/step of {r['kernel'][:60]} <- "
               f"{r['op']} {r['shapes']} <- {' <- '.join(r['parents'])}")
-    print(f"wrote {out / 'profile.json'}" + (f" and {out / 'trace.json'}" if a.trace else ""))
+    if gaps is not None:
+        from trace_gaps import report
+
+        print(report(gaps, "trace"))
+    print(f"wrote {out / 'profile.json'}" + (f" and {out / 'trace.json.gz'}" if a.trace else ""))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ That host time is attributed to the innermost CPU op (or runtime call) running o
 over all gaps by name: the names with the most gap time are what the GPU waits for. Runtime calls that block the host
 (``*Synchronize``, device-to-host copies) are counted and timed separately, since each one drains the queue.
 
-``bench_lora_recompute.py --profile N --trace DIR`` writes such traces and prints this summary for each mode.
+``bench_lora_recompute.py --profile N --trace DIR`` writes such traces and prints this summary for each mode,
+``gpu_gpt_profile.py --trace`` for the GPT or flow step.
 """
 
 from __future__ import annotations
@@ -114,10 +115,24 @@ def analyse(events: list[dict], steps: int = 1, min_us: float = 20.0, top: int =
     }
 
 
+def export(prof, path: str, steps: int = 1) -> dict:
+    """Write a finished torch.profiler run's chrome trace to ``path`` + ".gz" (gzipped: about a tenth of the size) and
+    return ``analyse`` of it."""
+    import os
+    import shutil
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(path)
+    return analyse(load(path + ".gz"), steps)
+
+
 def report(res: dict, label: str = "") -> str:
     if "error" in res:
         return f"{label}: {res['error']}"
-    lines = [f"{label} window {res['window_ms_per_step']:.1f} ms/step, device busy {res['busy_ms_per_step']:.1f}, "
+    lines = [f"{label}: window {res['window_ms_per_step']:.1f} ms/step, device busy {res['busy_ms_per_step']:.1f}, "
              f"idle {res['idle_ms_per_step']:.1f} in {res['gaps_per_step']:.0f} gaps; the host late for "
              f"{res['host_late_ms_per_step']:.1f} ms of them"]
     lines += [f"    blocking {n}: {v['calls']:.1f} calls, {v['ms']:.2f} ms per step"
