@@ -162,7 +162,6 @@ def test_compiled_blocks_trace_the_checkpoint(monkeypatch, transformers_style, p
     decides what is saved) whichever way transformers checkpoints a layer; before 5.23 it wrapped the compiled call,
     and an H200 paid +111% wall time for +36% device time. Same gradients as no recompute either way."""
     from torch._dynamo.backends.debugging import aot_eager
-
     from torch._dynamo.utils import counters
 
     if transformers_style != "current":
