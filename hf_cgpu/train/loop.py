@@ -35,7 +35,7 @@ from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
 from .ema import ema_weights
 from .metrics import Metrics, peak_memory
 from .outdir import LOCK_NAME
-from .parallel import full_model, is_sharded, peak_memory_per_process
+from .parallel import end_processes, full_model, is_sharded, peak_memory_per_process
 from .prepare import Run, prepare
 from .quiet import quiet_saves
 from .schedule import TimeFit, lr_at, set_lr
@@ -256,6 +256,5 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
         elif acc.is_main_process:
             save_run(task, acc.unwrap_model(run.model), run.ema, use_best, run.output_dir, results, recorded,
                      metrics.history, metrics.write)
-    acc.wait_for_everyone()
-    acc.end_training()
+    end_processes(acc)
     return results

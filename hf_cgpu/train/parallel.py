@@ -9,6 +9,7 @@ loop needs so that DDP and FSDP2 behave like one process.
   sample grids and generations. Under FSDP2 the parameters are ``DTensor`` shards: the full state dict is gathered
   (a collective on every rank) into a plain copy of the model kept on the CPU.
 * ``local`` / ``full_tensor``: a tensor's shard on this rank, and the whole tensor (gathered when sharded).
+* ``end_processes``: the end of a multi-process run without the exit hang of a gloo group (below).
 """
 
 from __future__ import annotations
@@ -83,6 +84,23 @@ def gather_list(accelerator, items: list) -> list:
     from accelerate.utils import gather_object
 
     return list(gather_object(list(items)))
+
+
+def end_processes(accelerator) -> None:
+    """Wait for every rank, then end the run (``end_training``: trackers, the process group), leaving the group's
+    worker threads time to drop the last collectives first.
+
+    A finished gloo collective is freed on its worker thread, which takes the GIL to release the Python tensors it
+    held (a barrier holds the all-gather before it). Once ``end_training`` has destroyed the group, DDP's reducer
+    holds its last reference, and freeing the model joins those threads inside gloo's destructor with the GIL held:
+    a worker still waiting for the GIL then hangs the process for ever (pytorch/pytorch#56297; seen in CI: rank 0 of
+    a two-process CPU run stuck in ``~ProcessGroupGloo`` after its results were written). Sleeping releases the GIL."""
+    import time
+
+    accelerator.wait_for_everyone()
+    if accelerator.num_processes > 1:
+        time.sleep(0.2)
+    accelerator.end_training()
 
 
 def template_of(accelerator, model: torch.nn.Module) -> torch.nn.Module | None:
