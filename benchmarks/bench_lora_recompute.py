@@ -115,7 +115,7 @@ def measure(a, mode: str, device: torch.device, interleave: bool = False):
     compiled kernels instead of Python) or ``+graphs`` (``compile_mode="reduce-overhead"``: CUDA graphs)."""
     torch._dynamo.reset()  # a new model of the same blocks would reuse the previous mode's compiled code
     torch._dynamo.utils.counters.clear()  # graph breaks of this mode's compile (row["graph_breaks"])
-    if mode.endswith("+cpp"):
+    if mode.partition("+")[2] == "cpp":
         import torch._inductor.config as inductor_config
 
         with inductor_config.patch(cpp_wrapper=True):
@@ -199,7 +199,7 @@ def profile_steps(step, sync, device: torch.device, steps: int, trace: str = "")
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_gpt_profile import category, kernel_times
+    from gpu_gpt_profile import kernel_rows
 
     cuda = device.type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -210,22 +210,15 @@ def profile_steps(step, sync, device: torch.device, steps: int, trace: str = "")
             step()
         sync()
         wall = (time.perf_counter() - t0) * 1e3 / steps
-    if cuda:
-        times = {k: ms / steps for k, (n, ms) in kernel_times(prof).items()}
-    else:
-        times = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.self_cpu_time_total > 0}
-    shares: dict[str, float] = collections.Counter()
-    for k, ms in times.items():
-        shares[category(k)] += ms
-    top = sorted(times.items(), key=lambda kv: -kv[1])[:10]
+    rows, busy, shares = kernel_rows(prof, cuda)
     gaps = None
     if trace and cuda:
         from trace_gaps import export
 
         gaps = export(prof, trace, steps)
-    return {"gaps": gaps, "wall_ms_per_step": wall, "busy_ms_per_step": sum(times.values()) if cuda else None,
-            "ms_by_category": dict(sorted(shares.items(), key=lambda kv: -kv[1])),
-            "top": [{"name": k[:120], "ms_per_step": ms} for k, ms in top]}
+    return {"gaps": gaps, "wall_ms_per_step": wall, "busy_ms_per_step": busy / steps if cuda else None,
+            "ms_by_category": {k: ms / steps for k, ms in shares.items()},
+            "top": [{"name": r["name"][:120], "ms_per_step": r["ms"] / steps} for r in rows[:10]]}
 
 
 def finish(row: dict, tokens: int) -> dict:

@@ -66,6 +66,21 @@ def kernel_times(prof) -> dict[str, tuple[int, float]]:
     return out
 
 
+def kernel_rows(prof, cuda: bool) -> tuple[list[dict], float, dict[str, float]]:
+    """The profiled work by kernel, largest first: rows ``{name, calls, ms, category}`` of device time (on a CPU
+    profile, self CPU time per op), their sum (device busy ms) and ms by category, largest first."""
+    if cuda:
+        rows = [{"name": k, "calls": n, "ms": ms, "category": category(k)} for k, (n, ms) in kernel_times(prof).items()]
+    else:
+        rows = [{"name": e.key, "calls": e.count, "ms": e.self_cpu_time_total / 1e3, "category": category(e.key)}
+                for e in prof.key_averages() if e.self_cpu_time_total > 0 and not e.key.startswith("ProfilerStep")]
+    rows.sort(key=lambda r: -r["ms"])
+    shares: dict[str, float] = {}
+    for r in rows:
+        shares[r["category"]] = shares.get(r["category"], 0.0) + r["ms"]
+    return rows, sum(r["ms"] for r in rows), dict(sorted(shares.items(), key=lambda kv: -kv[1]))
+
+
 def launchers(prof, kernels: list[str], steps: int) -> list[dict]:
     """Which CPU op (with its input shapes and 3 parents) launched each of ``kernels``, by device time."""
     wanted, found = set(kernels), {}
@@ -233,19 +248,7 @@ def main() -> None:
 
         gaps = export(prof, str(out / "trace.json"), a.steps)
 
-    rows = []
-    if cuda:
-        rows = [{"name": k, "calls": n, "ms": ms, "category": category(k)} for k, (n, ms) in kernel_times(prof).items()]
-    else:
-        for e in prof.key_averages():
-            if e.self_cpu_time_total > 0 and not e.key.startswith("ProfilerStep"):
-                rows.append({"name": e.key, "calls": e.count, "ms": e.self_cpu_time_total / 1e3,
-                             "category": category(e.key)})
-    rows.sort(key=lambda r: -r["ms"])
-    busy = sum(r["ms"] for r in rows)
-    shares: dict[str, float] = {}
-    for r in rows:
-        shares[r["category"]] = shares.get(r["category"], 0.0) + r["ms"]
+    rows, busy, shares = kernel_rows(prof, cuda)
     wall_ms = wall * 1e3
     gap = max(0.0, wall_ms - busy) if cuda else None
     units = a.batch * (a.seq if unit == "tok" else 1) * a.steps * getattr(a, "accumulation", 1)
@@ -256,7 +259,7 @@ def main() -> None:
         "compile": a.compile, "steps": a.steps,
         "wall_ms_per_step": wall_ms / a.steps, f"{unit}_per_s_profiled": units / wall,
         "device_busy_ms_per_step": busy / a.steps,
-        "shares_of_wall": {**{k: v / wall_ms for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
+        "shares_of_wall": {**{k: v / wall_ms for k, v in shares.items()},
                            **({"gaps (wall - device busy)": gap / wall_ms} if gap is not None else {})},
         "top": rows[: a.top],
     }

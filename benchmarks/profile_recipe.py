@@ -26,7 +26,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_gpt_profile import category, kernel_times  # noqa: E402
+from gpu_gpt_profile import kernel_rows  # noqa: E402
 
 
 def main() -> None:
@@ -75,17 +75,9 @@ def main() -> None:
         sys.exit(f"the run took {state['n']} optimizer steps, fewer than --skip {a.skip} + --active {a.active}: "
                  "raise --max_steps")
     wall_ms = state["wall"] * 1e3
-    if cuda:
-        rows = [{"name": k, "calls": n, "ms": ms, "category": category(k)} for k, (n, ms) in kernel_times(prof).items()]
-    else:
-        rows = []
-    rows.sort(key=lambda r: -r["ms"])
-    busy = sum(r["ms"] for r in rows)
+    rows, busy, shares = kernel_rows(prof, cuda) if cuda else ([], 0.0, {})
     cpu = sorted(({"name": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3}
                   for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda r: -r["self_ms"])
-    shares: dict[str, float] = {}
-    for r in rows:
-        shares[r["category"]] = shares.get(r["category"], 0.0) + r["ms"]
     stamps = state["stamps"]
     after = stamps[a.skip + a.active:]
     gaps = sorted(b - x for x, b in zip(after, after[1:]))
@@ -97,7 +89,7 @@ def main() -> None:
         "device_busy_ms_per_step": busy / steps if cuda else None,
         "gap_share": max(0.0, wall_ms - busy) / wall_ms if cuda else None,
         "unprofiled_step_ms_median": 1e3 * gaps[len(gaps) // 2] if gaps else None,
-        "device_shares_of_wall": {k: v / wall_ms for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
+        "device_shares_of_wall": {k: v / wall_ms for k, v in shares.items()},
         "top_kernels": [{**r, "ms_per_step": r["ms"] / steps} for r in rows[: a.top]],
         "top_cpu_ops": [{**r, "self_ms_per_step": r["self_ms"] / steps, "calls_per_step": r["calls"] / steps}
                         for r in cpu[: a.top]],
