@@ -60,7 +60,8 @@ def kernel_times(prof) -> dict[str, tuple[int, float]]:
     ``key_averages()`` by kernel name counts it twice)."""
     out: dict[str, tuple[int, float]] = {}
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
+        # "## Call CompiledFxGraph ... ##" is a user annotation that spans its graph's kernels on the device timeline
+        if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("## "):
             calls, ms = out.get(ev.name, (0, 0.0))
             out[ev.name] = (calls + 1, ms + ev.device_time_total / 1e3)
     return out
@@ -175,7 +176,10 @@ def flow_step(a, dev, cuda):
     if a.compile == "true":  # as the loop compiles it (apply_compile: channels_last kept inside inductor)
         from hf_cgpu.tiers import compile_options
 
-        step_model = torch.compile(model, dynamic=False, **compile_options(model, None))
+        opts = compile_options(model, getattr(a, "compile_mode", None))
+        if "options" in opts:
+            opts["options"].update(getattr(a, "inductor_options", {}))  # flow_step_variants.py's extra knobs
+        step_model = torch.compile(model, dynamic=False, **opts)
     else:
         step_model = model
     matcher = FlowMatcher(time_sampling="logit_normal")

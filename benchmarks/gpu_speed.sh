@@ -21,6 +21,8 @@
 #   bash benchmarks/gpu_speed.sh flow-sampling 10,000 images at 20 evaluations: eager fp32/bf16, compiled, CUDA graphs
 #   bash benchmarks/gpu_speed.sh flow-profile  torch.profiler of the flow UNet step (base 128, batch 256): convolution /
 #                                              group norm / elementwise / optimizer / gap shares (~2 min)
+#   bash benchmarks/gpu_speed.sh flow-variants the isolated flow step under compile settings (VARIANTS=..., PROFILE=...:
+#                                              flow_step_variants.py): ms/step, device time by kernel (~1 min each)
 #   bash benchmarks/gpu_speed.sh flow-loop-profile  --preset cifar10's own loop under the profiler (profile_recipe.py),
 #                                              reading the figures one step late and at once (SYNCS="0 1"; ~2 min)
 #   bash benchmarks/gpu_speed.sh gpt-profile   torch.profiler of the GPT 124M step at micro-batch 16 (and 8, 32 with
@@ -80,6 +82,10 @@ case "$PART" in
     # PROFILE_ARGS="--memory_format contiguous --launchers 6" TAG=name: another layout, who launched the top kernels
     timeout ${LIMIT:-300} python3 benchmarks/gpu_gpt_profile.py --model flow ${PROFILE_ARGS:-} \
       --out "$OUT/flow_profile${TAG:+_$TAG}" 2>&1 | tee "$OUT/flow_profile${TAG:+_$TAG}.log" ;;
+  flow-variants)
+    timeout ${LIMIT:-540} python3 benchmarks/flow_step_variants.py ${VARIANTS:+--variants $VARIANTS} \
+      ${PROFILE:+--profile $PROFILE} --json "$OUT/flow_variants${TAG:+_$TAG}.json" 2>&1 \
+      | tee "$OUT/flow_variants${TAG:+_$TAG}.log" ;;
   flow-loop-profile)
     for S in ${SYNCS:-0 1}; do
       HF_CGPU_SYNC_STEPS=$S timeout 300 python3 benchmarks/profile_recipe.py --skip 60 --active 10 \
@@ -97,5 +103,5 @@ case "$PART" in
       timeout 240 python3 benchmarks/gpu_gpt_profile.py --preset "$P" --steps 3 --out "$OUT/profile_$P" 2>&1 \
         | tee "$OUT/profile_$P.log"
     done ;;
-  *) echo "usage: bash benchmarks/gpu_speed.sh gpt|flow|lora|lora-compiled|qlora|lora-speed|lora-peers|flow-sampling|flow-profile|flow-loop-profile|gpt-profile|preset-profile"; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_speed.sh gpt|flow|lora|lora-compiled|qlora|lora-speed|lora-peers|flow-sampling|flow-profile|flow-variants|flow-loop-profile|gpt-profile|preset-profile"; exit 2 ;;
 esac

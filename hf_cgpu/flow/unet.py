@@ -45,6 +45,9 @@ def _compiling_channels_last(x: torch.Tensor) -> bool:
             and x.is_contiguous(memory_format=torch.channels_last))
 
 
+GROUP_NORM_FORM = "group"
+
+
 class GroupNorm(nn.GroupNorm):
     """``nn.GroupNorm`` (same parameters, same values) that keeps a channels_last input channels_last under
     ``torch.compile``: CUDA's group-norm kernels return contiguous tensors, and inductor lays out the compiled
@@ -57,6 +60,8 @@ class GroupNorm(nn.GroupNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _compiling_channels_last(x):
             return super().forward(x)
+        if GROUP_NORM_FORM == "nc":
+            return self._from_channel_moments(x)
         n, c, h, w = x.shape
         grouped = x.float().view(n, self.num_groups, c // self.num_groups, h, w)
         var, mean = torch.var_mean(grouped, dim=(2, 3, 4), keepdim=True, correction=0)
@@ -64,6 +69,22 @@ class GroupNorm(nn.GroupNorm):
         if self.affine:
             y = y * self.weight.float().view(1, c, 1, 1) + self.bias.float().view(1, c, 1, 1)
         # autocast runs group_norm in fp32 and returns fp32; without it the output has the input's dtype
+        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+    def _from_channel_moments(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        g = self.num_groups
+        xf = x.float()
+        var_c, mean_c = torch.var_mean(xf, dim=(2, 3), correction=0)  # (n, c): one pass over x
+        mean_cg = mean_c.view(n, g, c // g)
+        mean = mean_cg.mean(-1, keepdim=True)  # (n, g, 1)
+        var = (var_c.view(n, g, c // g) + (mean_cg - mean).square()).mean(-1, keepdim=True)  # the groups' variance
+        rstd = torch.rsqrt(var + self.eps)
+        scale = rstd.expand(n, g, c // g).reshape(n, c)
+        shift = (-mean * rstd).expand(n, g, c // g).reshape(n, c)
+        if self.affine:
+            scale, shift = scale * self.weight.float(), shift * self.weight.float() + self.bias.float()
+        y = xf * scale[:, :, None, None] + shift[:, :, None, None]
         return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
 
 

@@ -1,0 +1,135 @@
+"""GPU: the flow UNet's isolated training step (as ``gpu_gpt_profile.py --model flow`` builds it: base 128,
+class-conditional, batch 256 of 32 x 32, channels_last, compiled, bf16 autocast, fused AdamW, clip 1.0, EMA lerp)
+under several compile settings in one process, to find what takes device time off it (issue 12: the flow target
+needs about 20% less device time a step).
+
+Variants (``--variants``, comma-separated; each one after ``torch._dynamo.reset()``):
+    default        the loop's compile (``tiers.compile_options``: inductor's layout optimization forced on)
+    cudnn-bench    + ``torch.backends.cudnn.benchmark = True`` (cuDNN times its convolution algorithms once)
+    coord          + inductor's ``coordinate_descent_tuning`` (tunes each Triton kernel's block sizes)
+    autotune       mode ``max-autotune-no-cudagraphs`` (Triton convolution / matmul templates against cuDNN/cuBLAS)
+    graphs         mode ``reduce-overhead`` (CUDA graphs: the preset's mode)
+    gn-nc          the group norm from per-(image, channel) moments (``--gn nc``), see ``_group_norm_nc``
+    a+b            several at once, e.g. ``gn-nc+cudnn-bench+graphs``
+
+Each variant: the first step's seconds (compile), then ``--steps`` steps timed between two synchronisations (the
+median of 5 runs of steps/5), peak allocated memory. ``--profile V1,V2``: torch.profiler over 5 more steps of
+those variants: device time by kernel (top ``--top``) and by category. Rows print as they finish and the JSON is
+rewritten after each.
+
+GPU:  python benchmarks/flow_step_variants.py --variants default,cudnn-bench,gn-nc --profile default,gn-nc --json F
+CPU:  python benchmarks/flow_step_variants.py --smoke   (tiny, eager: checks the script only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_gpt_profile import flow_step, kernel_rows  # noqa: E402  (the same step and kernel table)
+
+PARTS = {"default", "cudnn-bench", "coord", "autotune", "graphs", "gn-nc"}
+
+
+def settings(variant: str) -> tuple[str | None, dict, bool, str]:
+    """(compile mode, extra inductor options, cudnn.benchmark, group norm form) of a variant."""
+    parts = set(variant.split("+"))
+    unknown = parts - PARTS
+    if unknown:
+        raise SystemExit(f"error: unknown variant part(s) {sorted(unknown)}; choose from {sorted(PARTS)}")
+    mode = "reduce-overhead" if "graphs" in parts else "max-autotune-no-cudagraphs" if "autotune" in parts else None
+    options = {"coordinate_descent_tuning": True} if "coord" in parts else {}
+    return mode, options, "cudnn-bench" in parts, "nc" if "gn-nc" in parts else "group"
+
+
+def measure(variant: str, a, dev, cuda: bool, profile: bool) -> dict:
+    from hf_cgpu.flow import unet
+
+    torch._dynamo.reset()
+    mode, options, bench, gn = settings(variant)
+    torch.backends.cudnn.benchmark = bench
+    a.compile_mode, a.inductor_options = mode, options
+    unet.GROUP_NORM_FORM = gn
+    torch.manual_seed(0)
+    step = flow_step(a, dev, cuda)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t0 = time.perf_counter()
+    step()
+    sync()
+    first = time.perf_counter() - t0
+    for _ in range(a.warmup):
+        step()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(max(1, a.steps // 5)):
+            loss = step()
+        sync()
+        runs.append((time.perf_counter() - t0) / max(1, a.steps // 5))
+    ms = statistics.median(runs) * 1e3
+    row = {"variant": variant, "ms_per_step": ms, "img_per_s": a.batch / ms * 1e3, "first_step_s": first,
+           "runs_ms": [r * 1e3 for r in runs], "loss": loss.item(),
+           "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    if profile:
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(5):
+                step()
+            sync()
+        rows, busy, shares = kernel_rows(prof, cuda)
+        row["device_busy_ms"] = busy / 5
+        row["by_category_ms"] = {k: v / 5 for k, v in shares.items()}
+        row["top"] = [{**r, "ms": r["ms"] / 5, "calls": r["calls"] // 5} for r in rows[: a.top]]
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="default,cudnn-bench,coord,gn-nc,gn-nc+cudnn-bench,graphs")
+    p.add_argument("--profile", default="default", help="variants to profile too (comma-separated, '' for none)")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--json", default="")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, eager")
+    a = p.parse_args()
+    cuda = torch.cuda.is_available() and not a.smoke
+    dev = torch.device("cuda" if cuda else "cpu")
+    a.memory_format, a.compile = "channels_last", "true"
+    if a.smoke:
+        a.batch, a.warmup, a.steps, a.top, a.compile = 4, 1, 5, 5, "false"
+    variants = [v for v in a.variants.split(",") if v]
+    for v in variants:
+        settings(v)  # every name checked before the first compile
+    profiled = {v for v in a.profile.split(",") if v}
+    rows = []
+    print(f"{torch.cuda.get_device_name() if cuda else 'CPU (smoke)'} | torch {torch.__version__} | batch {a.batch}")
+    for v in variants:
+        row = measure(v, a, dev, cuda, v in profiled)
+        rows.append(row)
+        print(f"{v}: {row['ms_per_step']:.2f} ms/step, {row['img_per_s']:,.0f} img/s, first step "
+              f"{row['first_step_s']:.1f} s, peak {row['peak_alloc_gib'] or 0:.2f} GiB, runs "
+              + " ".join(f"{r:.2f}" for r in row["runs_ms"]), flush=True)
+        if "top" in row:
+            print(f"  device busy {row['device_busy_ms']:.2f} ms/step; " + ", ".join(
+                f"{k} {ms:.2f}" for k, ms in row["by_category_ms"].items()))
+            for r in row["top"]:
+                print(f"  | {r['name'][:110]} | {r['calls']} | {r['ms']:.3f} | {r['category']} |")
+        if a.json:
+            Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "CPU",
+                                                "torch": torch.__version__, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
