@@ -9,15 +9,16 @@ Variants (``--variants``, comma-separated; each one after ``torch._dynamo.reset(
     coord          + inductor's ``coordinate_descent_tuning`` (tunes each Triton kernel's block sizes)
     autotune       mode ``max-autotune-no-cudagraphs`` (Triton convolution / matmul templates against cuDNN/cuBLAS)
     graphs         mode ``reduce-overhead`` (CUDA graphs: the preset's mode)
-    gn-nc          the group norm from per-(image, channel) moments (``--gn nc``), see ``_group_norm_nc``
-    a+b            several at once, e.g. ``gn-nc+cudnn-bench+graphs``
+    a+b            several at once, e.g. ``cudnn-bench+graphs``
+(Session 11 measured a ``gn-nc`` variant here too, the group norm from per-(image, channel) moments, then behind a
+switch in ``flow/unet.py`` at commit 555060e; it is now that module's only compiled form.)
 
 Each variant: the first step's seconds (compile), then ``--steps`` steps timed between two synchronisations (the
 median of 5 runs of steps/5), peak allocated memory. ``--profile V1,V2``: torch.profiler over 5 more steps of
 those variants: device time by kernel (top ``--top``) and by category. Rows print as they finish and the JSON is
 rewritten after each.
 
-GPU:  python benchmarks/flow_step_variants.py --variants default,cudnn-bench,gn-nc --profile default,gn-nc --json F
+GPU:  python benchmarks/flow_step_variants.py --variants default,cudnn-bench,graphs --profile default --json F
 CPU:  python benchmarks/flow_step_variants.py --smoke   (tiny, eager: checks the script only)
 """
 
@@ -35,28 +36,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_gpt_profile import flow_step, kernel_rows  # noqa: E402  (the same step and kernel table)
 
-PARTS = {"default", "cudnn-bench", "coord", "autotune", "graphs", "gn-nc"}
+PARTS = {"default", "cudnn-bench", "coord", "autotune", "graphs"}
 
 
-def settings(variant: str) -> tuple[str | None, dict, bool, str]:
-    """(compile mode, extra inductor options, cudnn.benchmark, group norm form) of a variant."""
+def settings(variant: str) -> tuple[str | None, dict, bool]:
+    """(compile mode, extra inductor options, cudnn.benchmark) of a variant."""
     parts = set(variant.split("+"))
     unknown = parts - PARTS
     if unknown:
         raise SystemExit(f"error: unknown variant part(s) {sorted(unknown)}; choose from {sorted(PARTS)}")
     mode = "reduce-overhead" if "graphs" in parts else "max-autotune-no-cudagraphs" if "autotune" in parts else None
     options = {"coordinate_descent_tuning": True} if "coord" in parts else {}
-    return mode, options, "cudnn-bench" in parts, "nc" if "gn-nc" in parts else "group"
+    return mode, options, "cudnn-bench" in parts
 
 
 def measure(variant: str, a, dev, cuda: bool, profile: bool) -> dict:
-    from hf_cgpu.flow import unet
-
     torch._dynamo.reset()
-    mode, options, bench, gn = settings(variant)
+    mode, options, bench = settings(variant)
     torch.backends.cudnn.benchmark = bench
     a.compile_mode, a.inductor_options = mode, options
-    unet.GROUP_NORM_FORM = gn
     torch.manual_seed(0)
     step = flow_step(a, dev, cuda)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -95,7 +93,7 @@ def measure(variant: str, a, dev, cuda: bool, profile: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="default,cudnn-bench,coord,gn-nc,gn-nc+cudnn-bench,graphs")
+    p.add_argument("--variants", default="default,graphs")
     p.add_argument("--profile", default="default", help="variants to profile too (comma-separated, '' for none)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--warmup", type=int, default=10)

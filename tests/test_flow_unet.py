@@ -111,8 +111,10 @@ def test_bad_widths_fail_with_the_fix():
 @pytest.mark.parametrize("autocast", [False, True])
 def test_compiled_group_norm_keeps_channels_last_and_the_values(autocast):
     """Under compile the UNet's GroupNorm runs as elementwise ops + var_mean on a channels_last input (no group_norm
-    op in the traced graph, whose CUDA kernels would hand the backward contiguous tensors): output, dtype, layout and
-    gradients as nn.GroupNorm's, fp32 and under bf16 autocast (where group_norm returns fp32)."""
+    op in the traced graph, whose CUDA kernels would hand the backward contiguous tensors), its one reduction over
+    the activation per (image, channel) (the pixels only; the group's moments are combined from those): output,
+    dtype, layout and gradients as nn.GroupNorm's, fp32 and under bf16 autocast (where group_norm returns fp32), on
+    channels whose means differ (the combination's between-channel term)."""
     from torch._dynamo.backends.debugging import aot_eager
 
     from hf_cgpu.flow.unet import GroupNorm
@@ -123,11 +125,15 @@ def test_compiled_group_norm_keeps_channels_last_and_the_values(autocast):
         for p in ours.parameters():
             p.normal_()
     ref.load_state_dict(ours.state_dict())
-    x = (3 * torch.randn(2, 16, 6, 5) + 1).contiguous(memory_format=torch.channels_last)
-    targets = []
+    x = (3 * torch.randn(2, 16, 6, 5) + torch.linspace(-4, 8, 16).view(1, 16, 1, 1)).contiguous(
+        memory_format=torch.channels_last)
+    targets, reductions = [], []
 
     def backend(gm, example_inputs):
-        targets.extend(str(n.target) for n in gm.graph.nodes)
+        for n in gm.graph.nodes:
+            targets.append(str(n.target))
+            if "var_mean" in str(n.target):
+                reductions.append((n.args[1:], n.kwargs))
         return aot_eager(gm, example_inputs)
 
     torch._dynamo.reset()
@@ -141,6 +147,7 @@ def test_compiled_group_norm_keeps_channels_last_and_the_values(autocast):
         outs.append(y)
         grads.append((xi.grad, *(p.grad for p in m.parameters())))
     assert targets and not any("group_norm" in t for t in targets), targets
+    assert len(reductions) == 1 and tuple(reductions[0][1].get("dim") or reductions[0][0][0]) == (2, 3), reductions
     assert outs[0].dtype == outs[1].dtype == torch.float32
     assert outs[0].is_contiguous(memory_format=torch.channels_last) and not outs[0].is_contiguous()
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
