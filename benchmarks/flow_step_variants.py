@@ -9,6 +9,8 @@ Variants (``--variants``, comma-separated; each one after ``torch._dynamo.reset(
     coord          + inductor's ``coordinate_descent_tuning`` (tunes each Triton kernel's block sizes)
     autotune       mode ``max-autotune-no-cudagraphs`` (Triton convolution / matmul templates against cuDNN/cuBLAS)
     graphs         mode ``reduce-overhead`` (CUDA graphs: the preset's mode)
+    split-cat      the decoder blocks take their two inputs apart instead of concatenated (``split_cat``: the same
+                   parameters and values; not in the model until a measurement shows a gain)
     a+b            several at once, e.g. ``cudnn-bench+graphs``
 (Session 11 measured a ``gn-nc`` variant here too, the group norm from per-(image, channel) moments, then behind a
 switch in ``flow/unet.py`` at commit 555060e; it is now that module's only compiled form.)
@@ -36,7 +38,46 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_gpt_profile import flow_step, kernel_rows  # noqa: E402  (the same step and kernel table)
 
-PARTS = {"default", "cudnn-bench", "coord", "autotune", "graphs"}
+PARTS = {"default", "cudnn-bench", "coord", "autotune", "graphs", "split-cat"}
+
+
+def split_block(block, parts: tuple, emb: torch.Tensor) -> torch.Tensor:
+    """``block(torch.cat(parts, 1), emb)`` without the concatenation: the first norm's group moments combined from
+    each part's (image, channel) moments, the first convolution and the 1x1 skip as sums of convolutions over each
+    part's slice of input channels. The decoder's widest convolution (u1's, 384 -> 128 at 32 x 32) then runs as two
+    convolutions of usual widths (cuDNN ran its input gradient with an sm80 kernel, 0.69 ms of the 9.7 ms step, call 4
+    of the eleventh session) and the concatenation is never written."""
+    import torch.nn.functional as F
+
+    xs = [p.float() for p in parts]
+    moments = [torch.var_mean(x, dim=(2, 3), correction=0) for x in xs]
+    scale, shift = block.norm1.scale_shift(torch.cat([m[0] for m in moments], 1), torch.cat([m[1] for m in moments], 1))
+    h = skip = None
+    start = 0
+    for x, p in zip(xs, parts):
+        sl = slice(start, start + x.shape[1])
+        start = sl.stop
+        a = F.silu(x * scale[:, sl, None, None] + shift[:, sl, None, None])
+        c = F.conv2d(a, block.conv1.weight[:, sl], block.conv1.bias if h is None else None, padding=1)
+        k = F.conv2d(p, block.skip.weight[:, sl], block.skip.bias if skip is None else None)
+        h, skip = (c, k) if h is None else (h + c, skip + k)
+    h = h + block.emb_proj(emb)[:, :, None, None]
+    h = block.conv2(F.silu(block.norm2(h)))
+    return h + skip
+
+
+def split_forward(self, sample, timestep, class_labels=None, return_dict=True):
+    """``FlowUNet2DModel.forward`` with the decoder blocks on their two inputs (``split_block``)."""
+    from hf_cgpu.flow.unet import FlowUNet2DOutput, upsample2x
+
+    emb = self._embed(timestep, class_labels, sample.shape[0], sample.device)
+    h1 = self.d1(self.in_conv(sample), emb)
+    h2 = self.d2(self.down1(h1), emb)
+    m = self.mid(self.down2(h2), emb)
+    h = split_block(self.u2, (upsample2x(m), h2), emb)
+    h = split_block(self.u1, (upsample2x(h), h1), emb)
+    out = self.out(h)
+    return FlowUNet2DOutput(sample=out) if return_dict else (out,)
 
 
 def settings(variant: str) -> tuple[str | None, dict, bool]:
@@ -51,12 +92,25 @@ def settings(variant: str) -> tuple[str | None, dict, bool]:
 
 
 def measure(variant: str, a, dev, cuda: bool, profile: bool) -> dict:
+    from hf_cgpu.flow.unet import FlowUNet2DModel
+
     torch._dynamo.reset()
     mode, options, bench = settings(variant)
     torch.backends.cudnn.benchmark = bench
     a.compile_mode, a.inductor_options = mode, options
     torch.manual_seed(0)
-    step = flow_step(a, dev, cuda)
+    plain = FlowUNet2DModel.forward
+    if "split-cat" in variant.split("+"):
+        FlowUNet2DModel.forward = split_forward
+    try:
+        step = flow_step(a, dev, cuda)
+        return timed(step, variant, a, cuda, profile)
+    finally:
+        FlowUNet2DModel.forward = plain
+
+
+def timed(step, variant: str, a, cuda: bool, profile: bool) -> dict:
+    """The first step's seconds, the median ms of 5 timed runs, peak memory, and with ``profile`` the kernel table."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
     step()

@@ -62,10 +62,19 @@ class GroupNorm(nn.GroupNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _compiling_channels_last(x):
             return super().forward(x)
-        n, c, h, w = x.shape
-        g = self.num_groups
         xf = x.float()
         var_c, mean_c = torch.var_mean(xf, dim=(2, 3), correction=0)  # (n, c): one pass over x
+        scale, shift = self.scale_shift(var_c, mean_c)
+        y = xf * scale[:, :, None, None] + shift[:, :, None, None]
+        # autocast runs group_norm in fp32 and returns fp32; without it the output has the input's dtype
+        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+    def scale_shift(self, var_c: torch.Tensor, mean_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, c) fp32 scale and shift that normalize the input (affine included), from its (n, c) moments over the
+        pixels: the group's mean is the mean of its channels' means, its variance the mean of their variances plus
+        the variance of their means."""
+        n, c = mean_c.shape
+        g = self.num_groups
         mean_cg = mean_c.view(n, g, c // g)
         mean = mean_cg.mean(-1, keepdim=True)  # (n, g, 1)
         var = (var_c.view(n, g, c // g) + (mean_cg - mean).square()).mean(-1, keepdim=True)
@@ -74,9 +83,7 @@ class GroupNorm(nn.GroupNorm):
         shift = (-mean * rstd).expand(n, g, c // g).reshape(n, c)
         if self.affine:
             scale, shift = scale * self.weight.float(), shift * self.weight.float() + self.bias.float()
-        y = xf * scale[:, :, None, None] + shift[:, :, None, None]
-        # autocast runs group_norm in fp32 and returns fp32; without it the output has the input's dtype
-        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+        return scale, shift
 
 
 def upsample2x(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,49 @@
+"""benchmarks/flow_step_variants.py's experimental decoder without concatenation computes the UNet's function."""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from flow_step_variants import settings, split_forward  # noqa: E402
+
+from hf_cgpu.flow.unet import FlowUNet2DModel  # noqa: E402
+
+
+def _run(model, forward, x, t, y, compiled):
+    m = copy.deepcopy(model)
+    f = lambda *a: forward(m, *a).sample  # noqa: E731
+    if compiled:
+        torch._dynamo.reset()
+        f = torch.compile(f, backend="aot_eager", dynamic=False)
+    out = f(x, t, y)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out, [p.grad for p in m.parameters()]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_split_decoder_matches_the_concatenating_forward(compiled):
+    """Same output and parameter gradients as FlowUNet2DModel.forward (eager, native group norm), eager and traced
+    (where the group norm takes the channel-moments path), on channels_last inputs with non-trivial weights."""
+    torch.manual_seed(0)
+    model = FlowUNet2DModel(sample_size=8, base_channels=16, norm_num_groups=4, num_classes=3)
+    model = model.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    t, y = torch.rand(2), torch.tensor([0, 2])
+    ref, ref_grads = _run(model, FlowUNet2DModel.forward, x, t, y, compiled=False)
+    out, grads = _run(model, split_forward, x, t, y, compiled)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_unknown_variant_is_refused():
+    with pytest.raises(SystemExit, match="unknown variant"):
+        settings("graphs+nope")
+    assert settings("split-cat+graphs") == ("reduce-overhead", {}, False)
