@@ -128,7 +128,7 @@ def measure(key: str, args, device, path: Path) -> dict:
     t_build = time.perf_counter()
     model, opt, kind = build(tier, whose, compile, recompute, path, device, args, mode)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len + 1), device=device)
-    step = step_fn(model, opt, kind, ids, args.accumulation, device)
+    step = step_fn(model, opt, kind, ids, args.accumulation, device, cuda_graphs=mode is not None)
     for _ in range(args.warmup):
         step()
     if device.type == "cuda":

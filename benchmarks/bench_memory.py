@@ -116,9 +116,17 @@ def build(model_name: str, tier: str, recompute: bool, device, root: Path, dry: 
     return model, build_optimizer(model, tier, lr=1e-4), kind, shape
 
 
-def step_fn(model, opt, kind: str, ids: torch.Tensor, accumulation: int, device):
+def step_fn(model, opt, kind: str, ids: torch.Tensor, accumulation: int, device, cuda_graphs: bool = False):
+    """One optimizer step over ``accumulation`` micro-batches of ``ids``; ``cuda_graphs``: the model runs under CUDA
+    graphs, so each micro-batch is prepared as the trainer's loop does (``before_graphed_micro_batch``)."""
+    from hf_cgpu.train.step import before_graphed_micro_batch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
     def step():
-        for _ in range(accumulation):
+        for k in range(accumulation):
+            if cuda_graphs:
+                before_graphed_micro_batch(params, k, accumulation)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 if kind == "gpt":
                     loss = model(input_ids=ids[:, :-1], shift_labels=ids[:, 1:], use_cache=False).loss

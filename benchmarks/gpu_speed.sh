@@ -23,6 +23,8 @@
 #                                              group norm / elementwise / optimizer / gap shares (~2 min)
 #   bash benchmarks/gpu_speed.sh flow-variants the isolated flow step under compile settings (VARIANTS=..., PROFILE=...:
 #                                              flow_step_variants.py): ms/step, device time by kernel (~1 min each)
+#   bash benchmarks/gpu_speed.sh graphs-accum  gradient accumulation under CUDA graphs vs the default compile, with and
+#                                              without the loop's before_graphed_micro_batch (graphs_accumulation_check.py)
 #   bash benchmarks/gpu_speed.sh flow-loop-profile  --preset cifar10's own loop under the profiler (profile_recipe.py),
 #                                              reading the figures one step late and at once (SYNCS="0 1"; ~2 min)
 #   bash benchmarks/gpu_speed.sh gpt-profile   torch.profiler of the GPT 124M step at micro-batch 16 (and 8, 32 with
@@ -86,6 +88,9 @@ case "$PART" in
     timeout ${LIMIT:-540} python3 benchmarks/flow_step_variants.py ${VARIANTS:+--variants $VARIANTS} \
       ${PROFILE:+--profile $PROFILE} --json "$OUT/flow_variants${TAG:+_$TAG}.json" 2>&1 \
       | tee "$OUT/flow_variants${TAG:+_$TAG}.log" ;;
+  graphs-accum)
+    timeout ${LIMIT:-300} python3 benchmarks/graphs_accumulation_check.py --json "$OUT/graphs_accumulation.json" 2>&1 \
+      | tee "$OUT/graphs_accumulation.log" ;;
   flow-loop-profile)
     for S in ${SYNCS:-0 1}; do
       HF_CGPU_SYNC_STEPS=$S timeout 300 python3 benchmarks/profile_recipe.py --skip 60 --active 10 \
@@ -103,5 +108,5 @@ case "$PART" in
       timeout 240 python3 benchmarks/gpu_gpt_profile.py --preset "$P" --steps 3 --out "$OUT/profile_$P" 2>&1 \
         | tee "$OUT/profile_$P.log"
     done ;;
-  *) echo "usage: bash benchmarks/gpu_speed.sh gpt|flow|lora|lora-compiled|qlora|lora-speed|lora-peers|flow-sampling|flow-profile|flow-variants|flow-loop-profile|gpt-profile|preset-profile"; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_speed.sh gpt|flow|lora|lora-compiled|qlora|lora-speed|lora-peers|flow-sampling|flow-profile|flow-variants|graphs-accum|flow-loop-profile|gpt-profile|preset-profile"; exit 2 ;;
 esac

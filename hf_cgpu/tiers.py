@@ -76,6 +76,8 @@ TRAIN_MODES = ("pretrain", "finetune")
 ADAPTER_TIERS = ("lora", "qlora")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 """torch.compile modes ``--compile_mode`` takes (``default`` is torch.compile's own)."""
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""The modes that run the compiled code under CUDA graphs (on CUDA)."""
 
 # LoRA targets per architecture: every linear of attention and MLP (QLoRA paper: all-linear matches
 # full fine-tuning; attention-only does not). Names checked on transformers 5.24.

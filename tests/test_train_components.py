@@ -155,6 +155,42 @@ def test_step_without_clipping_keeps_the_gradient():
     assert _grad_norm(model) == pytest.approx(grad_norm, rel=1e-5) and grad_norm > 10
 
 
+class RecordsGradients(BigLoss):
+    """Notes, at each micro-batch's forward, whether every parameter already has a gradient buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.had_grads = []
+
+    def loss(self, model, batch, generator):
+        self.had_grads.append(all(p.grad is not None for p in model.parameters()))
+        return super().loss(model, batch, generator)
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_step_under_cuda_graphs_accumulates_into_buffers_of_its_own(monkeypatch, accumulation):
+    """With the model under CUDA graphs each micro-batch marks a new cudagraph-trees step, and with accumulation the
+    gradients are zero buffers before the first backward (autograd then adds into them instead of keeping the
+    graph's output buffers, which the next replay overwrites); gradients, norm and loss as without graphs."""
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    runs = []
+    for graphs in (False, True):
+        task = RecordsGradients()
+        model = task.setup(TrainSettings(), None).model
+        stepper = Stepper(task, model, Accelerator(), SampleOrder(50, 0), seed=0, max_grad_norm=0.0, cuda_graphs=graphs)
+        result = stepper.run(step=0, micro_batch_size=4, accumulation=accumulation)
+        runs.append((task.had_grads, [p.grad.clone() for p in model.parameters()], float(result.grad_norm),
+                     float(result.loss)))
+    (plain_had, plain_grads, plain_norm, plain_loss), (had, grads, norm, loss) = runs
+    assert len(marks) == accumulation
+    assert plain_had == [False] + [True] * (accumulation - 1)
+    assert had == [accumulation > 1] + [True] * (accumulation - 1)
+    for a, b in zip(grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    assert norm == pytest.approx(plain_norm, rel=1e-6) and loss == pytest.approx(plain_loss, rel=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------- guards
 
 

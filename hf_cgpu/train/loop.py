@@ -28,7 +28,7 @@ from ..budget import TrainSetup, oom_advice
 from ..errors import OutputDirError, TrainingStopped, UserError
 from ..integrity import as_disk_error
 from ..settings import TrainSettings, to_dict
-from ..tiers import validate_tier
+from ..tiers import CUDA_GRAPH_MODES, validate_tier
 from .artifacts import final_results, save_run
 from .checkpoint import Checkpointer, TrainState, list_checkpoints
 from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
@@ -121,7 +121,8 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     fresh = TrainState.start(s, {**task.fingerprint(), "seed": s.seed}, acc.num_processes)
     state = checkpointer.resume(s.resume_from_checkpoint, fresh)
     order = task.sample_order(s.seed)
-    stepper = Stepper(task, run.model, acc, order, s.seed, s.max_grad_norm)
+    stepper = Stepper(task, run.model, acc, order, s.seed, s.max_grad_norm,
+                      cuda_graphs=s.compile and acc.device.type == "cuda" and s.compile_mode in CUDA_GRAPH_MODES)
     every = s.eval_steps if run.plan.eval_steps is None else run.plan.eval_steps
     validator = Validator(task, run.model, acc, ema, s, keeper, metrics, every, run.output_dir, run.template)
     guards = Guards(s, run.plan.expected_initial_loss, state.step, oom_advice(_ladder_setup(run)), metrics.write,

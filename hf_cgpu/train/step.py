@@ -41,12 +41,28 @@ def clip_gradients(accelerator, params: list[torch.nn.Parameter], max_norm: floa
     return torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
 
 
-class Stepper:
-    """Forward/backward of step ``k``: its samples from ``order``, every random draw seeded by ``(seed, k)``."""
+def before_graphed_micro_batch(params: list[torch.nn.Parameter], index: int, accumulation: int) -> None:
+    """Call before each micro-batch's forward when the model runs under CUDA graphs (``--compile_mode
+    reduce-overhead`` / ``max-autotune``): marks a new invocation for torch's cudagraph trees (the previous
+    micro-batch's outputs are not read again), and before the first of several gives every trainable parameter a
+    zero gradient, so autograd adds each backward's gradients into buffers of ours. Otherwise autograd keeps the
+    first backward's gradient tensors, which belong to the graph's memory pool and are overwritten by the next
+    replay: torch raises "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"
+    (pytorch#169545; older versions accumulated wrong gradients silently, pytorch#96693)."""
+    torch.compiler.cudagraph_mark_step_begin()
+    if index == 0 and accumulation > 1:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
 
-    def __init__(self, task, model, accelerator, order, seed: int, max_grad_norm: float):
+
+class Stepper:
+    """Forward/backward of step ``k``: its samples from ``order``, every random draw seeded by ``(seed, k)``.
+    ``cuda_graphs``: the model runs under CUDA graphs (see ``before_graphed_micro_batch``)."""
+
+    def __init__(self, task, model, accelerator, order, seed: int, max_grad_norm: float, cuda_graphs: bool = False):
         self.task, self.model, self.accelerator, self.order = task, model, accelerator, order
-        self.seed, self.max_grad_norm = seed, max_grad_norm
+        self.seed, self.max_grad_norm, self.cuda_graphs = seed, max_grad_norm, cuda_graphs
         self.trainable = [p for p in model.parameters() if p.requires_grad]
 
     def run(self, step: int, micro_batch_size: int, accumulation: int) -> StepResult:
@@ -62,6 +78,8 @@ class Stepper:
             torch.manual_seed(seed)  # dropout and any other global draw
             gen.manual_seed(seed)
             batch = self.task.train_batch(idx[k * micro_batch_size : (k + 1) * micro_batch_size], device, gen)
+            if self.cuda_graphs:
+                before_graphed_micro_batch(self.trainable, k, accumulation)
             with acc.no_sync(self.model) if k < accumulation - 1 else nullcontext():
                 loss = self.task.loss(self.model, batch, gen)
                 acc.backward(loss / accumulation)
