@@ -86,9 +86,10 @@ class TrainSettings:
     """torch.compile's mode with --compile: default, reduce-overhead (CUDA graphs: fewer kernel launches, more
     memory), max-autotune-no-cudagraphs (autotuned matmul templates: a much longer first compile) or
     max-autotune (both). On an H200 the 124M GPT gained 0.5% from max-autotune-no-cudagraphs (cuBLAS won every
-    matmul it tuned); CUDA graphs fail for compiled LoRA blocks with gradient accumulation. Inductor's coordinate
-    descent tuning (environment TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1) gave the flow UNet's step +2.7% for a
-    first compile five times longer (benchmarks/RESULTS.md)."""
+    matmul it tuned). With gradient accumulation under CUDA graphs the loop accumulates into gradient buffers of its
+    own (train/step.py: graph-owned gradients are overwritten by the next replay; not yet run on a GPU). Inductor's
+    coordinate descent tuning (environment TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1) gave the flow UNet's step
+    +2.7% for a first compile five times longer (benchmarks/RESULTS.md)."""
     recompute: bool = False
     """Activation checkpointing of every block: ~17x less activation memory for ~30% more time."""
     recompute_policy: str = "full"
