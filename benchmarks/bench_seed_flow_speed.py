@@ -2,9 +2,15 @@
 
 The same pipeline as ``bench_seed_image.py`` (the seed's ``train_image.py``), kept as the seed wrote it: per-image
 transforms (uint8 HWC -> PIL -> random flip -> tensor in [-1, 1]) in a torch DataLoader with 8 workers (pinned,
-persistent), unconditional ``FlowUNet2DModel`` base 128 (the same UNet as ours), channels_last + torch.compile,
-batch 256, bf16 autocast, fused AdamW lr 2e-4, clip 1.0, EMA 0.999 through ``torch.optim.swa_utils.AveragedModel``,
-``loss.item()`` after every step. The loader cycles over epochs (a new shuffle, as the seed's epoch loop).
+persistent), unconditional ``FlowUNet2DModel`` base 128 (the seed's UNet: the same layers and parameters),
+channels_last + torch.compile, batch 256, bf16 autocast, fused AdamW lr 2e-4, clip 1.0, EMA 0.999 through
+``torch.optim.swa_utils.AveragedModel``, ``loss.item()`` after every step. The loader cycles over epochs (a new
+shuffle, as the seed's epoch loop).
+
+``--unet seed`` (the default) runs that UNet with the layers the seed's ``unet.py`` uses, ``nn.GroupNorm`` and
+nearest ``nn.Upsample``, compiled as they are; ``--unet ours`` with hf_cgpu's compiled forms of the two (the group
+norm from channel moments and the upsampling that keep channels_last, ``flow/unet.py``), which issue 12's work made
+faster: from the eleventh session on, that speed-up reached this baseline too, so both are reported.
 
 Timed: ``--warmup`` steps (compile, worker start-up) are run first, then ``--steps`` steps between two
 synchronisations; images/s = steps x batch / seconds. Also the seconds from the start to the end of the first step.
@@ -36,6 +42,18 @@ def cycle(loader):
         yield from loader
 
 
+def seed_layers() -> None:
+    """This process's ``FlowUNet2DModel`` with the seed's layers: torch's group norm and nearest upsampling in every
+    mode (hf_cgpu's compiled forms off)."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from hf_cgpu.flow import unet
+
+    unet.GroupNorm.forward = nn.GroupNorm.forward
+    unet.upsample2x = lambda x: F.interpolate(x, scale_factor=2.0, mode="nearest")
+
+
 def main() -> None:
     start = time.perf_counter()
     from hf_cgpu.data.images import load_image_dataset
@@ -49,6 +67,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=30, help="untimed steps first (compile, workers)")
     p.add_argument("--steps", type=int, default=300, help="timed steps")
     p.add_argument("--compile", default="true", choices=["true", "false"])
+    p.add_argument("--unet", default="seed", choices=["seed", "ours"],
+                   help="seed: nn.GroupNorm and nn.Upsample as the seed's unet.py; ours: hf_cgpu's compiled forms")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny: checks that the script runs")
@@ -64,6 +84,8 @@ def main() -> None:
     images = data.images.permute(0, 2, 3, 1).contiguous().numpy()  # (N, 32, 32, 3) uint8
     loader = DataLoader(FlipToTensor(images), batch_size=a.batch_size, shuffle=True, num_workers=a.workers,
                         pin_memory=cuda, drop_last=True, persistent_workers=a.workers > 0)
+    if a.unet == "seed":
+        seed_layers()
     unet = FlowUNet2DModel(sample_size=32, base_channels=a.base_channels, num_classes=None).to(dev)
     unet = unet.to(memory_format=torch.channels_last)
     ema = torch.optim.swa_utils.AveragedModel(unet, avg_fn=lambda avg, new, n: 0.999 * avg + 0.001 * new)
@@ -88,7 +110,7 @@ def main() -> None:
     summary = {"pipeline": "seed train_image.py (DataLoader x%d workers, per-image transforms, loss.item(), "
                            "AveragedModel EMA)" % a.workers,
                "device": torch.cuda.get_device_name() if cuda else "CPU (smoke: no figure to quote)",
-               "batch": a.batch_size, "base_channels": a.base_channels, "compile": a.compile,
+               "batch": a.batch_size, "base_channels": a.base_channels, "compile": a.compile, "unet": a.unet,
                "warmup_steps": a.warmup, "timed_steps": a.steps, "seconds": seconds,
                "img_per_s": a.steps * a.batch_size / seconds, "seconds_to_first_step": first, "last_loss": last,
                "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}

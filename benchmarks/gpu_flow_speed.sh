@@ -12,7 +12,7 @@
 # GPU:   bash benchmarks/gpu_flow_speed.sh                  (STEPS=300 WARM=50 LOG=25 by default; ~5 minutes)
 # CPU:   bash benchmarks/gpu_flow_speed.sh --smoke          (tiny preset on DATA=a CIFAR-shaped folder; checks the
 #        script runs end to end, no figure to quote)
-# Writes under $OUT (default /tmp/flow_speed): env.txt, seed.log, seed.json, ours_LABEL.log, ours_LABEL_results.json,
+# Writes under $OUT (default /tmp/flow_speed): env.txt, seed.log, seed.json, seed_ours.log, seed_ours.json, ours_LABEL.log, ours_LABEL_results.json,
 # ours_LABEL_history.json (one set per VARIANTS entry), ours_warm.log, ours_warm_results.json, summary.json, summary.md.
 set -u
 SMOKE=0; [ "${1:-}" = "--smoke" ] && SMOKE=1
@@ -38,8 +38,13 @@ TOTAL=$((WARM + STEPS))
   python3 -c "from hf_cgpu.data.images import load_image_dataset as f; [f('$DATA', s) for s in ('train', 'test')]"
 } > "$OUT/env.txt" 2>&1
 
-timeout 300 python3 benchmarks/bench_seed_flow_speed.py --dataset "$DATA" --warmup "$WARM" --steps "$STEPS" \
-  --json "$OUT/seed.json" "${SEED_ARGS[@]}" > "$OUT/seed.log" 2>&1 || echo "seed run failed: see seed.log"
+# SEED_UNETS="seed ours": the seed's pipeline with the seed's layers (seed.json) and with hf_cgpu's compiled layer
+# forms (seed_ours.json); both are reported
+for U in ${SEED_UNETS:-seed ours}; do
+  NAME=seed; [ "$U" = ours ] && NAME=seed_ours
+  timeout 300 python3 benchmarks/bench_seed_flow_speed.py --dataset "$DATA" --warmup "$WARM" --steps "$STEPS" \
+    --unet "$U" --json "$OUT/$NAME.json" "${SEED_ARGS[@]}" > "$OUT/$NAME.log" 2>&1 || echo "seed run failed: see $NAME.log"
+done
 
 COMMON=(--preset "$PRESET" --dataset "$DATA" --log_steps "$LOG" --eval_steps 0 --sample_every_epochs 0
         --checkpointing_steps 0 --progress false)
@@ -81,14 +86,18 @@ def load(name):
     except (OSError, ValueError):
         return None
 f = lambda v, p=0: "n/a" if v is None else f"{v:,.{p}f}"
-seed, ours_warm = load("seed.json"), load("ours_warm_results.json")
+seed, seed_ours, ours_warm = load("seed.json"), load("seed_ours.json"), load("ours_warm_results.json")
 s = {"seed_img_per_s": seed and seed["img_per_s"], "seed_seconds_to_first_step": seed and seed["seconds_to_first_step"],
+     "seed_with_our_unet_img_per_s": seed_ours and seed_ours["img_per_s"],
      "ours_seconds_to_first_step_warm": ours_warm and ours_warm.get("seconds_to_first_step"),
      "smoke (CPU, tiny: no figure to quote)": os.environ["SMOKE"] == "1", "variants": {}}
 md = ["| pipeline | img/s steady state | s to first step | recompiles | train loss at the end |",
       "|---|---|---|---|---|",
-      f"| seed (DataLoader x8, loss.item(), AveragedModel) | {f(s['seed_img_per_s'])} | "
+      f"| seed (DataLoader x8, loss.item(), AveragedModel; the seed's layers) | {f(s['seed_img_per_s'])} | "
       f"{f(s['seed_seconds_to_first_step'], 1)} | | |"]
+if seed_ours:
+    md.append(f"| the same with hf_cgpu's compiled UNet layers | {f(seed_ours['img_per_s'])} | "
+              f"{f(seed_ours['seconds_to_first_step'], 1)} | | |")
 for i, label in enumerate(os.environ["LABELS"].split()):
     ours, hist = load(f"ours_{label}_results.json"), load(f"ours_{label}_history.json")
     windows = [h["train/img_per_s"] for h in (hist or []) if "train/img_per_s" in h and h["step"] > warm]
@@ -97,6 +106,7 @@ for i, label in enumerate(os.environ["LABELS"].split()):
     v = {"img_per_s_steady_median": steady, "img_per_s_steady_mean": statistics.fmean(windows) if windows else None,
          "windows": len(windows), "img_per_s_run_mean": ours and ours.get("img_per_s"),
          "speedup_steady": steady / seed["img_per_s"] if steady and seed else None,
+         "speedup_vs_seed_with_our_unet": steady / seed_ours["img_per_s"] if steady and seed_ours else None,
          "seconds_to_first_step_cold": ours and ours.get("seconds_to_first_step"),
          "recompiles": ours and ours.get("recompiles"), "last_train_loss": losses[-1] if losses else None,
          "device": (ours or {}).get("device")}
@@ -104,7 +114,8 @@ for i, label in enumerate(os.environ["LABELS"].split()):
     start = f"cold {f(v['seconds_to_first_step_cold'], 1)}" + (
         f", warm {f(s['ours_seconds_to_first_step_warm'], 1)}" if i == 0 else "")
     md.append(f"| ours `--preset {os.environ['PRESET']}` {label} | {f(steady)} (median of {len(windows)} windows; "
-              f"{f(v['speedup_steady'], 2)}x the seed) | {start} | {v['recompiles']} | {f(v['last_train_loss'], 4)} |")
+              f"{f(v['speedup_steady'], 2)}x the seed, {f(v['speedup_vs_seed_with_our_unet'], 2)}x with our layers) | "
+              f"{start} | {v['recompiles']} | {f(v['last_train_loss'], 4)} |")
 (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
 (out / "summary.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))

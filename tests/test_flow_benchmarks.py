@@ -1,4 +1,5 @@
-"""benchmarks/flow_step_variants.py's experimental decoder without concatenation computes the UNet's function."""
+"""The flow speed benchmarks' model variants compute the UNet's function: flow_step_variants.py's decoder without
+concatenation, and bench_seed_flow_speed.py's UNet with the seed's layers (torch's group norm and upsampling)."""
 
 import copy
 import sys
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_seed_flow_speed import seed_layers  # noqa: E402
 from flow_step_variants import settings, split_forward  # noqa: E402
 
 from hf_cgpu.flow.unet import FlowUNet2DModel  # noqa: E402
@@ -47,3 +49,34 @@ def test_unknown_variant_is_refused():
     with pytest.raises(SystemExit, match="unknown variant"):
         settings("graphs+nope")
     assert settings("split-cat+graphs") == ("reduce-overhead", {}, False)
+
+
+def test_seed_layers_trace_torch_group_norm_and_upsampling_with_the_same_values(monkeypatch):
+    """The seed's baseline compiles torch's own group norm and nearest upsampling (what the seed's unet.py runs),
+    not hf_cgpu's layout-keeping forms, and computes the same function."""
+    from hf_cgpu.flow import unet
+
+    torch.manual_seed(0)
+    model = FlowUNet2DModel(sample_size=8, base_channels=16, norm_num_groups=4).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    t = torch.rand(2)
+
+    def traced():
+        ops = []
+
+        def backend(gm, example_inputs):
+            ops.extend(str(n.target) for n in gm.graph.nodes)
+            return gm.forward
+
+        torch._dynamo.reset()
+        out = torch.compile(lambda a, b: model(a, b).sample, backend=backend, dynamic=False)(x, t)
+        return out, " ".join(ops)
+
+    ours, ours_ops = traced()
+    monkeypatch.setattr(unet.GroupNorm, "forward", unet.GroupNorm.forward)  # restored after the test
+    monkeypatch.setattr(unet, "upsample2x", unet.upsample2x)
+    seed_layers()
+    seed, seed_ops = traced()
+    assert "group_norm" not in ours_ops and "interpolate" not in ours_ops
+    assert "group_norm" in seed_ops and "interpolate" in seed_ops
+    torch.testing.assert_close(seed, ours, atol=1e-5, rtol=1e-5)
