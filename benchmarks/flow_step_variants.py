@@ -9,8 +9,10 @@ Variants (``--variants``, comma-separated; each one after ``torch._dynamo.reset(
     coord          + inductor's ``coordinate_descent_tuning`` (tunes each Triton kernel's block sizes)
     autotune       mode ``max-autotune-no-cudagraphs`` (Triton convolution / matmul templates against cuDNN/cuBLAS)
     graphs         mode ``reduce-overhead`` (CUDA graphs: the preset's mode)
-    split-cat      the decoder blocks take their two inputs apart instead of concatenated (``split_cat``: the same
+    split-cat      the decoder blocks take their two inputs apart instead of concatenated (``split_block``: the same
                    parameters and values; not in the model until a measurement shows a gain)
+    gn-sums        the compiled group norm's channel moments from plain sums instead of var_mean's Welford
+                   reduction (``group_norm_from_sums``; also waiting for a measurement)
     a+b            several at once, e.g. ``cudnn-bench+graphs``
 (Session 11 measured a ``gn-nc`` variant here too, the group norm from per-(image, channel) moments, then behind a
 switch in ``flow/unet.py`` at commit 555060e; it is now that module's only compiled form.)
@@ -27,18 +29,20 @@ CPU:  python benchmarks/flow_step_variants.py --smoke   (tiny, eager: checks the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_gpt_profile import flow_step, kernel_rows  # noqa: E402  (the same step and kernel table)
 
-PARTS = {"default", "cudnn-bench", "coord", "autotune", "graphs", "split-cat"}
+PARTS = {"default", "cudnn-bench", "coord", "autotune", "graphs", "split-cat", "gn-sums"}
 
 
 def split_block(block, parts: tuple, emb: torch.Tensor) -> torch.Tensor:
@@ -64,6 +68,22 @@ def split_block(block, parts: tuple, emb: torch.Tensor) -> torch.Tensor:
     h = h + block.emb_proj(emb)[:, :, None, None]
     h = block.conv2(F.silu(block.norm2(h)))
     return h + skip
+
+
+def group_norm_from_sums(self, x: torch.Tensor) -> torch.Tensor:
+    """``flow.unet.GroupNorm.forward`` with each (image, channel)'s moments from two plain sums, E[x] and E[x^2] (one
+    pass, fused), instead of ``var_mean``'s Welford reduction, whose per-element division may be what keeps the
+    forward's reductions under the memory rate; the variance by subtraction in fp32 (per channel, 1,024 pixels)."""
+    from hf_cgpu.flow.unet import _compiling_channels_last
+
+    if not _compiling_channels_last(x):
+        return torch.nn.GroupNorm.forward(self, x)
+    xf = x.float()
+    mean_c = xf.mean((2, 3))
+    var_c = (xf.square().mean((2, 3)) - mean_c.square()).clamp_min(0)
+    scale, shift = self.scale_shift(var_c, mean_c)
+    y = xf * scale[:, :, None, None] + shift[:, :, None, None]
+    return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
 
 
 def split_forward(self, sample, timestep, class_labels=None, return_dict=True):
@@ -92,21 +112,21 @@ def settings(variant: str) -> tuple[str | None, dict, bool]:
 
 
 def measure(variant: str, a, dev, cuda: bool, profile: bool) -> dict:
-    from hf_cgpu.flow.unet import FlowUNet2DModel
+    from hf_cgpu.flow.unet import FlowUNet2DModel, GroupNorm
 
     torch._dynamo.reset()
     mode, options, bench = settings(variant)
     torch.backends.cudnn.benchmark = bench
     a.compile_mode, a.inductor_options = mode, options
     torch.manual_seed(0)
-    plain = FlowUNet2DModel.forward
-    if "split-cat" in variant.split("+"):
-        FlowUNet2DModel.forward = split_forward
-    try:
+    patches = {"split-cat": (FlowUNet2DModel, "forward", split_forward),
+               "gn-sums": (GroupNorm, "forward", group_norm_from_sums)}
+    with contextlib.ExitStack() as stack:  # the model's code as the variant says, restored after it
+        for part in variant.split("+"):
+            if part in patches:
+                stack.enter_context(mock.patch.object(*patches[part]))
         step = flow_step(a, dev, cuda)
         return timed(step, variant, a, cuda, profile)
-    finally:
-        FlowUNet2DModel.forward = plain
 
 
 def timed(step, variant: str, a, cuda: bool, profile: bool) -> dict:

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_seed_flow_speed import seed_layers  # noqa: E402
-from flow_step_variants import settings, split_forward  # noqa: E402
+from flow_step_variants import group_norm_from_sums, settings, split_forward  # noqa: E402
 
 from hf_cgpu.flow.unet import FlowUNet2DModel  # noqa: E402
 
@@ -80,3 +80,31 @@ def test_seed_layers_trace_torch_group_norm_and_upsampling_with_the_same_values(
     assert "group_norm" not in ours_ops and "interpolate" not in ours_ops
     assert "group_norm" in seed_ops and "interpolate" in seed_ops
     torch.testing.assert_close(seed, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_group_norm_from_sums_matches_torch_group_norm():
+    """flow_step_variants.py's gn-sums variant: the traced form gives nn.GroupNorm's values and gradients (channels
+    with different means, the case where a variance by subtraction loses digits first)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from hf_cgpu.flow.unet import GroupNorm
+
+    torch.manual_seed(0)
+    ours, ref = GroupNorm(4, 16), torch.nn.GroupNorm(4, 16)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_()
+    ref.load_state_dict(ours.state_dict())
+    x = (3 * torch.randn(2, 16, 6, 5) + torch.linspace(-4, 8, 16).view(1, 16, 1, 1)).contiguous(
+        memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: group_norm_from_sums(ours, t), backend=aot_eager, dynamic=False)
+    outs, grads = [], []
+    for m in (f, ref):
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append(y)
+        grads.append(xi.grad)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-4, rtol=1e-4)
