@@ -43,6 +43,19 @@ def test_split_decoder_matches_the_concatenating_forward(compiled):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+    if compiled:  # no image-sized concatenation is built (the two skips'), only small ones of (n, c) moments
+        cats = {}
+        for name, forward in (("plain", FlowUNet2DModel.forward), ("split", split_forward)):
+            dims = []
+
+            def backend(gm, example_inputs):
+                dims.extend(n.meta["example_value"].dim() for n in gm.graph.nodes if "cat" in str(n.target))
+                return gm.forward
+
+            torch._dynamo.reset()
+            torch.compile(lambda *a: forward(model, *a).sample, backend=backend, dynamic=False)(x, t, y)
+            cats[name] = dims.count(4)
+        assert cats == {"plain": 2, "split": 0}, cats
 
 
 def test_unknown_variant_is_refused():
