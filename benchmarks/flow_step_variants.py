@@ -12,7 +12,7 @@ Variants (``--variants``, comma-separated; each one after ``torch._dynamo.reset(
     split-cat      the decoder blocks take their two inputs apart instead of concatenated (``split_block``: the same
                    parameters and values; not in the model until a measurement shows a gain)
     gn-sums        the compiled group norm's channel moments from plain sums instead of var_mean's Welford
-                   reduction (``group_norm_from_sums``; also waiting for a measurement)
+                   reduction (``channel_moments_from_sums``; also waiting for a measurement)
     a+b            several at once, e.g. ``cudnn-bench+graphs``
 (Session 11 measured a ``gn-nc`` variant here too, the group norm from per-(image, channel) moments, then behind a
 switch in ``flow/unet.py`` at commit 555060e; it is now that module's only compiled form.)
@@ -54,7 +54,7 @@ def split_block(block, parts: tuple, emb: torch.Tensor) -> torch.Tensor:
     import torch.nn.functional as F
 
     xs = [p.float() for p in parts]
-    moments = [torch.var_mean(x, dim=(2, 3), correction=0) for x in xs]
+    moments = [block.norm1.channel_moments(x) for x in xs]
     scale, shift = block.norm1.scale_shift(torch.cat([m[0] for m in moments], 1), torch.cat([m[1] for m in moments], 1))
     h = skip = None
     start = 0
@@ -70,20 +70,12 @@ def split_block(block, parts: tuple, emb: torch.Tensor) -> torch.Tensor:
     return h + skip
 
 
-def group_norm_from_sums(self, x: torch.Tensor) -> torch.Tensor:
-    """``flow.unet.GroupNorm.forward`` with each (image, channel)'s moments from two plain sums, E[x] and E[x^2] (one
-    pass, fused), instead of ``var_mean``'s Welford reduction, whose per-element division may be what keeps the
-    forward's reductions under the memory rate; the variance by subtraction in fp32 (per channel, 1,024 pixels)."""
-    from hf_cgpu.flow.unet import _compiling_channels_last
-
-    if not _compiling_channels_last(x):
-        return torch.nn.GroupNorm.forward(self, x)
-    xf = x.float()
+def channel_moments_from_sums(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flow.unet.GroupNorm.channel_moments`` from two plain sums, E[x] and E[x^2] (one pass, fused), instead of
+    ``var_mean``'s Welford reduction, whose per-element division may be what keeps the forward's reductions under the
+    memory rate; the variance by subtraction in fp32 (per channel, 1,024 pixels)."""
     mean_c = xf.mean((2, 3))
-    var_c = (xf.square().mean((2, 3)) - mean_c.square()).clamp_min(0)
-    scale, shift = self.scale_shift(var_c, mean_c)
-    y = xf * scale[:, :, None, None] + shift[:, :, None, None]
-    return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+    return (xf.square().mean((2, 3)) - mean_c.square()).clamp_min(0), mean_c
 
 
 def split_forward(self, sample, timestep, class_labels=None, return_dict=True):
@@ -120,7 +112,7 @@ def measure(variant: str, a, dev, cuda: bool, profile: bool) -> dict:
     a.compile_mode, a.inductor_options = mode, options
     torch.manual_seed(0)
     patches = {"split-cat": (FlowUNet2DModel, "forward", split_forward),
-               "gn-sums": (GroupNorm, "forward", group_norm_from_sums)}
+               "gn-sums": (GroupNorm, "channel_moments", staticmethod(channel_moments_from_sums))}
     with contextlib.ExitStack() as stack:  # the model's code as the variant says, restored after it
         for part in variant.split("+"):
             if part in patches:

@@ -10,7 +10,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_seed_flow_speed import seed_layers  # noqa: E402
-from flow_step_variants import group_norm_from_sums, settings, split_forward  # noqa: E402
+from flow_step_variants import channel_moments_from_sums, settings, split_forward  # noqa: E402
+from test_flow_unet import group_norm_case  # noqa: E402
 
 from hf_cgpu.flow.unet import FlowUNet2DModel  # noqa: E402
 
@@ -95,23 +96,18 @@ def test_seed_layers_trace_torch_group_norm_and_upsampling_with_the_same_values(
     torch.testing.assert_close(seed, ours, atol=1e-5, rtol=1e-5)
 
 
-def test_group_norm_from_sums_matches_torch_group_norm():
-    """flow_step_variants.py's gn-sums variant: the traced form gives nn.GroupNorm's values and gradients (channels
-    with different means, the case where a variance by subtraction loses digits first)."""
+def test_channel_moments_from_sums_match_torch_group_norm(monkeypatch):
+    """flow_step_variants.py's gn-sums variant: the traced group norm with the moments from sums gives nn.GroupNorm's
+    values and gradients (channels with different means, the case where a variance by subtraction loses digits
+    first)."""
     from torch._dynamo.backends.debugging import aot_eager
 
     from hf_cgpu.flow.unet import GroupNorm
 
-    torch.manual_seed(0)
-    ours, ref = GroupNorm(4, 16), torch.nn.GroupNorm(4, 16)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.normal_()
-    ref.load_state_dict(ours.state_dict())
-    x = (3 * torch.randn(2, 16, 6, 5) + torch.linspace(-4, 8, 16).view(1, 16, 1, 1)).contiguous(
-        memory_format=torch.channels_last)
+    ours, ref, x = group_norm_case()
+    monkeypatch.setattr(GroupNorm, "channel_moments", staticmethod(channel_moments_from_sums))
     torch._dynamo.reset()
-    f = torch.compile(lambda t: group_norm_from_sums(ours, t), backend=aot_eager, dynamic=False)
+    f = torch.compile(ours, backend=aot_eager, dynamic=False)
     outs, grads = [], []
     for m in (f, ref):
         xi = x.clone().requires_grad_(True)

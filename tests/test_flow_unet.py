@@ -108,15 +108,9 @@ def test_bad_widths_fail_with_the_fix():
         FlowUNet2DModel(base_channels=12)
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_compiled_group_norm_keeps_channels_last_and_the_values(autocast):
-    """Under compile the UNet's GroupNorm runs as elementwise ops + var_mean on a channels_last input (no group_norm
-    op in the traced graph, whose CUDA kernels would hand the backward contiguous tensors), its one reduction over
-    the activation per (image, channel) (the pixels only; the group's moments are combined from those): output,
-    dtype, layout and gradients as nn.GroupNorm's, fp32 and under bf16 autocast (where group_norm returns fp32), on
-    channels whose means differ (the combination's between-channel term)."""
-    from torch._dynamo.backends.debugging import aot_eager
-
+def group_norm_case():
+    """hf_cgpu's GroupNorm (random affine weights), torch's with the same weights, and a channels_last input whose
+    channels have different means (where the group's between-channel term and a variance by subtraction matter)."""
     from hf_cgpu.flow.unet import GroupNorm
 
     torch.manual_seed(0)
@@ -127,6 +121,19 @@ def test_compiled_group_norm_keeps_channels_last_and_the_values(autocast):
     ref.load_state_dict(ours.state_dict())
     x = (3 * torch.randn(2, 16, 6, 5) + torch.linspace(-4, 8, 16).view(1, 16, 1, 1)).contiguous(
         memory_format=torch.channels_last)
+    return ours, ref, x
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiled_group_norm_keeps_channels_last_and_the_values(autocast):
+    """Under compile the UNet's GroupNorm runs as elementwise ops + var_mean on a channels_last input (no group_norm
+    op in the traced graph, whose CUDA kernels would hand the backward contiguous tensors), its one reduction over
+    the activation per (image, channel) (the pixels only; the group's moments are combined from those): output,
+    dtype, layout and gradients as nn.GroupNorm's, fp32 and under bf16 autocast (where group_norm returns fp32), on
+    channels whose means differ (the combination's between-channel term)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    ours, ref, x = group_norm_case()
     targets, reductions = [], []
 
     def backend(gm, example_inputs):

@@ -63,11 +63,15 @@ class GroupNorm(nn.GroupNorm):
         if not _compiling_channels_last(x):
             return super().forward(x)
         xf = x.float()
-        var_c, mean_c = torch.var_mean(xf, dim=(2, 3), correction=0)  # (n, c): one pass over x
-        scale, shift = self.scale_shift(var_c, mean_c)
+        scale, shift = self.scale_shift(*self.channel_moments(xf))
         y = xf * scale[:, :, None, None] + shift[:, :, None, None]
         # autocast runs group_norm in fp32 and returns fp32; without it the output has the input's dtype
         return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+    @staticmethod
+    def channel_moments(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(variance, mean) of each (image, channel) of an fp32 (n, c, h, w) tensor over its pixels: one pass."""
+        return torch.var_mean(xf, dim=(2, 3), correction=0)
 
     def scale_shift(self, var_c: torch.Tensor, mean_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(n, c) fp32 scale and shift that normalize the input (affine included), from its (n, c) moments over the
