@@ -37,6 +37,12 @@ all-reduce, FSDP2's reduce-scatter) is all that differs."""
 TIGHT_STEPS = 40
 LATE_RTOL = 1e-3
 """Later steps: those rounding differences grow with training (FSDP2, step 93 of the GPT: 3e-5 relative)."""
+LORA_RTOL, LORA_ATOL = 1e-3, 1e-2
+"""LoRA at lr 1e-2: AdamW turns the last-bit differences of the tiny first gradients of the zero-initialised
+adapters into whole updates, so a different order of sums drifts sooner. Measured on the CPU (tiny GPTNeoX, 6 steps):
+one process at micro-batch 4 instead of 2 x 2 moved the loss by up to 1.3e-5 relative and the adapters by 1.3e-3;
+FSDP2 by 1.6e-4 and 1.2e-3; a process trained on half the data (what an unsynchronised rank learns) by 2.5e-3 at
+step 1 and 0.075."""
 
 
 def free_port() -> int:
@@ -66,11 +72,11 @@ def losses(out: Path) -> dict[int, float]:
     return {h["step"]: h["train/loss"] for h in json.loads((out / "history.json").read_text()) if "train/loss" in h}
 
 
-def assert_same_losses(a: Path, b: Path, steps: int) -> None:
+def assert_same_losses(a: Path, b: Path, steps: int, rtol: float = LOSS_RTOL) -> None:
     la, lb = losses(a), losses(b)
     assert sorted(la) == sorted(lb) == list(range(1, steps + 1))
     for k in la:
-        assert lb[k] == pytest.approx(la[k], rel=LOSS_RTOL if k <= TIGHT_STEPS else LATE_RTOL), (k, la[k], lb[k])
+        assert lb[k] == pytest.approx(la[k], rel=rtol if k <= TIGHT_STEPS else LATE_RTOL), (k, la[k], lb[k])
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -255,9 +261,9 @@ def test_lora_two_processes_reach_the_losses_of_one(config, tiny_base, tmp_path_
         run("finetune_lora.py", "one", [*lora, *ONE, "--output_dir", str(root / "one")])
     log = run("finetune_lora.py", config, [*lora, *TWO, "--output_dir", str(root / config)])
     assert f"parallel: {config} over 2 processes" in log
-    assert_same_losses(root / "one", root / config, 6)
+    assert_same_losses(root / "one", root / config, 6, rtol=LORA_RTOL)
     a, b = (weights(root / c / "adapter_model.safetensors") for c in ("one", config))
-    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=LORA_ATOL) for k in a)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base), root / config)
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
 
