@@ -87,7 +87,8 @@ class TrainSettings:
     memory), max-autotune-no-cudagraphs (autotuned matmul templates: a much longer first compile) or
     max-autotune (both). On an H200 the 124M GPT gained 0.5% from max-autotune-no-cudagraphs (cuBLAS won every
     matmul it tuned). With gradient accumulation under CUDA graphs the loop accumulates into gradient buffers of its
-    own (train/step.py: graph-owned gradients are overwritten by the next replay; not yet run on a GPU). Inductor's
+    own (train/step.py: graph-owned gradients are overwritten by the next replay; on an H200 the gradients match the
+    default mode's, benchmarks/graphs_accumulation_check.py). Inductor's
     coordinate descent tuning (environment TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1) gave the flow UNet's step
     +2.7% for a first compile five times longer (benchmarks/RESULTS.md)."""
     recompute: bool = False

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SettingsError
-from ..tiers import TIERS
+from ..tiers import CUDA_GRAPH_MODES, TIERS
 from .memory import Ledger, fmt_gib, ledger, parse_memory
 from .shape import ModelShape, RunShape, TrainSetup
 
@@ -194,6 +194,10 @@ QLORA_RECOMPUTE_NOTE = (
     "wrapping the compiled block, which took 6.18 GiB against the ledger's 4.09 for LoRA; the eager QLoRA step with "
     "recompute took 2.62 GiB at the Pythia-1.4B shape (benchmarks/RESULTS.md)")
 """Why autofit keeps QLoRA with recompute eager (LoRA's compiled recompute is measured: 3.89 GiB, ledger 4.09)."""
+GRAPHS_RECOMPUTE_NOTE = (
+    "CUDA graphs keep a memory pool of their own: LoRA with recompute on the Pythia-1.4B shape reserved 4.99 GiB "
+    "under reduce-overhead against 3.93 GiB with the default mode (benchmarks/RESULTS.md)")
+"""Why a recompute chosen to save memory runs without CUDA graphs."""
 
 
 def autofit_settings(settings: Any, run_shape: RunShape | None, device_memory: int | None, log=print,
@@ -205,7 +209,8 @@ def autofit_settings(settings: Any, run_shape: RunShape | None, device_memory: i
     and adapter tiers are not chosen (the base model is already loaded). Compile stays as asked for LoRA: compiled
     adapter blocks trace their checkpoint (``tiers._checkpoint_inside``), so recompute saves what the ledger prices
     (1.4B LoRA, micro-batch 4 x 1024 on an H200: 3.89 GiB compiled, ledger 4.09; benchmarks/RESULTS.md); QLoRA with
-    recompute goes eager (``QLORA_RECOMPUTE_NOTE``). Logs each reason.
+    recompute goes eager (``QLORA_RECOMPUTE_NOTE``), and a recompute it chose runs without CUDA graphs
+    (``GRAPHS_RECOMPUTE_NOTE``). Logs each reason.
     """
     if run_shape is None:
         raise SettingsError("--autofit needs a language-model task; set micro_batch_size/recompute by hand here")
@@ -226,11 +231,15 @@ def autofit_settings(settings: Any, run_shape: RunShape | None, device_memory: i
         raise SettingsError(f"autofit: no micro-batch/recompute/8-bit setting fits {fmt_gib(cap)}; "
                             f"pick a smaller preset or fine-tune an existing model with --tier lora{shard}")
     chosen = plan.setup
-    compile = settings.compile
+    compile, mode = settings.compile, settings.compile_mode
     if compile and chosen.recompute and chosen.tier == "qlora":
         compile = False
         log(f"autofit: compile off with the recompute it chose ({QLORA_RECOMPUTE_NOTE})")
+    elif compile and chosen.recompute and mode in CUDA_GRAPH_MODES:
+        mode = "default" if mode == "reduce-overhead" else "max-autotune-no-cudagraphs"
+        log(f"autofit: --compile_mode {mode} with the recompute it chose ({GRAPHS_RECOMPUTE_NOTE})")
     return dataclasses.replace(settings, micro_batch_size=chosen.micro_batch_size, tier=chosen.tier,
                                gradient_accumulation_steps=chosen.gradient_accumulation_steps,
-                               recompute=chosen.recompute, recompute_policy=chosen.recompute_policy, compile=compile)
+                               recompute=chosen.recompute, recompute_policy=chosen.recompute_policy, compile=compile,
+                               compile_mode=mode)
 

@@ -15,8 +15,9 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from ..budget import autofit_settings, flops_per_token
+from ..budget.ladder import GRAPHS_RECOMPUTE_NOTE
 from ..settings import TrainSettings
-from ..tiers import apply_tiers, build_optimizer, validate_tier
+from ..tiers import CUDA_GRAPH_MODES, apply_tiers, build_optimizer, validate_tier
 from .compiled import RecompileWatch, use_compile_cache
 from .ema import EMA
 from .outdir import RunLock, check_free_space, checkpoint_bytes, claim
@@ -121,6 +122,9 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     if s.compile and not compile:
         accelerator.print(f"compile: skipped on {device.type} (torch.compile is applied on CUDA only: on a CPU the "
                           "first step compiles for minutes and the steps are rarely faster)")
+    if compile and s.recompute and s.compile_mode in CUDA_GRAPH_MODES and device.type == "cuda":
+        accelerator.print(f"note: --recompute under --compile_mode {s.compile_mode} saves less memory: "
+                          f"{GRAPHS_RECOMPUTE_NOTE}; for the least memory add --compile_mode default")
     watch = None
     if compile:
         use_compile_cache(accelerator.print)  # before the first compile: a second run finds its kernels
