@@ -61,11 +61,31 @@ def cfg(out, **kw):
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def in_child(fn) -> int:
-    """``fn()`` in a forked child; its exit code (KILLED when a planted kill fired)."""
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread in this module, parent and children alike. A child forked after a multi-threaded MKL matmul
+    (any earlier test in the process) hangs in its first matmul: GNU OpenMP's thread pool does not survive fork()
+    (a 512x512 matmul before the fork reproduces it); one thread never enters that pool, and the children and the
+    parent's reference runs compute with the same thread count, so "bit-identical" compares like with like."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def fork() -> int:
+    """``os.fork()`` with one intra-op thread in the child (see ``one_thread``)."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
+    if pid == 0:
+        torch.set_num_threads(1)
+    return pid
+
+
+def in_child(fn) -> int:
+    """``fn()`` in a forked child; its exit code (KILLED when a planted kill fired)."""
+    pid = fork()
     if pid == 0:
         code = 0
         try:
@@ -412,7 +432,7 @@ def test_second_writer_is_refused_while_the_first_runs_on_untouched(reference, t
                 os.read(go_r, 1)
             return super().loss(model, batch, generator)
 
-    pid = os.fork()
+    pid = fork()
     if pid == 0:
         try:
             fit(Paused(), cfg(out))
