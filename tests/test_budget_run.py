@@ -107,33 +107,23 @@ def test_budget_says_how_many_of_the_runs_steps_its_minutes_hold():
     assert "inside --max_minutes 7" in fast
 
 
+@pytest.mark.parametrize("mode, after", [("default", "default"), ("reduce-overhead", "default"),
+                                         ("max-autotune", "max-autotune-no-cudagraphs")])
 @pytest.mark.parametrize("cap, recompute", [("16GB", False), ("6GB", True)])
-def test_autofit_keeps_compile_with_the_recompute_it_chooses_for_adapters(cap, recompute):
+def test_autofit_keeps_compile_with_the_recompute_it_chooses_for_adapters(cap, recompute, mode, after):
     """The lora preset compiles; where the 1.4B run only fits with recompute, autofit turns recompute on and keeps the
-    compiled blocks, which trace their checkpoint (3.89 GiB on an H200 against the ledger's 4.09)."""
-    shape, train, _ = describe_run(["--model", "pythia-1.4b", "--tier", "lora", "--compile", "true", "--seq_len",
-                                    "1024", "--micro_batch_size", "4", "--gradient_accumulation_steps", "8",
-                                    "--memory_cap", cap])
-    said = []
-    chosen = autofit_settings(train, shape, None, log=said.append)
-    assert (chosen.recompute, chosen.compile) == (recompute, True)
-    assert not any("compile off" in line for line in said)
-
-
-
-@pytest.mark.parametrize("mode, after", [("reduce-overhead", "default"), ("max-autotune", "max-autotune-no-cudagraphs")])
-@pytest.mark.parametrize("cap, recompute", [("16GB", False), ("6GB", True)])
-def test_autofit_drops_cuda_graphs_with_the_recompute_it_chooses(cap, recompute, mode, after):
-    """The lora preset's CUDA graphs (the fastest where it fits): their memory pool undoes part of recompute's
-    saving (4.99 against 3.93 GiB measured), so where autofit needs recompute it keeps compile without the graphs."""
+    compiled blocks, which trace their checkpoint (3.89 GiB on an H200 against the ledger's 4.09), but not CUDA
+    graphs (the preset's mode): their memory pool undoes part of recompute's saving (4.99 against 3.93 GiB)."""
     shape, train, _ = describe_run(["--model", "pythia-1.4b", "--tier", "lora", "--compile", "true", "--compile_mode",
                                     mode, "--seq_len", "1024", "--micro_batch_size", "4",
                                     "--gradient_accumulation_steps", "8", "--memory_cap", cap])
     said = []
     chosen = autofit_settings(train, shape, None, log=said.append)
     assert (chosen.recompute, chosen.compile) == (recompute, True)
+    assert not any("compile off" in line for line in said)
     assert chosen.compile_mode == (after if recompute else mode)
-    assert any("CUDA graphs keep a memory pool" in line for line in said) == recompute
+    assert any("CUDA graphs keep a memory pool" in line for line in said) == (recompute and mode != after)
+
 
 def test_ema_decay_reaches_the_ledger():
     shape, train, _ = describe_run(["--preset", "tiny", "--ema_decay", "0.999"])
