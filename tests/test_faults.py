@@ -73,19 +73,12 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def fork() -> int:
-    """``os.fork()`` with one intra-op thread in the child (see ``one_thread``)."""
+def in_child(fn) -> int:
+    """``fn()`` in a forked child (one intra-op thread, inherited: ``one_thread``); its exit code (KILLED when a
+    planted kill fired)."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
-    if pid == 0:
-        torch.set_num_threads(1)
-    return pid
-
-
-def in_child(fn) -> int:
-    """``fn()`` in a forked child; its exit code (KILLED when a planted kill fired)."""
-    pid = fork()
     if pid == 0:
         code = 0
         try:
@@ -432,7 +425,7 @@ def test_second_writer_is_refused_while_the_first_runs_on_untouched(reference, t
                 os.read(go_r, 1)
             return super().loss(model, batch, generator)
 
-    pid = fork()
+    pid = os.fork()
     if pid == 0:
         try:
             fit(Paused(), cfg(out))
