@@ -3,13 +3,14 @@
 Atomic writes: every file hf_cgpu writes outside a checkpoint goes through ``atomic_output`` (or its shorthands
 ``atomic_write_text`` / ``atomic_write_bytes`` / ``atomic_dir``): the content is written to a hidden temporary name
 beside the target, flushed and fsynced, then ``os.replace``d onto the target. A kill at any moment leaves the old
-file or the new one, never a 0-byte or half-written one (the failure a killed tokenizer save used to leave behind).
+file or the new one, never a 0-byte or half-written one (what a kill during a plain write, e.g. a tokenizer save,
+leaves behind).
 
 Manifests: a checkpoint, the best-weights folder and a finished model folder each carry ``manifest.json``: every
 file's size and SHA-256, the folder's kind and step. ``verify_folder`` re-reads every file and refuses, in one line
-naming the file, anything missing, truncated or changed by as little as one byte. SHA-256 runs at ~1.2 GB/s on one
-core with SHA-NI (hashlib releases the GIL, so a background thread hashes while training goes on): a 124M-parameter
-checkpoint (~1.5 GB with AdamW moments) costs ~1.3 s of one core to seal and the same to verify at resume.
+naming the file, anything missing, truncated or changed by as little as one byte. Sealing a checkpoint and
+verifying it at resume each read its bytes once on one core; hashlib releases the GIL, so a background thread hashes
+while training goes on.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .errors import IntegrityError
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2
-"""2: size and sha256 per file (format 1, sizes only, was written before issue 10 and is refused)."""
+"""2: size and sha256 per file (format 1, sizes only, is refused)."""
 _CHUNK = 8 << 20
 
 

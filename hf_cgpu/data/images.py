@@ -1,10 +1,10 @@
 """Small-image datasets for flow matching: decode once into a uint8 tensor, cache it, augment on the device.
 
-A 32x32 UNet on a 16 GB GPU trains at more than 10k images/s; PIL decoding plus per-image transforms in
-DataLoader workers cannot keep up on a desktop CPU. So every image is decoded once, converted to RGB and brought
-to ``image_size`` x ``image_size``, and the whole set is stored as one (N, 3, S, S) uint8 tensor (CIFAR-10: 150 MB)
-in a safetensors file keyed by source, split, columns, size and limit. A second run loads that file in well under a
-second. Batches are then indexed from that tensor (moved to the GPU once) and flipped / scaled there
+A small 32x32 UNet on a consumer GPU consumes images faster than PIL decoding plus per-image transforms in
+DataLoader workers produce them on a desktop CPU (benchmarks/RESULTS.md). So every image is decoded once, converted
+to RGB and brought to ``image_size`` x ``image_size``, and the whole set is stored as one (N, 3, S, S) uint8 tensor
+(CIFAR-10: 150 MB) in a safetensors file keyed by source, split, columns, size and limit, which a second run loads
+instead of decoding again. Batches are then indexed from that tensor (moved to the GPU once) and flipped / scaled there
 (``augment_on_device``).
 
 Sources:

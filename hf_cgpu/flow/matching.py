@@ -109,7 +109,7 @@ class FlowMatcher:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return (t, xt, ut) for a batch of data x1; x0 (noise) and t are drawn unless given."""
         if x0 is None:  # in x1's memory order (channels_last data gets channels_last noise, no mixed-layout ops);
-            # the same draws as randn for contiguous x1. Not timed on its own (benchmarks/RESULTS.md, seventh session)
+            # the same draws as randn for contiguous x1
             x0 = torch.empty_like(x1).normal_(generator=generator)  # (B, ...)
         if t is None:
             t = self.sample_time(x1.shape[0], x1.device, generator)  # (B,)

@@ -49,15 +49,14 @@ class GroupNorm(nn.GroupNorm):
     """``nn.GroupNorm`` (same parameters, same values) written for ``torch.compile`` on a channels_last input. Eager
     keeps the native kernel.
 
-    Compiled, it keeps the input's layout (CUDA's group-norm kernels return contiguous tensors, and inductor laid out
-    the backward by them, so cuDNN's convolution backward copied 11-12 activation-sized gradients a step back to
+    Compiled, it keeps the input's layout (CUDA's group-norm kernels return contiguous tensors, and inductor lays out
+    the backward by them, so cuDNN's convolution backward would copy activation-sized gradients back to
     channels_last) and is written so both passes read the activation as few times as possible: the moments of
     each (image, channel) over its pixels in one reduction, the group's mean and variance combined from them (the
     group's variance is the mean of its channels' variances plus the variance of their means), then one scale and
     shift per (image, channel). Autograd's backward of that form reduces the gradient and the activation once per
-    (image, channel), where a group-wise form read them three times (per group, per channel across the batch, then
-    the input gradient). On an H200 this took the step's device time from 11.45 to 9.60 ms (base 128, batch 256;
-    benchmarks/RESULTS.md)."""
+    (image, channel), where a group-wise form reads them three times (per group, per channel across the batch, then
+    the input gradient), which shortens the step's device time (benchmarks/RESULTS.md)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _compiling_channels_last(x):
@@ -93,8 +92,8 @@ class GroupNorm(nn.GroupNorm):
 def upsample2x(x: torch.Tensor) -> torch.Tensor:
     """Nearest-neighbour upsampling by 2, as ``F.interpolate(x, scale_factor=2.0, mode="nearest")``. Under compile a
     channels_last input is upsampled on its NHWC view, so the output and the gradient it sends back stay
-    channels_last (inductor laid out the native op's backward contiguous: four more gradient copies in the decoder's
-    convolution backwards, seen on an H200). Eager keeps the native op."""
+    channels_last (inductor lays out the native op's backward contiguous, which adds gradient copies in the
+    decoder's convolution backwards). Eager keeps the native op."""
     if not _compiling_channels_last(x):
         return F.interpolate(x, scale_factor=2.0, mode="nearest")
     b, c, h, w = x.shape

@@ -8,8 +8,8 @@
 3. a fresh start (no ``--resume_from_checkpoint``) in a folder that holds an earlier run (checkpoints, a finished
    model, results) refuses in one line, or with ``--overwrite_output_dir true`` first deletes what hf_cgpu wrote
    there (checkpoints, best weights, tokenizer, samples, the files of the model manifest, results, history, card),
-   so the new run is never mixed with the old one (before, pruning kept the old run's higher step numbers and
-   deleted the new checkpoints, and ``--resume_from_checkpoint latest`` loaded the old run).
+   so the new run is never mixed with the old one (otherwise pruning would keep the old run's higher step numbers
+   and delete the new checkpoints, and ``--resume_from_checkpoint latest`` would load the old run).
 
 ``check_free_space`` (after the model and optimizer exist): room for two checkpoints, estimated from the tensors.
 """

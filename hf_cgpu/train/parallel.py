@@ -93,8 +93,8 @@ def end_processes(accelerator) -> None:
     A finished gloo collective is freed on its worker thread, which takes the GIL to release the Python tensors it
     held (a barrier holds the all-gather before it). Once ``end_training`` has destroyed the group, DDP's reducer
     holds its last reference, and freeing the model joins those threads inside gloo's destructor with the GIL held:
-    a worker still waiting for the GIL then hangs the process for ever (pytorch/pytorch#56297; seen in CI: rank 0 of
-    a two-process CPU run stuck in ``~ProcessGroupGloo`` after its results were written). Sleeping releases the GIL."""
+    a worker still waiting for the GIL then hangs the process for ever in ``~ProcessGroupGloo`` after its results
+    are written (pytorch/pytorch#56297). Sleeping releases the GIL."""
     import time
 
     accelerator.wait_for_everyone()

@@ -1,6 +1,6 @@
 """Saving inside the loop without the libraries' noise: transformers draws a "Writing model shards" bar for every
-``save_pretrained`` (30 of them in a 7-minute zh-poetry run that keeps its best weights, each a carriage-return bar
-in the middle of the log), and accelerate's ``save_state`` warns at every checkpoint that it "removed shared tensor
+``save_pretrained`` (a run that keeps its best weights saves often, each a carriage-return bar in the middle of the
+log), and accelerate's ``save_state`` warns at every checkpoint that it "removed shared tensor
 {'lm_head.weight'} ... check by verifying" although the head is tied on purpose and comes back tied on loading
 (the resume tests reproduce uninterrupted runs bit for bit from those files). Only that warning, for the model's
 own tied names, is dropped; any other shared tensor is still reported."""

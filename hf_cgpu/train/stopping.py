@@ -1,7 +1,7 @@
 """Stopping before ``max_steps``: the ``--max_minutes`` deadline (finish as usual) and SIGTERM (checkpoint, stop).
 
 Signals reach training whichever process receives them. ``accelerate launch`` runs the script as a child and does
-not forward SIGTERM: killing the launcher used to leave the child training on, orphaned. Inside ``Stopping`` the
+not forward SIGTERM: killing the launcher alone would leave the child training on, orphaned. Inside ``Stopping`` the
 training process asks the kernel (Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``) for a SIGTERM when its parent dies,
 so a killed launcher (or a closed terminal, SIGHUP) ends in the same checkpoint-and-stop as a SIGTERM to the
 child itself. With several processes the flags are agreed by an all-reduce every step, so every rank stops at

@@ -14,7 +14,7 @@ NORMS = ("layernorm", "rmsnorm")
 class CgptConfig(PretrainedConfig):
     r"""GPT-2 style decoder: pre-norm blocks, learned positions, tied embeddings, optional biases.
 
-    The modern options below are off by default, so a config without them is the plain GPT-2 it always was.
+    The modern options below are off by default, so a config without them is a plain GPT-2.
 
     Args:
         vocab_size: tokens in the vocabulary (the tokenizer's ``len()``).

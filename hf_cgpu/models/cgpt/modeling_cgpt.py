@@ -20,7 +20,7 @@ work as with the learned table),
 RMSNorm of queries and keys per head (``qk_norm``), ReLU squared (``activation="relu2"``), RMSNorm blocks
 (``norm="rmsnorm"``).
 
-Kept from before, better than upstream: the chunked fp32 loss (``loss_chunk_size``) that never builds all the logits.
+Beyond upstream: the chunked fp32 loss (``loss_chunk_size``) that never builds all the logits.
 In eval mode a call with labels returns logits too (Trainer's evaluation reads them); training builds none.
 
 Works on transformers 5.17 (forward argument ``past_key_values``) through 5.24+ (renamed ``cache``): both names are
@@ -116,9 +116,9 @@ class CgptRotaryTable(nn.Module):
     """cos and sin of the rotary angles of every position below ``n_positions`` (fp32 buffers, each
     (n_positions, head_dim); not saved: ``_init_weights`` rebuilds them on load), looked up by ``position_ids``.
 
-    A table, not the angles computed in forward: under torch.compile inductor inlined that computation (pow, sin,
-    cos) into every query and key kernel, forward and backward, so each angle was evaluated once per batch row and
-    head; on an H200 those kernels took ~31 ms of the 139 ms zh-poetry-modern step (benchmarks/RESULTS.md, issue 12)."""
+    A table, not the angles computed in forward: under torch.compile inductor inlines that computation (pow, sin,
+    cos) into every query and key kernel, forward and backward, so each angle would be evaluated once per batch row
+    and head, a large share of the step (benchmarks/RESULTS.md)."""
 
     def __init__(self, config: CgptConfig):
         super().__init__()
@@ -220,9 +220,9 @@ class CgptAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, C = hidden_states.shape
         q, k, v = self.qkv(hidden_states).view(B, T, 3, self.n_head, self.head_dim).unbind(2)  # (B, T, nh, hs)
-        # q/k norm and rotary act on (B, T, nh, hs), the projection's memory order, before the transpose: on an H200
-        # the fused rotary kernel over the transposed (B, nh, T, hs) views cost 0.29 ms a layer (reads and writes
-        # across heads), a quarter of the zh-poetry step (benchmarks/RESULTS.md, issue 12).
+        # q/k norm and rotary act on (B, T, nh, hs), the projection's memory order, before the transpose: over the
+        # transposed (B, nh, T, hs) views the fused rotary kernel reads and writes across heads and is several times
+        # slower (benchmarks/RESULTS.md).
         if self.config.qk_norm:  # in the gains' dtype: fp32 under autocast, as autocast runs the LayerNorms
             dtype = self.q_norm.weight.dtype
             q, k = self.q_norm(q.to(dtype)), self.k_norm(k.to(dtype))
