@@ -432,7 +432,7 @@ def test_hub_id_offline_is_a_clear_error(monkeypatch):
 
 
 # ---- regression against the H200 measurement ----------------------------------------------------------------------
-# benchmarks/bench_memory.py on one NVIDIA H200 (torch 2.11+cu130, transformers 5.17, peft 0.21, bitsandbytes 0.50.2),
+# benchmarks/memory/bench_memory.py on one NVIDIA H200 (torch 2.11+cu130, transformers 5.17, peft 0.21, bitsandbytes 0.50.2),
 # seq 1024, accumulation 2, eager, bf16 autocast: torch.cuda.max_memory_allocated() in GiB (benchmarks/RESULTS.md).
 # (name, model, tier, recompute, micro-batch, stock peft, measured peak allocated GiB)
 H200_MEASURED = [

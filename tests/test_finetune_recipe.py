@@ -46,7 +46,7 @@ def test_finetune_writes_reloadable_adapter(tiny_base, tmp_path, tier):
 
 @pytest.mark.parametrize("tier", ["lora", pytest.param("qlora", marks=pytest.mark.skip(
     reason="bitsandbytes' CPU 4-bit matmul does not trace under dynamo (absmax_offset must be float32); the CUDA "
-           "path is what benchmarks/bench_lora_speed.py measures compiled"))])
+           "path is what benchmarks/throughput/bench_lora_speed.py measures compiled"))])
 def test_compiled_preset_trains_saves_merges_without_recompiles(tiny_base, tmp_path, monkeypatch, capsys, tier):
     """The lora and qlora presets compile each block (on CUDA; here dynamo's aot_eager backend stands in): training with a
     checkpoint, the evaluations, the adapter and the merge work through the compiled blocks with no recompile,

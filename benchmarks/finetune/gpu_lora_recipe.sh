@@ -5,18 +5,13 @@
 # loss at the end, peak memory, recompiles. Whether CUDA graphs (reduce-overhead) hold up in the real loop with
 # gradient accumulation, evaluation and checkpointing, and what they give there.
 #
-# GPU:  OUT=/tmp/lora_recipe bash benchmarks/gpu_lora_recipe.sh          (carry .whl; ~3 minutes)
-# CPU:  bash benchmarks/gpu_lora_recipe.sh --smoke                       (tiny GPTNeoX, eager: checks the script)
+# GPU:  OUT=/tmp/lora_recipe bash benchmarks/finetune/gpu_lora_recipe.sh          (carry .whl; ~3 minutes)
+# CPU:  bash benchmarks/finetune/gpu_lora_recipe.sh --smoke                       (tiny GPTNeoX, eager: checks the script)
 set -u
 SMOKE=0; [ "${1:-}" = "--smoke" ] && SMOKE=1
-if [ $SMOKE = 0 ] && ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    2>/dev/null; export PYTHONPATH=$PWD:/tmp/site
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+if [ $SMOKE = 0 ]; then source benchmarks/gpu_env.sh --auto || exit 1; else source benchmarks/gpu_env.sh --cpu; fi
 OUT=${OUT:-/tmp/lora_recipe}; mkdir -p "$OUT"
-export HF_CGPU_CACHE=${HF_CGPU_CACHE:-/tmp/hfc} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export TOKENIZERS_PARALLELISM=false
 ROOT=${ROOT:-/tmp/hf_cgpu_bench}
 STEPS=${STEPS:-40}; WARM=${WARM:-10}; LOG=${LOG:-5}
 if [ $SMOKE = 1 ]; then
@@ -26,7 +21,7 @@ if [ $SMOKE = 1 ]; then
 else
   EXTRA=(); MODES_=${MODES:-default reduce-overhead}
 fi
-CKPT=$(cd benchmarks && python3 -c "
+CKPT=$(cd benchmarks/throughput && python3 -c "
 from pathlib import Path; from bench_lora_speed import checkpoint_dir
 print(checkpoint_dir(Path('$ROOT'), 'pythia-1.4b', $([ $SMOKE = 1 ] && echo True || echo False)))" | tail -1) || exit 1
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"

@@ -5,8 +5,8 @@ micro-batches per optimizer step (gradients alive across accumulation, as in rea
 Peers in the same run: stock peft LoRA and stock QLoRA (prepare_model_for_kbit_training) on the same
 Pythia-1.4B-shaped model (random weights: memory and speed do not depend on the values).
 
-    python benchmarks/bench_memory.py --json $OUT/memory.json           # on the GPU
-    python benchmarks/bench_memory.py --dry_run                          # CPU smoke test of the harness, tiny shapes
+    python benchmarks/memory/bench_memory.py --json $OUT/memory.json           # on the GPU
+    python benchmarks/memory/bench_memory.py --dry_run                          # CPU smoke test of the harness, tiny shapes
 """
 
 from __future__ import annotations

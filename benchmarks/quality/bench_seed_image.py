@@ -11,7 +11,7 @@ package's image cache); each item is turned into a PIL image in the worker, as t
 The clock starts before the first batch (worker start-up and compile count, as in the loop's --max_minutes).
 Sampling is left to ``hf-cgpu eval`` (the seed's sampler is Euler, 50 steps, no guidance):
 
-    python benchmarks/bench_seed_image.py --dataset .data/cifar10 --minutes 4 --output_dir /tmp/seed_flow
+    python benchmarks/quality/bench_seed_image.py --dataset .data/cifar10 --minutes 4 --output_dir /tmp/seed_flow
     hf-cgpu eval /tmp/seed_flow --classifier /tmp/clf --dataset .data/cifar10 --scheduler euler \
         --num_inference_steps 50 --guidance_scale 1
 """

@@ -8,7 +8,7 @@ windows cut from the token stream at any offset (``get_batch``). The cosine is s
 step time measured after compilation. Validation uses the package's ``score_stream`` (whole split, bits per
 character), so both sides are scored by one function; its time is not charged to the budget.
 
-    python benchmarks/bench_seed_text.py --data .data/zh-poetry --minutes 7 --out /tmp/seed_text
+    python benchmarks/quality/bench_seed_text.py --data .data/zh-poetry --minutes 7 --out /tmp/seed_text
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU call (device tool; nvidia-h200-x2 preferred, nvidia-h200 works): image quality after the same training
-# wall-clock, the seed's recipe (benchmarks/bench_seed_image.py) against `recipes/train_flow.py --preset cifar10`,
+# wall-clock, the seed's recipe (benchmarks/quality/bench_seed_image.py) against `recipes/train_flow.py --preset cifar10`,
 # both scored by `hf-cgpu eval` in the features of a classifier trained here (`recipes/train_classifier.py --preset
 # cifar10`). Carried: .whl (../shared/tools/device-wheels.sh) and .data/cifar10 (a copy of ../shared/data/cifar10).
 #
@@ -14,9 +14,7 @@
 #   guidance), eval_ours/ (eval.json, grid: the same sampler, EMA weights), sweep_ema/ and sweep_raw/ (sweep.json,
 #   sweep.md, grids; sweep.png where matplotlib is importable, else afterwards:
 #   python -c "from hf_cgpu.evaluation.flow import plot_sweep; plot_sweep('sweep_ema/sweep.json')").
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PWD:/tmp/site || exit 1
-export HF_CGPU_CACHE=/tmp/hfc PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh --gpu || exit 1
 T0=$(date +%s)
 DEADLINE=${DEADLINE_S:-570}
 mark() { echo "$(( $(date +%s) - T0 ))s $*" >> "$OUT/timeline.txt"; }
@@ -47,7 +45,7 @@ train_classifier() {
   touch /tmp/clf.done; mark "classifier trained"
 }
 train_seed() {
-  CUDA_VISIBLE_DEVICES=$GA timeout "$TRAIN_TIMEOUT" python3 benchmarks/bench_seed_image.py --dataset "$DATA" \
+  CUDA_VISIBLE_DEVICES=$GA timeout "$TRAIN_TIMEOUT" python3 benchmarks/quality/bench_seed_image.py --dataset "$DATA" \
     --minutes "$MIN" --output_dir /tmp/seed > "$OUT/seed.log" 2>&1
   cp /tmp/seed/bench_seed.json "$OUT/seed.json"; mark "seed trained"
 }

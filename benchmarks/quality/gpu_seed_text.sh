@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# GPU call (device tool, nvidia-h200): the seed chapter's text recipe (benchmarks/bench_seed_text.py) on zh-poetry
+# GPU call (device tool, nvidia-h200): the seed chapter's text recipe (benchmarks/quality/bench_seed_text.py) on zh-poetry
 # for 7 minutes, right after gpu_zh_poetry.sh on the same warm machine.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PWD:/tmp/site || exit 1
-export HF_CGPU_CACHE=/tmp/hfc PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+source benchmarks/gpu_env.sh --gpu || exit 1
+export TOKENIZERS_PARALLELISM=true
 date -u > $OUT/env.txt
-timeout 570 python3 benchmarks/bench_seed_text.py --data .data/zh-poetry --minutes 7 --out /tmp/seed_text \
+timeout 570 python3 benchmarks/quality/bench_seed_text.py --data .data/zh-poetry --minutes 7 --out /tmp/seed_text \
   "$@" > $OUT/seed_text.log 2>&1
 cp /tmp/seed_text/results.json $OUT/seed_text_results.json
 grep -E "chars/token|step time|val_bpc" $OUT/seed_text.log | tail -30

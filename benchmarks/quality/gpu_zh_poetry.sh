@@ -2,9 +2,8 @@
 # GPU call (device tool, nvidia-h200): `recipes/train_gpt.py --preset zh-poetry` for its 7-minute budget, then
 # `hf-cgpu eval` of the saved model over the whole validation split. Extra arguments go to the recipe.
 # Carried: .whl (../shared/tools/device-wheels.sh) and .data/zh-poetry (a copy of ../shared/data/zh-poetry).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PWD:/tmp/site || exit 1
-export HF_CGPU_CACHE=/tmp/hfc PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+source benchmarks/gpu_env.sh --gpu || exit 1
+export TOKENIZERS_PARALLELISM=true
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch,transformers,accelerate,datasets;print('torch',torch.__version__,'transformers',transformers.__version__,'accelerate',accelerate.__version__,'datasets',datasets.__version__)"
   timeout 30 python3 -m hf_cgpu.cli bench; } > $OUT/env.txt 2>&1

@@ -2,20 +2,19 @@
 # Two short `--preset zh-poetry-modern` runs in one device call (nvidia-h200), to rank a change before spending a
 # full 7-minute call on it (issue 8: "tune on short runs, keep the full-budget runs for the record"):
 #
-#   A="" B="--gradient_accumulation_steps 2 --warmup_steps 400" bash benchmarks/gpu_zh_poetry_ab.sh
+#   A="" B="--gradient_accumulation_steps 2 --warmup_steps 400" bash benchmarks/quality/gpu_zh_poetry_ab.sh
 #
 # Each run trains MINUTES (default 2.5) with its cosine fitted to them, then the loop's whole-split validation;
 # both start on a warm inductor cache (a 3-step run of each configuration first). Results: $OUT/ab.json (per run: val_bpc, best step,
 # steps, tok/s, train loss) and $OUT/ab.tgz (all_results, history, curves of both). Carried: .whl, .data/zh-poetry.
 # Wall time: two warm-ups of ~40-80 s (compile), then per run ~30 s of start-up + MINUTES + ~15 s: ~9 minutes at 2.5.
-bash benchmarks/gguf_parts.sh stash  # a carried part of the SmolLM2 GGUF waits in /tmp (gpu_finetune_smollm2.sh)
+bash benchmarks/tools/gguf_parts.sh stash  # a carried part of the SmolLM2 GGUF waits in /tmp (gpu_finetune_smollm2.sh)
 if [ -z "${SMOKE:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site || exit 1
+  source benchmarks/gpu_env.sh --gpu || exit 1
 else  # CPU check of the script: SMOKE=1 PRESET=tiny DATA= MINUTES=0.2 (the embedded corpus, no GPU)
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  source benchmarks/gpu_env.sh --cpu
 fi
-export HF_CGPU_CACHE=${HF_CGPU_CACHE:-/tmp/hfc} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+export TOKENIZERS_PARALLELISM=true
 OUT=${OUT:-/tmp/ab_out}; mkdir -p "$OUT" /tmp/ab
 MINUTES=${MINUTES:-2.5} PRESET=${PRESET:-zh-poetry-modern} DATA=${DATA-.data/zh-poetry}
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # GPU call (device tool, nvidia-h200): `recipes/train_gpt.py --preset zh-poetry-modern` (rotary, qk_norm, relu2,
 # Muon) for its 7-minute budget, then `hf-cgpu eval` of the saved (best-by-validation) model over the whole validation
-# split: compare val_bpc with benchmarks/gpu_zh_poetry.sh (the plain preset). Extra arguments go to the recipe.
+# split: compare val_bpc with benchmarks/quality/gpu_zh_poetry.sh (the plain preset). Extra arguments go to the recipe.
 # Carried: .whl (../shared/tools/device-wheels.sh) and .data/zh-poetry (a copy of ../shared/data/zh-poetry).
 # Wall time: the loop stops at 7 minutes (max_minutes, from its first step); tokenizer, packing, a cold compile (up to
 # ~80 s), the final save and the continuations come on top, so the recipe is capped at 545 s and the eval gets what is
 # left of 590 s (the loop's own val_bpc is over the same whole split; the eval re-checks it from the saved files).
-bash benchmarks/gguf_parts.sh stash  # a carried part of the SmolLM2 GGUF waits in /tmp (gpu_finetune_smollm2.sh)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PWD:/tmp/site || exit 1
-export HF_CGPU_CACHE=/tmp/hfc PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+bash benchmarks/tools/gguf_parts.sh stash  # a carried part of the SmolLM2 GGUF waits in /tmp (gpu_finetune_smollm2.sh)
+source benchmarks/gpu_env.sh --gpu || exit 1
+export TOKENIZERS_PARALLELISM=true
 PRESET=${PRESET:-zh-poetry-modern}
 rm -rf /tmp/zhm  # a warm machine keeps /tmp: every call trains from scratch
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

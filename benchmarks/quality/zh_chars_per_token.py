@@ -1,6 +1,6 @@
 """Characters per token of hf_cgpu's byte-level BPE on zh-poetry validation (CPU).
 
-    python benchmarks/zh_chars_per_token.py --data ../shared/data/zh-poetry --vocab_size 32000 --train_docs 50000
+    python benchmarks/quality/zh_chars_per_token.py --data ../shared/data/zh-poetry --vocab_size 32000 --train_docs 50000
 Trains the tokenizer exactly as recipes/train_gpt.py does (a shuffled sample of train_docs training poems).
 """
 

@@ -11,8 +11,8 @@ them), ``FlowMatchPipeline`` with the Euler scheduler at 20 steps (20 evaluation
 
 The first batch of every mode is a warm-up (compile, graph capture) and is timed apart; images/s is over the rest.
 
-GPU:  python benchmarks/bench_flow_sampling.py --json $OUT/flow_sampling.json
-CPU:  python benchmarks/bench_flow_sampling.py --smoke      (base 32, 32 images, 2 steps: checks the script only)
+GPU:  python benchmarks/sampling/bench_flow_sampling.py --json $OUT/flow_sampling.json
+CPU:  python benchmarks/sampling/bench_flow_sampling.py --smoke      (base 32, 32 images, 2 steps: checks the script only)
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ the loop's optimizer (`hf_cgpu.tiers.build_optimizer`: fused AdamW, or Muon + Ad
 and serves its optimizers. Per row: end-to-end ms per optimizer step (median, no syncs inside the step), tokens/s,
 and the same step with a sync after each phase: forward+backward (4 micro-steps), clipping, optimizer.
 
-GPU:  python benchmarks/bench_gpt_modern_speed.py --json $OUT/modern_speed.json
-CPU:  python benchmarks/bench_gpt_modern_speed.py --smoke     (tiny shapes, eager: checks the script, no figure)
+GPU:  python benchmarks/throughput/bench_gpt_modern_speed.py --json $OUT/modern_speed.json
+CPU:  python benchmarks/throughput/bench_gpt_modern_speed.py --smoke     (tiny shapes, eager: checks the script, no figure)
 """
 
 from __future__ import annotations

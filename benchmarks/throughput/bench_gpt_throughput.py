@@ -5,11 +5,11 @@ AdamW, gradient clipping at 1.0 (issue 12's identical step). nanoGPT is its own 
 benchmarks/third_party/nanogpt (MIT). Reports tokens/s (median of timed steps after warm-up), MFU (6N + attention
 FLOPs against the bf16 matmul rate measured in this same process) and peak memory.
 
-GPU:  python benchmarks/bench_gpt_throughput.py --variants hf_cgpu-whole-fulllogits,nanogpt,transformers_gpt2 \
+GPU:  python benchmarks/throughput/bench_gpt_throughput.py --variants hf_cgpu-whole-fulllogits,nanogpt,transformers_gpt2 \
           [--batch 8|16|32] --json $OUT/gpt_throughput.json
       more of ours in --variants (VARIANTS below): cuDNN attention, cut_cross_entropy's fused head + loss, a compiled
       clip + optimizer, compile modes reduce-overhead / max-autotune, torchao float8; nanogpt-cudnn for the peer
-CPU:  python benchmarks/bench_gpt_throughput.py --smoke     (tiny shapes, eager: checks the script, no figure)
+CPU:  python benchmarks/throughput/bench_gpt_throughput.py --smoke     (tiny shapes, eager: checks the script, no figure)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _v(model="hf_cgpu", scope="whole", chunk=0, mode=None, attn=None, loss="mode
 # pinned to cuDNN's attention (flash otherwise); loss "cce": the head + loss through cut_cross_entropy's fused kernel
 # (never builds the logits); fp8: torchao float8 training of the blocks' linears (not the identical step: its own
 # row); opt "compiled": clipping + AdamW (foreach) in one compiled function instead of fused AdamW; tune: inductor's
-# coordinate descent tuning of the Triton kernels' block sizes (+2.7% on the flow UNet's step, eleventh session).
+# coordinate descent tuning of the Triton kernels' block sizes (+2.7% on the flow UNet's step, RESULTS.md 2026-12-02).
 VARIANTS = {
     "hf_cgpu-blocks": _v(scope="blocks", chunk=1024),
     "hf_cgpu-whole": _v(chunk=1024),
@@ -58,7 +58,7 @@ VARIANTS = {
     "transformers_gpt2": _v(model="gpt2"),
     "nanogpt": _v(model="nanogpt"),
 }
-NANOGPT = Path(__file__).resolve().parent / "third_party" / "nanogpt" / "model.py"
+NANOGPT = Path(__file__).resolve().parents[1] / "third_party" / "nanogpt" / "model.py"
 
 
 def nanogpt_module():

@@ -14,9 +14,9 @@ each optionally ``+cpp`` or ``+graphs``, see ``measure``):
     matmuls are not run again), and the bytes the step keeps for the backward (a dispatch mode following every storage
     created in the forward; the same on any device).
 
-GPU (the issue's shape):  python benchmarks/bench_lora_recompute.py --shape pythia-1.4b --seq 1024 --batch 4 \
+GPU (the issue's shape):  python benchmarks/throughput/bench_lora_recompute.py --shape pythia-1.4b --seq 1024 --batch 4 \
                               [--tier qlora] --json $OUT/lora_recompute.json
-CPU (indicative only):    python benchmarks/bench_lora_recompute.py   (4 layers, hidden 256, seq 256, batch 2)
+CPU (indicative only):    python benchmarks/throughput/bench_lora_recompute.py   (4 layers, hidden 256, seq 256, batch 2)
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def profile_steps(step, sync, device: torch.device, steps: int, trace: str = "")
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # benchmarks/tools
     from gpu_gpt_profile import kernel_rows
 
     cuda = device.type == "cuda"
@@ -253,7 +253,7 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, help="N > 0: also profile N steps of each mode (torch.profiler): "
                    "device ms per kernel category and the top kernels, i.e. where recompute's extra time goes")
     p.add_argument("--trace", default="", help="with --profile: write each mode's chrome trace (gzipped) to this folder "
-                   "and print where the GPU waited for the host (benchmarks/trace_gaps.py)")
+                   "and print where the GPU waited for the host (benchmarks/tools/trace_gaps.py)")
     p.add_argument("--json", default="")
     a = p.parse_args()
     if a.threads:

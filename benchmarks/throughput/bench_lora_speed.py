@@ -1,6 +1,6 @@
 """GPU: LoRA and QLoRA tokens/s, ours against stock peft (and Unsloth), in one call (issues 12 and 17).
 
-Stock peft is what a user following the peft / bitsandbytes docs writes (``benchmarks/bench_memory.py:stock_peft``),
+Stock peft is what a user following the peft / bitsandbytes docs writes (``benchmarks/memory/bench_memory.py:stock_peft``),
 here without gradient checkpointing, its fastest setting that fits 16 GB. Ours is what ``recipes/finetune_lora.py
 --preset lora`` / ``qlora`` runs (``apply_tiers`` + the chunked loss), eager and with ``--compile true`` (each block
 compiled), and with recompute (the low-memory rung) eager and compiled. Unsloth is
@@ -14,9 +14,9 @@ architecture Unsloth targets). Seq 1024, micro-batch 4, accumulation 2, bf16; me
 warm-up ones (the first compiles); peak memory of the timed steps. Rows print as they finish, and the JSON file is
 rewritten after each, so a cut call keeps the rows before it.
 
-    python benchmarks/bench_lora_speed.py --json $OUT/lora_speed.json        # on the GPU (gpu_speed.sh lora-speed)
-    python benchmarks/bench_lora_speed.py --shape tinyllama-1.1b --rows unsloth-lora --json $OUT/unsloth.json
-    python benchmarks/bench_lora_speed.py --dry_run                          # CPU smoke test, tiny shapes
+    python benchmarks/throughput/bench_lora_speed.py --json $OUT/lora_speed.json        # on the GPU (gpu_speed.sh lora-speed)
+    python benchmarks/throughput/bench_lora_speed.py --shape tinyllama-1.1b --rows unsloth-lora --json $OUT/unsloth.json
+    python benchmarks/throughput/bench_lora_speed.py --dry_run                          # CPU smoke test, tiny shapes
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "memory"))  # bench_memory: benchmarks/memory
 
 # (name, tier, whose, compile, recompute); whose: ours, stock (peft), unsloth
 ROWS = {

@@ -2,17 +2,20 @@
 
 zh-poetry shape: micro-batch 32 x seq 512, 768 wide, 12 heads, dropout 0.2, bf16 autocast. Prints the median ms per
 layer and micro-step over 20 runs after 5 warm-up runs, and the six longest device kernels of one run (the rotary
-kernel is the fused triton one). GPU only:  python benchmarks/bench_rotary_attention.py
+kernel is the fused triton one). GPU only:  python benchmarks/throughput/bench_rotary_attention.py
 """
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from gpu_gpt_profile import kernel_times  # benchmarks/, the script's own folder
-from hf_cgpu.models.cgpt import CgptConfig
-from hf_cgpu.models.cgpt.modeling_cgpt import CgptAttention, rotary_cos_sin
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # benchmarks/tools
+from gpu_gpt_profile import kernel_times  # noqa: E402
+from hf_cgpu.models.cgpt import CgptConfig  # noqa: E402
+from hf_cgpu.models.cgpt.modeling_cgpt import CgptAttention, rotary_cos_sin  # noqa: E402
 
 
 def main() -> None:

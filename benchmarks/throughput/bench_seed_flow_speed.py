@@ -10,14 +10,14 @@ shuffle, as the seed's epoch loop).
 ``--unet seed`` (the default) runs that UNet with the layers the seed's ``unet.py`` uses, ``nn.GroupNorm`` and
 nearest ``nn.Upsample``, compiled as they are; ``--unet ours`` with hf_cgpu's compiled forms of the two (the group
 norm from channel moments and the upsampling that keep channels_last, ``flow/unet.py``), which issue 12's work made
-faster: from the eleventh session on, that speed-up reached this baseline too, so both are reported.
+faster: from 2026-12-02 on, that speed-up reached this baseline too, so both are reported.
 
 Timed: ``--warmup`` steps (compile, worker start-up) are run first, then ``--steps`` steps between two
 synchronisations; images/s = steps x batch / seconds. Also the seconds from the start to the end of the first step.
 Writes one JSON line (and ``--json``).
 
-GPU:  python benchmarks/bench_seed_flow_speed.py --dataset .data/cifar10 --steps 300 --json $OUT/seed_speed.json
-CPU:  python benchmarks/bench_seed_flow_speed.py --dataset DIR --smoke   (base 32, batch 16, 2 workers, 3 steps:
+GPU:  python benchmarks/throughput/bench_seed_flow_speed.py --dataset .data/cifar10 --steps 300 --json $OUT/seed_speed.json
+CPU:  python benchmarks/throughput/bench_seed_flow_speed.py --dataset DIR --smoke   (base 32, batch 16, 2 workers, 3 steps:
       checks the script only)
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quality"))  # benchmarks/quality
 from bench_seed_image import FlipToTensor, seed_step  # noqa: E402  (the seed's transform and step, one definition)
 
 

@@ -3,8 +3,8 @@ grad_output, input and weight (a dispatch mode over the backward only, so the fo
 copy (``aten::_to_copy``, ``aten::clone``) that runs inside ``aten::convolution_backward`` (torch.profiler).
 Issue 12's profile found activation-sized copies there (``aten::to`` -> ``aten::_to_copy``) after the layout fix.
 
-GPU:  python benchmarks/flow_conv_probe.py            (base 128, batch 256, as the cifar10 preset)
-CPU:  python benchmarks/flow_conv_probe.py --smoke    (base 16, batch 4, inductor with mkldnn off; the script only)
+GPU:  python benchmarks/throughput/flow_conv_probe.py            (base 128, batch 256, as the cifar10 preset)
+CPU:  python benchmarks/throughput/flow_conv_probe.py --smoke    (base 16, batch 4, inductor with mkldnn off; the script only)
 """
 
 from __future__ import annotations

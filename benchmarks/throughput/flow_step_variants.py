@@ -14,7 +14,7 @@ Variants (``--variants``, comma-separated; each one after ``torch._dynamo.reset(
     gn-sums        the compiled group norm's channel moments from plain sums instead of var_mean's Welford
                    reduction (``channel_moments_from_sums``; also waiting for a measurement)
     a+b            several at once, e.g. ``cudnn-bench+graphs``
-(Session 11 measured a ``gn-nc`` variant here too, the group norm from per-(image, channel) moments, then behind a
+(A ``gn-nc`` variant was measured here too on 2026-12-02, the group norm from per-(image, channel) moments, then behind a
 switch in ``flow/unet.py`` at commit 555060e; it is now that module's only compiled form.)
 
 Each variant: the first step's seconds (compile), then ``--steps`` steps timed between two synchronisations (the
@@ -22,8 +22,8 @@ median of 5 runs of steps/5), peak allocated memory. ``--profile V1,V2``: torch.
 those variants: device time by kernel (top ``--top``) and by category. Rows print as they finish and the JSON is
 rewritten after each.
 
-GPU:  python benchmarks/flow_step_variants.py --variants default,cudnn-bench,graphs --profile default --json F
-CPU:  python benchmarks/flow_step_variants.py --smoke   (tiny, eager: checks the script only)
+GPU:  python benchmarks/throughput/flow_step_variants.py --variants default,cudnn-bench,graphs --profile default --json F
+CPU:  python benchmarks/throughput/flow_step_variants.py --smoke   (tiny, eager: checks the script only)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # benchmarks/tools
 from gpu_gpt_profile import flow_step, kernel_rows  # noqa: E402  (the same step and kernel table)
 
 PARTS = {"default", "cudnn-bench", "coord", "autotune", "graphs", "split-cat", "gn-sums"}
@@ -49,8 +49,8 @@ def split_block(block, parts: tuple, emb: torch.Tensor) -> torch.Tensor:
     """``block(torch.cat(parts, 1), emb)`` without the concatenation: the first norm's group moments combined from
     each part's (image, channel) moments, the first convolution and the 1x1 skip as sums of convolutions over each
     part's slice of input channels. The decoder's widest convolution (u1's, 384 -> 128 at 32 x 32) then runs as two
-    convolutions of usual widths (cuDNN ran its input gradient with an sm80 kernel, 0.69 ms of the 9.7 ms step, call 4
-    of the eleventh session) and the concatenation is never written."""
+    convolutions of usual widths (cuDNN ran its input gradient with an sm80 kernel, 0.69 ms of the 9.7 ms step,
+    RESULTS.md 2026-12-02) and the concatenation is never written."""
     import torch.nn.functional as F
 
     xs = [p.float() for p in parts]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Flow UNet end to end, one device call (nvidia-h200): the seed's pipeline (benchmarks/bench_seed_flow_speed.py:
+# Flow UNet end to end, one device call (nvidia-h200): the seed's pipeline (benchmarks/throughput/bench_seed_flow_speed.py:
 # DataLoader with 8 workers and per-image transforms, loss.item() every step, AveragedModel EMA) against ours
 # (`recipes/train_flow.py --preset cifar10`: data, EMA, logging, guards included), same UNet (base 128), batch 256,
 # CIFAR-10 from .data/cifar10 (a copy of ../shared/data/cifar10, carried with the call), both compiled, bf16.
@@ -9,21 +9,15 @@
 #   start-up: seconds to the end of the first step, ours cold (empty $HF_CGPU_CACHE/inductor) then warm (a second,
 #   short run on the cache the first one filled).
 #
-# GPU:   bash benchmarks/gpu_flow_speed.sh                  (STEPS=300 WARM=50 LOG=25 by default; ~5 minutes)
-# CPU:   bash benchmarks/gpu_flow_speed.sh --smoke          (tiny preset on DATA=a CIFAR-shaped folder; checks the
+# GPU:   bash benchmarks/throughput/gpu_flow_speed.sh                  (STEPS=300 WARM=50 LOG=25 by default; ~5 minutes)
+# CPU:   bash benchmarks/throughput/gpu_flow_speed.sh --smoke          (tiny preset on DATA=a CIFAR-shaped folder; checks the
 #        script runs end to end, no figure to quote)
 # Writes under $OUT (default /tmp/flow_speed): env.txt, seed.log, seed.json, seed_ours.log, seed_ours.json, ours_LABEL.log, ours_LABEL_results.json,
 # ours_LABEL_history.json (one set per VARIANTS entry), ours_warm.log, ours_warm_results.json, summary.json, summary.md.
 set -u
 SMOKE=0; [ "${1:-}" = "--smoke" ] && SMOKE=1
-if [ $SMOKE = 0 ] && ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site || exit 1
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+if [ $SMOKE = 0 ]; then source benchmarks/gpu_env.sh --auto || exit 1; else source benchmarks/gpu_env.sh --cpu; fi
 OUT=${OUT:-/tmp/flow_speed}; mkdir -p "$OUT"
-export HF_CGPU_CACHE=${HF_CGPU_CACHE:-/tmp/hfc} PYTHONUNBUFFERED=1
 DATA=${DATA:-.data/cifar10}
 RUNS=${RUNS:-/tmp/flow_speed_runs}; rm -rf "$RUNS"; mkdir -p "$RUNS"
 if [ $SMOKE = 1 ]; then
@@ -42,7 +36,7 @@ TOTAL=$((WARM + STEPS))
 # forms (seed_ours.json); both are reported
 for U in ${SEED_UNETS:-seed ours}; do
   NAME=seed; [ "$U" = ours ] && NAME=seed_ours
-  timeout 300 python3 benchmarks/bench_seed_flow_speed.py --dataset "$DATA" --warmup "$WARM" --steps "$STEPS" \
+  timeout 300 python3 benchmarks/throughput/bench_seed_flow_speed.py --dataset "$DATA" --warmup "$WARM" --steps "$STEPS" \
     --unet "$U" --json "$OUT/$NAME.json" "${SEED_ARGS[@]}" > "$OUT/$NAME.log" 2>&1 || echo "seed run failed: see $NAME.log"
 done
 

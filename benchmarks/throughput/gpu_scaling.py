@@ -1,7 +1,7 @@
 """One GPU against N: the same recipe at the same effective (global) batch, one process vs N processes (DDP or FSDP2).
 
-    python benchmarks/gpu_scaling.py --recipe gpt --gpus 8 --config ddp --out runs/scaling -- --preset 124m ...
-    python benchmarks/gpu_scaling.py --recipe flow --gpus 8 --config ddp --out runs/scaling -- --preset cifar10 ...
+    python benchmarks/throughput/gpu_scaling.py --recipe gpt --gpus 8 --config ddp --out runs/scaling -- --preset 124m ...
+    python benchmarks/throughput/gpu_scaling.py --recipe flow --gpus 8 --config ddp --out runs/scaling -- --preset cifar10 ...
 
 The one-process run takes ``gradient_accumulation_steps x N`` micro-batches per step, each of the N processes
 ``gradient_accumulation_steps``: the same samples and random draws every step (hf_cgpu.train.step), so the first
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WARMUP_STEPS = 10
 """Log windows (steps, with --log_steps 1) left out of the steady throughput: compilation and warm-up."""
 RECIPES = {"gpt": "train_gpt.py", "flow": "train_flow.py", "lora": "finetune_lora.py"}

@@ -7,8 +7,8 @@ compiled as ``apply_tiers`` does), three optimizer steps of ``--accumulation`` m
 of each step compared with the same steps under the default compile mode. One JSON line per row: max relative
 difference of the gradients, or the error.
 
-GPU:  python benchmarks/graphs_accumulation_check.py --json $OUT/graphs_accumulation.json
-CPU:  python benchmarks/graphs_accumulation_check.py --smoke   (no CUDA graphs on the CPU: eager, checks the script)
+GPU:  python benchmarks/throughput/graphs_accumulation_check.py --json $OUT/graphs_accumulation.json
+CPU:  python benchmarks/throughput/graphs_accumulation_check.py --smoke   (no CUDA graphs on the CPU: eager, checks the script)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ selective policy's MUST_SAVE / PREFER_RECOMPUTE tags), and how many graphs were 
 Counts, not times: the same on any device, so the CPU answers whether ``--recompute`` under compile reruns what it
 should (issue 12: selective recompute of compiled blocks measured +93% on an H200, more than full recompute).
 
-    python benchmarks/lora_recompute_graphs.py [--steps 3] [--json out.json]
+    python benchmarks/throughput/lora_recompute_graphs.py [--steps 3] [--json out.json]
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 # The SmolLM2 GGUF (98.4 MB) is larger than what one device call carries (64 MiB with the tree, .whl and
 # .data/zh-poetry), so it travels in three parts, one per call, on a machine kept warm between the calls.
 #
-#   bash benchmarks/gguf_parts.sh split     here: .gguf-parts/0, /1, /2 (~33 MB each, ignored by git) + sha256, and
+#   bash benchmarks/tools/gguf_parts.sh split     here: .gguf-parts/0, /1, /2 (~33 MB each, ignored by git) + sha256, and
 #                                           the gguf wheel in part 0; carry ".gguf-parts/N" in the Nth call
-#   bash benchmarks/gguf_parts.sh stash     there, at the start of any call: copies the carried part to /tmp (a warm
+#   bash benchmarks/tools/gguf_parts.sh stash     there, at the start of any call: copies the carried part to /tmp (a warm
 #                                           machine keeps /tmp) and, once all three are there, joins and checks them
 #                                           into /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf; says what is missing
 set -euo pipefail
@@ -34,5 +34,5 @@ case "${1:-}" in
     else
       rm -f /tmp/gguf/$NAME.tmp; echo "gguf: the joined parts do not match the sha256: carry them again"
     fi ;;
-  *) echo "usage: bash benchmarks/gguf_parts.sh split|stash" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/tools/gguf_parts.sh split|stash" >&2; exit 2 ;;
 esac

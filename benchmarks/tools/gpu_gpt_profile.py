@@ -18,10 +18,10 @@ accumulation, dropout and optimizer, as ``recipes/train_gpt.py --preset NAME`` b
 size): e.g. ``zh-poetry-modern`` (rotary, q/k norm, ReLU^2, Muon) against ``zh-poetry`` (the plain GPT-2) shows
 where the modern step's extra time goes.
 
-GPU:   python benchmarks/gpu_gpt_profile.py --out $OUT/gpt_profile [--batch 8|16|32] [--compile false]
-       python benchmarks/gpu_gpt_profile.py --preset zh-poetry-modern --out $OUT/modern_profile
-       python benchmarks/gpu_gpt_profile.py --model flow --batch 256 --out $OUT/flow_profile
-CPU:   python benchmarks/gpu_gpt_profile.py [--model flow] --smoke --out /tmp/profile   (tiny; checks the script only)
+GPU:   python benchmarks/tools/gpu_gpt_profile.py --out $OUT/gpt_profile [--batch 8|16|32] [--compile false]
+       python benchmarks/tools/gpu_gpt_profile.py --preset zh-poetry-modern --out $OUT/modern_profile
+       python benchmarks/tools/gpu_gpt_profile.py --model flow --batch 256 --out $OUT/flow_profile
+CPU:   python benchmarks/tools/gpu_gpt_profile.py [--model flow] --smoke --out /tmp/profile   (tiny; checks the script only)
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 CATEGORIES = (  # first match wins; patterns on the lower-cased kernel / op name
     # attention first: cuDNN's SDPA kernels ("cudnn_generated_..._sdpa_..._fprop", "cudnn::fusion::compute_dot_do_o")
-    # also match the convolution pattern (the fifth session's profile booked them as convolution)
+    # also match the convolution pattern (the preset profiles of 2026-12-01 booked them as convolution)
     ("attention", r"flash|fmha|attention|sdpa|scaled_dot_product|softmax_fwd|efficient_attn|dot_do_o|convert_dq"),
     ("convolution", r"convolution|conv2d|conv_|implicit_gemm|fprop|dgrad|wgrad|cudnn"),  # not "convert_..."
     ("group norm", r"group_norm|groupnorm"),
@@ -219,7 +219,7 @@ def main() -> None:
     p.add_argument("--launchers", type=int, default=0, help="also list the CPU ops (input shapes, 3 parents) that "
                    "launched the N kernels with the most device time")
     p.add_argument("--trace", action="store_true", help="also write the chrome trace (trace.json.gz) and "
-                   "print where the GPU waited for the host (benchmarks/trace_gaps.py)")
+                   "print where the GPU waited for the host (benchmarks/tools/trace_gaps.py)")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 2 warm-up + 2 profiled steps")
     a = p.parse_args()
     cuda = torch.cuda.is_available() and not a.smoke

@@ -1,6 +1,6 @@
 """Validation curves of several runs in one figure, from their ``history.json`` files:
 
-    python benchmarks/plot_runs.py --out benchmarks/figures/zh_poetry_ema.png \
+    python benchmarks/tools/plot_runs.py --out benchmarks/figures/zh_poetry_ema.png \
         "no EMA=benchmarks/results/zh_poetry_fit/wd025" "EMA 0.999=benchmarks/results/zh_poetry_ema/ema999"
 
 Left: validation bits per character (or the first ``eval/`` metric found) by optimizer step; right: the same by

@@ -7,9 +7,9 @@ between the two is the loop's cost.
 Prints and writes to ``--out`` (profile.json): wall ms per step, device busy ms per step, the gap (the GPU waiting
 for the host), the top kernels by device time and the top CPU ops by self time (what the host does between steps).
 
-GPU:   python benchmarks/profile_recipe.py --out $OUT/loop_profile -- recipes/train_flow.py --preset cifar10 \
+GPU:   python benchmarks/tools/profile_recipe.py --out $OUT/loop_profile -- recipes/train_flow.py --preset cifar10 \
            --dataset .data/cifar10 --max_steps 80 --output_dir /tmp/run
-CPU:   python benchmarks/profile_recipe.py --skip 2 --active 2 --out /tmp/lp -- recipes/train_flow.py --preset tiny \
+CPU:   python benchmarks/tools/profile_recipe.py --skip 2 --active 2 --out /tmp/lp -- recipes/train_flow.py --preset tiny \
            --dataset DIR --max_steps 6 --output_dir /tmp/run     (checks the script only; no figure to quote)
 """
 

@@ -1,6 +1,6 @@
 """Where the GPU waits for the host: idle gaps of a torch.profiler chrome trace, and what the host did meanwhile.
 
-    python benchmarks/trace_gaps.py TRACE.json[.gz] [--steps N] [--min_us 20] [--top 15]
+    python benchmarks/tools/trace_gaps.py TRACE.json[.gz] [--steps N] [--min_us 20] [--top 15]
 
 Device work = kernels, memcpys and memsets (their union over time). A gap is a stretch between two of them, inside the
 profiled window, longer than ``--min_us``. For each gap the kernel after it was launched by a CUDA runtime call on some

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetch Unsloth and the wheels it needs beyond ../shared/tools/device-wheels.sh into ./.whl-unsloth (run from the
-# project root, on this machine: the GPU machine reaches no registry), for `benchmarks/gpu_lora_peers.sh`.
+# project root, on this machine: the GPU machine reaches no registry), for `bash benchmarks/throughput/gpu_speed.sh lora-peers`.
 # The unsloth wheel is 28.6 MB, 24 of them its `studio/` web app; it is repacked without it so that .whl +
 # .whl-unsloth (~30 MB) travel in one call. Not fetched: xformers (optional for Unsloth; SDPA is used without it).
 # Pins follow unsloth 2026.10.9's metadata (trl <= 1.15, transformers <= 5.17: the GPU machine has 5.17.0) and

@@ -1,5 +1,5 @@
 # Vendored unchanged from https://github.com/karpathy/nanoGPT (model.py at commit 3adf61e1, MIT License, see
-# LICENSE beside this file): the peer of benchmarks/bench_gpt_throughput.py (variant nanogpt).
+# LICENSE beside this file): the peer of benchmarks/throughput/bench_gpt_throughput.py (variant nanogpt).
 """
 Full definition of a GPT Language Model, all of it in this single file.
 References:
