@@ -86,10 +86,12 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory):
     """The tiny GPT trained by one process and by two (DDP, FSDP2) at the same global batch of 4 sequences. The
-    one-process and DDP runs are the GPU benchmark's own (benchmarks/throughput/gpu_scaling.py on gloo CPU processes)."""
+    one-process and DDP runs are the GPU benchmark's own (benchmarks/throughput/gpu_scaling.py on gloo CPU
+    processes)."""
     root = tmp_path_factory.mktemp("dist_gpt")
     cache = ["--cache_dir", str(root / "cache")]
-    bench = subprocess.run([sys.executable, str(REPO / "benchmarks" / "throughput" / "gpu_scaling.py"), "--cpu", "--recipe", "gpt",
+    scaling = REPO / "benchmarks" / "throughput" / "gpu_scaling.py"
+    bench = subprocess.run([sys.executable, str(scaling), "--cpu", "--recipe", "gpt",
                             "--gpus", "2", "--config", "ddp", "--out", str(root), "--losses", "50", "--", *GPT, *TWO,
                             *cache], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert bench.returncode == 0, (bench.stdout + bench.stderr)[-4000:]
@@ -101,8 +103,8 @@ def gpt_runs(tmp_path_factory):
 
 
 def test_gpu_benchmark_logic_on_two_cpu_processes(gpt_runs):
-    """benchmarks/throughput/gpu_scaling.py: one process at accumulation 2 vs two at 1, the same losses, a rate each, the
-    scaling factor, every process's peak memory (CPU figures: they check the logic, not any GPU)."""
+    """benchmarks/throughput/gpu_scaling.py: one process at accumulation 2 vs two at 1, the same losses, a rate each,
+    the scaling factor, every process's peak memory (CPU figures: they check the logic, not any GPU)."""
     root, logs = gpt_runs
     report = json.loads((root / "scaling_gpt_ddp.json").read_text())
     assert report["effective_batch"] == {"one": "2 x 2 x 1", "many": "2 x 1 x 2"} and report["gpus"] == 2

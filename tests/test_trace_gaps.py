@@ -1,5 +1,5 @@
-"""benchmarks/tools/trace_gaps.py: the idle stretches of a profiler trace and what the host did meanwhile, on a trace whose
-answer is known by construction, and the real chrome-trace format torch.profiler writes."""
+"""benchmarks/tools/trace_gaps.py: the idle stretches of a profiler trace and what the host did meanwhile, on a trace
+whose answer is known by construction, and the real chrome-trace format torch.profiler writes."""
 
 import sys
 from pathlib import Path

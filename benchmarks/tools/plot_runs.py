@@ -1,7 +1,8 @@
 """Validation curves of several runs in one figure, from their ``history.json`` files:
 
-    python benchmarks/tools/plot_runs.py --out benchmarks/figures/zh_poetry_ema.png \
-        "no EMA=benchmarks/results/zh_poetry_fit/wd025" "EMA 0.999=benchmarks/results/zh_poetry_ema/ema999"
+    python benchmarks/tools/plot_runs.py --out benchmarks/quality/results/2026-12-01-ema/zh_poetry_ema.png \
+        "no EMA=benchmarks/quality/results/2026-12-01-fitted-cosine/wd025" \
+        "EMA 0.999=benchmarks/quality/results/2026-12-01-ema/ema999"
 
 Left: validation bits per character (or the first ``eval/`` metric found) by optimizer step; right: the same by
 training tokens (runs with different batches compare there). Each label is marked at its best point."""

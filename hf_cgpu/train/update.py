@@ -8,7 +8,8 @@ while step k+1 is queued, so the loop reads them one step late (the first step o
 a non-finite one until a finite one, at once). Everywhere else (8-bit AdamW, Muon, fp16's GradScaler, which sets
 ``found_inf`` itself, FSDP2 shards) the figures are read at once and a non-finite step is skipped on the host. Both
 paths skip the same steps: those whose loss or gradient norm is not finite. ``HF_CGPU_SYNC_STEPS=1`` takes the second
-path everywhere (a step-by-step A/B of what the wait costs, ``benchmarks/gpu_flow_speed.sh``)."""
+path everywhere (a step-by-step A/B of what the wait costs,
+``benchmarks/throughput/gpu_flow_speed.sh``)."""
 
 from __future__ import annotations
 
