@@ -47,7 +47,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def scores(model, tokenizer, data_dir: Path, zh_text, en_text, seq_len: int, device: str = "cpu") -> dict[str, float]:
     from hf_cgpu.data.instruct import build_rows, load_instruction_splits
-    from hf_cgpu.data.text import pack_dataset
+    from hf_cgpu.data.packing import pack_dataset
     from hf_cgpu.evaluation.text import causal_lm_target_loss, score_rows, score_stream
 
     fn = causal_lm_target_loss(model.to(device))
@@ -78,10 +78,10 @@ def main() -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_cgpu.data.text import load_text_dataset
+    from hf_cgpu.data.corpus import load_text_dataset
     from hf_cgpu.finetune import resolve_base
     from hf_cgpu.gguf import smollm2_gguf
-    from hf_cgpu.loop import fit
+    from hf_cgpu.train import fit
     from hf_cgpu.settings import TrainSettings
     from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
 

@@ -1,9 +1,10 @@
 """GPU: measured peak memory (and tokens/s) of real training steps beside the ledger's prediction.
 
-Each configuration runs the code the recipes run (``hf_cgpu.tiers`` + the models' losses), seq 1024, two
-micro-batches per optimizer step (gradients alive across accumulation, as in real runs), eager (no compile).
+Each configuration runs the code the recipes run (``hf_cgpu.tiers``, ``hf_cgpu.optim`` + the models' losses), seq
+1024, two micro-batches per optimizer step (gradients alive across accumulation, as in real runs), eager (no compile).
 Peers in the same run: stock peft LoRA and stock QLoRA (prepare_model_for_kbit_training) on the same
-Pythia-1.4B-shaped model (random weights: memory and speed do not depend on the values).
+Pythia-1.4B-shaped model (random weights: memory and speed do not depend on the values); the ledger counts them with
+``peers.stock_ledger``.
 
     python benchmarks/memory/bench_memory.py --json $OUT/memory.json           # on the GPU
     python benchmarks/memory/bench_memory.py --dry_run                          # CPU smoke test of the harness, tiny shapes
@@ -21,10 +22,13 @@ from pathlib import Path
 import torch
 
 from hf_cgpu import budget
-from hf_cgpu.budget.cli import preset_shape
+from hf_cgpu.commands.budget import preset_shape
+from hf_cgpu.models.causal_lm_loss import causal_lm_loss_from_hidden
 from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
-from hf_cgpu.settings import load_preset
-from hf_cgpu.tiers import apply_tiers, build_optimizer, causal_lm_loss_from_hidden, load_base_model
+from hf_cgpu.optim import build_optimizer
+from hf_cgpu.settings import TrainSettings, load_preset
+from hf_cgpu.tiers import apply_tiers, load_base_model
+from peers import stock_ledger
 
 GiB = 2**30
 PYTHIA_SHAPE = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, intermediate_size=8192,
@@ -103,17 +107,19 @@ def build(model_name: str, tier: str, recompute: bool, device, root: Path, dry: 
         if tier.startswith("stock-"):
             model, opt = stock_peft(path, tier == "stock-qlora", device)
             return model, opt, "stock", budget.ModelShape.from_config_file(path / "config.json")
+        settings = TrainSettings(tier=tier, recompute=recompute, learning_rate=1e-4, train_mode="finetune")
         model = load_base_model(str(path), tier, device_map={"": device} if tier == "qlora" else None)
         if tier != "qlora":
             model = model.to(device)
-        model = apply_tiers(model, tier, recompute=recompute, compile=False)
+        model = apply_tiers(model, settings, compile=False)
         kind = "neox"
         shape = budget.ModelShape.from_config_file(path / "config.json")
     else:
-        model = apply_tiers(gpt_model(model_name, dry).to(device), tier, recompute=recompute, compile=False)
+        settings = TrainSettings(tier=tier, recompute=recompute, learning_rate=1e-4, train_mode="pretrain")
+        model = apply_tiers(gpt_model(model_name, dry).to(device), settings, compile=False)
         kind = "gpt"
         shape = preset_shape(model_name) if not dry else None
-    return model, build_optimizer(model, tier, lr=1e-4), kind, shape
+    return model, build_optimizer(model, settings), kind, shape
 
 
 def step_fn(model, opt, kind: str, ids: torch.Tensor, accumulation: int, device, cuda_graphs: bool = False):
@@ -173,11 +179,11 @@ def measure(name, model_name, tier, recompute, mb, args, device, root) -> dict:
         row["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / GiB, 2)
         row["context_GiB"] = round((total - free - torch.cuda.memory_reserved()) / GiB, 2)
     if shape is not None:
+        stock = tier.startswith("stock-")
         setup = budget.TrainSetup(seq_len=seq, micro_batch_size=mb, gradient_accumulation_steps=args.accumulation,
                                   tier=tier.replace("stock-", ""), recompute=recompute,
-                                  stock_peft=tier.startswith("stock-"),
-                                  loss_chunk_size=0 if tier.startswith("stock-") else 1024)
-        led = budget.ledger(shape, setup)
+                                  loss_chunk_size=0 if stock else 1024)
+        led = stock_ledger(shape, setup) if stock else budget.ledger(shape, setup)
         row["ledger_alloc_GiB"] = round(led.allocated / GiB, 2)
         row["ledger_total_GiB"] = round(led.total / GiB, 2)
         if "peak_alloc_GiB" in row:

@@ -56,7 +56,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
 
-    from hf_cgpu.data.text import load_text_dataset, pack_dataset
+    from hf_cgpu.data.corpus import load_text_dataset
+    from hf_cgpu.data.packing import pack_dataset
     from hf_cgpu.evaluation.text import score_stream
     from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 

@@ -7,7 +7,8 @@ Trains the tokenizer exactly as recipes/train_gpt.py does (a shuffled sample of 
 import argparse
 import time
 
-from hf_cgpu.data.text import load_text_dataset, train_tokenizer
+from hf_cgpu.data.corpus import load_text_dataset
+from hf_cgpu.data.tokenizer import train_tokenizer
 
 
 def main():

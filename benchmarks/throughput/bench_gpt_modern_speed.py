@@ -2,7 +2,7 @@
 
 The step of `--preset zh-poetry` / `zh-poetry-modern`: 12x768, vocab 8192, seq 512, dropout 0.2, micro-batch 32 x
 accumulation 4 (65,536 tokens per optimizer step), bf16 autocast, the whole model compiled (`hf_cgpu.tiers`), clip 1.0,
-the loop's optimizer (`hf_cgpu.tiers.build_optimizer`: fused AdamW, or Muon + AdamW). Each architecture compiles once
+the loop's optimizer (`hf_cgpu.optim.build_optimizer`: fused AdamW, or Muon + AdamW). Each architecture compiles once
 and serves its optimizers. Per row: end-to-end ms per optimizer step (median, no syncs inside the step), tokens/s,
 and the same step with a sync after each phase: forward+backward (4 micro-steps), clipping, optimizer.
 
@@ -39,7 +39,10 @@ def main() -> None:
     a = p.parse_args()
 
     from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
-    from hf_cgpu.tiers import apply_tiers, build_optimizer
+    from hf_cgpu.optim import build_optimizer
+    from hf_cgpu.optim.muon import MuonSettings
+    from hf_cgpu.settings import TrainSettings
+    from hf_cgpu.tiers import apply_tiers
 
     cuda = torch.cuda.is_available() and not a.smoke
     dev = torch.device("cuda" if cuda else "cpu")
@@ -57,7 +60,7 @@ def main() -> None:
         torch.manual_seed(0)
         cfg = CgptConfig(**shape, dropout=0.2, bias=False, loss_chunk_size=0, **ARCHS[arch])
         model = CgptForCausalLM(cfg).to(dev)
-        model = apply_tiers(model, "full", recompute=False, compile=cuda)
+        model = apply_tiers(model, TrainSettings(tier="full", recompute=False), compile=cuda)
         x = torch.randint(0, cfg.vocab_size, (accum, micro, seq + 1), device=dev)
         t_compile = time.perf_counter()
         compile_s = None  # the first optimizer of an architecture pays its compilation in the warm-up
@@ -65,8 +68,9 @@ def main() -> None:
             if arch_ != arch:
                 continue
             kind = "adamw" if opt_name == "adamw" else "muon"
-            opt = build_optimizer(model, "full", lr=1e-3, weight_decay=0.1, optimizer=kind, muon_lr=0.02,
-                                  muon_weight_decay=0.1)
+            muon = MuonSettings(muon_learning_rate=0.02, muon_weight_decay=0.1) if kind == "muon" else None
+            opt = build_optimizer(model, TrainSettings(tier="full", learning_rate=1e-3, weight_decay=0.1,
+                                                       optimizer=kind, optimizer_options=muon))
             if kind == "muon":
                 opt.batched = opt_name == "muon-batched"
 

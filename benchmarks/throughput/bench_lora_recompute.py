@@ -1,9 +1,10 @@
 """What recompute costs a LoRA/QLoRA step, and what it recomputes: time per step, forward calls per layer, saved bytes.
 
 A GPTNeoX (Pythia) of random weights, frozen bf16 base (``--tier qlora``: nf4, CUDA only), LoRA r16 on the four
-projections through ``hf_cgpu.tiers.apply_tiers``; the step is the fine-tuning task's: ``causal_lm_loss_from_hidden``
-(chunked loss) under bf16 autocast, backward, AdamW. For each recompute setting (``--modes``: off, full, selective,
-each optionally ``+cpp`` or ``+graphs``, see ``measure``):
+projections through ``hf_cgpu.tiers.apply_tiers``; the step is the fine-tuning task's:
+``hf_cgpu.models.causal_lm_loss.causal_lm_loss_from_hidden`` (chunked loss) under bf16 autocast, backward, AdamW.
+For each recompute setting (``--modes``: off, full, selective, each optionally ``+cpp`` or ``+graphs``, see
+``measure``):
 
     median seconds per step over ``--steps`` steps after ``--warmup``, and the ratio to ``off``;
     forward calls of every leaf module of layer 1 in the forward and in the backward (forward hooks on the leaves;
@@ -41,6 +42,7 @@ def build(shape: str, tier: str, mode: str, device: torch.device, compile: bool 
           compile_backend: str = "inductor"):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
+    from hf_cgpu.settings import TrainSettings
     from hf_cgpu.tiers import apply_tiers
 
     cfg = GPTNeoXConfig(**SHAPES[shape], tie_word_embeddings=False)
@@ -57,9 +59,10 @@ def build(shape: str, tier: str, mode: str, device: torch.device, compile: bool 
         with torch.device(device):  # initialised where it trains: seconds, not minutes, at 1.4B
             model = GPTNeoXForCausalLM(cfg).to(torch.bfloat16)
     recompute, _, how = mode.partition("+")
-    model = apply_tiers(model, tier, recompute=recompute != "off", compile=compile, compile_backend=compile_backend,
-                        recompute_policy="selective" if recompute == "selective" else "full",
-                        compile_mode="reduce-overhead" if how == "graphs" else None)
+    settings = TrainSettings(tier=tier, recompute=recompute != "off", compile=compile, train_mode="finetune",
+                             recompute_policy="selective" if recompute == "selective" else "full",
+                             compile_mode="reduce-overhead" if how == "graphs" else "default")
+    model = apply_tiers(model, settings, backend=compile_backend)
     for n, p in model.named_parameters():
         if "lora_B" in n:  # not zero, so every adapter is on the gradient path as after a few steps
             torch.nn.init.normal_(p, std=0.02)
@@ -124,7 +127,7 @@ def measure(a, mode: str, device: torch.device, interleave: bool = False):
 
 
 def _measure(a, mode: str, device: torch.device, interleave: bool = False):
-    from hf_cgpu.tiers import causal_lm_loss_from_hidden, unwrap_model
+    from hf_cgpu.models.causal_lm_loss import causal_lm_loss_from_hidden, unwrap_model
 
     model = build(a.shape, a.tier, mode, device, a.compile, a.compile_backend)
     if device.type == "cuda":

@@ -102,7 +102,9 @@ def unsloth_peft(path: Path, quantized: bool, seq_len: int, device):
 
 def build(tier: str, whose: str, compile: bool, recompute: bool, path: Path, device, args, mode: str | None = None):
     from bench_memory import stock_peft
-    from hf_cgpu.tiers import apply_tiers, build_optimizer, load_base_model
+    from hf_cgpu.optim import build_optimizer
+    from hf_cgpu.settings import TrainSettings
+    from hf_cgpu.tiers import apply_tiers, load_base_model
 
     if whose == "stock":
         model, opt = stock_peft(path, tier == "qlora", device, gradient_checkpointing=False)
@@ -113,9 +115,10 @@ def build(tier: str, whose: str, compile: bool, recompute: bool, path: Path, dev
     model = load_base_model(str(path), tier, device_map={"": device} if tier == "qlora" else None)
     if tier != "qlora":
         model = model.to(device)
-    model = apply_tiers(model, tier, recompute=recompute, compile=compile, compile_backend=args.compile_backend,
-                        compile_mode=mode)
-    return model, build_optimizer(model, tier, lr=1e-4), "neox"
+    settings = TrainSettings(tier=tier, recompute=recompute, compile=compile, compile_mode=mode or "default",
+                             learning_rate=1e-4, train_mode="finetune")
+    model = apply_tiers(model, settings, backend=args.compile_backend)
+    return model, build_optimizer(model, settings), "neox"
 
 
 def measure(key: str, args, device, path: Path) -> dict:

@@ -49,6 +49,7 @@ def build(kind: str, dev):
 
 def run(kind: str, mode: str | None, helper: bool, a, dev) -> list[list[torch.Tensor]]:
     """The gradients after each of ``a.steps`` optimizer steps (SGD, so the weights move between steps)."""
+    from hf_cgpu.settings import TrainSettings
     from hf_cgpu.tiers import apply_tiers
     from hf_cgpu.train.step import before_graphed_micro_batch
 
@@ -57,7 +58,9 @@ def run(kind: str, mode: str | None, helper: bool, a, dev) -> list[list[torch.Te
     model, batch, loss_of = build(kind, dev)
     model = model.to(dev)
     if kind == "lora":
-        model = apply_tiers(model, "lora", recompute=False, compile=a.compile, compile_mode=mode, lora_r=4, lora_alpha=8)
+        settings = TrainSettings(tier="lora", recompute=False, compile=a.compile, compile_mode=mode or "default",
+                                 lora_r=4, lora_alpha=8, train_mode="finetune")
+        model = apply_tiers(model, settings)
     elif a.compile:
         model = torch.compile(model, mode=mode, dynamic=False)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -41,6 +41,7 @@ def measure(mode: str, steps: int) -> dict:
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
+    from hf_cgpu.settings import TrainSettings
     from hf_cgpu.tiers import apply_tiers
 
     graphs = collections.defaultdict(list)
@@ -57,8 +58,9 @@ def measure(mode: str, steps: int) -> dict:
     cfg = GPTNeoXConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
                         vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = apply_tiers(GPTNeoXForCausalLM(cfg), "lora", recompute=mode != "off", compile=True,
-                        compile_backend=backend, recompute_policy="selective" if mode == "selective" else "full")
+    settings = TrainSettings(tier="lora", recompute=mode != "off", compile=True, train_mode="finetune",
+                             recompute_policy="selective" if mode == "selective" else "full")
+    model = apply_tiers(GPTNeoXForCausalLM(cfg), settings, backend=backend)
     x = torch.randint(0, 256, (2, 64))
     for _ in range(steps):
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -116,8 +116,8 @@ def build_preset(a):
     """The model and optimizer ``recipes/train_gpt.py --preset a.preset`` trains (its settings, parsed the same way)."""
     from hf_cgpu.models.cgpt import CgptForCausalLM
     from hf_cgpu.settings import TrainSettings, parse_settings
+    from hf_cgpu.optim import build_optimizer
     from hf_cgpu.tasks.settings import GPTSettings
-    from hf_cgpu.tiers import build_optimizer
 
     argv = ["--preset", a.preset] + (["--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--vocab_size", "512",
                                       "--seq_len", "64"] if a.smoke else [])
@@ -127,10 +127,7 @@ def build_preset(a):
     a.seq = gpt.seq_len
     a.batch = 2 if a.smoke else (a.batch or train.micro_batch_size)
     a.accumulation = train.gradient_accumulation_steps
-    make_opt = lambda m: build_optimizer(  # noqa: E731 - after the model moves to the device (fused AdamW)
-        m, train.tier, lr=train.learning_rate, weight_decay=train.weight_decay,
-        betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, optimizer=train.optimizer,
-        muon_lr=train.muon_learning_rate, muon_momentum=train.muon_momentum, muon_weight_decay=train.muon_weight_decay)
+    make_opt = lambda m: build_optimizer(m, train)  # noqa: E731 - after the model moves to the device (fused AdamW)
     return model, cfg, make_opt
 
 
