@@ -31,8 +31,8 @@ def __getattr__(name):
 
 
 def _register_auto_classes(_transformers=None) -> None:
-    """Register the GPT with transformers' Auto classes (importing ``hf_cgpu.models.cgpt`` does it)."""
-    importlib.import_module("hf_cgpu.models.cgpt")
+    """Register the GPT with transformers' Auto classes."""
+    importlib.import_module("hf_cgpu.models.cgpt").register()
 
 
 def _install_registration_hook() -> None:

@@ -4,14 +4,13 @@
 read + write bandwidth of a device-to-device copy of a 256 MiB bf16 tensor, and bf16 matmul TFLOP/s at 2048, 4096
 and 8192 (warm-up, CUDA-event timing, median of several repeats). The result goes to
 ``$HF_CGPU_CACHE/bench.json`` (default ``~/.cache/hf_cgpu/bench.json``); ``load_measured_peak()`` reads it back for
-the trainer's MFU and for ``hf-cgpu budget``'s hours. Datasheet numbers are upper bounds: a consumer card reaches
-~80-90% of its nominal bandwidth and its own measured matmul rate is the honest MFU denominator.
+the trainer's MFU and for ``hf-cgpu budget``'s hours. Datasheet numbers are upper bounds: a card reaches less than its
+nominal bandwidth and matmul rate, so its own measured matmul rate is the honest MFU denominator.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ArgumentParser, SettingsError, UserError
+from .paths import bench_file
 
 COPY_BYTES = 256 * 1024**2
 """Size of the copied tensor: large enough to defeat the L2 cache (64-96 MB on current cards)."""
@@ -30,16 +30,6 @@ ITERS = 20
 """Calls per timed repeat: long enough that launch overhead is negligible for the small sizes."""
 REPEATS = 5
 """Timed repeats; the median is reported (robust to a clock-boost or a background process)."""
-
-
-def cache_dir() -> Path:
-    """``$HF_CGPU_CACHE`` if set, else ``~/.cache/hf_cgpu``."""
-    env = os.environ.get("HF_CGPU_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "hf_cgpu"
-
-
-def bench_path() -> Path:
-    return cache_dir() / "bench.json"
 
 
 @dataclass
@@ -83,7 +73,7 @@ class BenchResult:
 
 
 def save_result(result: BenchResult, path: str | Path | None = None) -> Path:
-    path = Path(path) if path else bench_path()
+    path = Path(path) if path else bench_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
@@ -93,7 +83,7 @@ def save_result(result: BenchResult, path: str | Path | None = None) -> Path:
 
 def load_result(path: str | Path | None = None) -> BenchResult | None:
     """The saved bench result, or None when there is none or it cannot be read."""
-    path = Path(path) if path else bench_path()
+    path = Path(path) if path else bench_file()
     try:
         return BenchResult.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
@@ -227,7 +217,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--copy_mib", type=int, default=COPY_BYTES // 1024**2, help="copied tensor size in MiB")
     p.add_argument("--iters", type=int, default=ITERS, help="calls per timed repeat")
     p.add_argument("--repeats", type=int, default=REPEATS, help="timed repeats (median reported)")
-    p.add_argument("--output", default=None, help=f"result JSON (default {bench_path()})")
+    p.add_argument("--output", default=None, help=f"result JSON (default {bench_file()})")
     p.add_argument("--no_save", action="store_true", help="print only")
     return p
 

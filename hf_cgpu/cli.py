@@ -13,14 +13,14 @@ from .errors import USER_ERROR_EXIT, run_main
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("hf_cgpu.recipes:train_main", "train a model: gpt, flow, lora, classifier (the recipes' settings)"),
-    "budget": ("hf_cgpu.budget.cli:main", "memory and time ledger: what fits on your card, how long it takes"),
+    "budget": ("hf_cgpu.commands.budget:main", "memory and time ledger: what fits on your card, how long it takes"),
     "bench": ("hf_cgpu.bench:main", "measure this GPU's bandwidth and bf16 matmul rate (MFU denominator)"),
     "generate": ("hf_cgpu.generate:main", "continue text with a saved GPT (or any causal LM)"),
     "sample": ("hf_cgpu.flow.sample:main", "sample images from a saved FlowMatchPipeline"),
     "eval": ("hf_cgpu.evaluation.cli:main", "evaluate a saved model: LM loss/perplexity/bits per char, or image FD"),
-    "push": ("hf_cgpu.hub:main", "push a trained directory to the Hub with a model card"),
+    "push": ("hf_cgpu.hub.push:main", "push a trained directory to the Hub with a model card"),
     "verify": ("hf_cgpu.verify:main", "check a model or checkpoint folder against its checksum manifest"),
-    "flow2d": ("hf_cgpu.recipes:flow2d_main", "the 2D flow-matching toy on CPU (~20 s): table + scatter plot"),
+    "flow2d": ("hf_cgpu.recipes:flow2d_main", "the 2D flow-matching toy on CPU (seconds): table + scatter plot"),
 }
 """name -> ("module:function", one line of help); the function takes the remaining argv and returns an exit code."""
 

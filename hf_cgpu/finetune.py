@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from .gguf import gguf_location
-from .tiers import default_target_modules, peft_quiet
+from .paths import gguf_cache
+from .tiers.lora import peft_quiet
 
-__all__ = ["save_adapter", "merge_and_save", "format_instruction_example", "default_target_modules", "resolve_base"]
+__all__ = ["load_adapter", "merge_and_save", "resolve_base", "save_adapter"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -92,10 +93,8 @@ def resolve_base(model: str, gguf_file: str = "", cache_dir: str | Path | None =
     source = path / gguf_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .data.text import default_cache_dir
-
     size = source.stat().st_size if source.is_file() else 0
-    root = Path(cache_dir) if cache_dir else default_cache_dir().parent / "gguf"
+    root = Path(cache_dir) if cache_dir else gguf_cache()
     folder = root / f"{Path(gguf_file).stem}-{size}"
     info = {"gguf_file": str(source), "dequantized_to": str(folder)}
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
@@ -115,29 +114,3 @@ def resolve_base(model: str, gguf_file: str = "", cache_dir: str | Path | None =
     shutil.rmtree(folder, ignore_errors=True)
     tmp.replace(folder)
     return str(folder), info
-
-
-PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
-PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-
-
-def format_instruction_example(example: dict[str, Any]) -> dict[str, str]:
-    """Turn one instruction row into {"prompt", "response", "text"} (text = prompt + response).
-
-    Accepts Alpaca-style columns instruction/input/output (input may be empty or absent) or
-    prompt/response. The prompt is returned separately so the recipe can set its label tokens to
-    -100 and train on the response only; the tokenizer's EOS is appended by the recipe.
-    """
-    if "instruction" in example and "output" in example:
-        extra = (example.get("input") or "").strip()
-        template = PROMPT_WITH_INPUT_TEMPLATE if extra else PROMPT_TEMPLATE
-        prompt = template.format(instruction=str(example["instruction"]).strip(), input=extra)
-        response = str(example["output"]).strip()
-    elif "prompt" in example and "response" in example:
-        prompt = PROMPT_TEMPLATE.format(instruction=str(example["prompt"]).strip())
-        response = str(example["response"]).strip()
-    else:
-        raise ValueError(
-            f"instruction example needs columns instruction/output (+input) or prompt/response, got {sorted(example)}"
-        )
-    return {"prompt": prompt, "response": response, "text": prompt + response}

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .errors import SettingsError
+from .hub.checks import check_hub_model
 
 
 def continue_texts(
@@ -142,8 +143,6 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch
             raise MissingPathError(f"{model_dir} has no tokenizer files; save the tokenizer beside the weights "
                                    "(tokenizer.save_pretrained(dir))")
     else:
-        from .hub import check_hub_model
-
         check_hub_model(model_dir)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -165,7 +164,7 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise UserError(f"cannot load {model_dir!r} as a causal LM ({first[:160]}); pass a trained run's output_dir "
                         "or a causal LM Hub id (network needed)") from e
-    from .data.text import check_vocab
+    from .data.tokenizer import check_vocab
 
     check_vocab(tok, model.config.vocab_size)
     return tok, model
@@ -198,7 +197,5 @@ def adapter_base(path: Path) -> str:
         if base.startswith(("/", ".", "~")):
             raise MissingPathError(f"the adapter's base model {base} is gone: restore it or set "
                                    f"base_model_name_or_path in {path / 'adapter_config.json'}")
-        from .hub import check_hub_model
-
         check_hub_model(base, "base model")
     return base

@@ -1,9 +1,9 @@
-"""``hf-cgpu train gpt|flow|lora|classifier`` and ``hf-cgpu flow2d``: the recipes of ``recipes/`` as commands.
+"""The recipe registry: one row per model family, the only place a task is listed. ``hf-cgpu train NAME``,
+``hf-cgpu flow2d`` and the scripts in ``recipes/`` all parse and run through it.
 
-Each entry of ``RECIPES`` names what its recipe script names: the task's settings dataclass, the preset family,
-the default preset and the function that trains. ``hf-cgpu train gpt --preset tiny`` parses the same flags with
-the same presets and the same ``--help`` as ``recipes/train_gpt.py --preset tiny`` and trains the same way;
-the recipes stay the short readable versions (a test compares their ``--help``).
+A row names the task's settings dataclass (its fields are the flags and the ``--help``), the Task class that plugs
+the model into the one loop (``hf_cgpu.train.fit``), and the preset folder; the Task names its model card
+(``hf_cgpu.hub.cards.CARDS``). One runner serves every row. ``docs/extending.md`` walks through adding one.
 
 Launching: without ``--config_file`` (and with one process) the run trains in this process, so a bad input ends
 in one line and exit code 2 as every other command. With an accelerate config file or ``--num_processes N`` the
@@ -20,11 +20,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import SettingsError
+from .settings import TrainSettings, parse_settings
+from .tasks.settings import ClassifierSettings, FinetuneSettings, FlowSettings, GPTSettings, Toy2DSettings
 
 
 @dataclass(frozen=True)
@@ -53,106 +55,98 @@ class LaunchSettings:
 
 @dataclass(frozen=True)
 class Recipe:
-    """One training command: what its ``recipes/`` script parses and runs."""
+    """One model family as a training command."""
 
     name: str
-    script: str
-    """The recipe file under recipes/ that does the same."""
+    """``hf-cgpu train NAME``."""
     summary: str
-    family: str
-    """Preset folder under hf_cgpu/presets."""
-    settings: str
-    """``module:Class`` of the task's settings dataclass (parsed before TrainSettings)."""
-    run: str
-    """``module:function`` taking (task settings, TrainSettings) and returning the results."""
+    """One line for ``hf-cgpu train --help`` and the command's description."""
+    settings: type
+    """The task's settings dataclass (parsed before TrainSettings); torch-free, so ``--help`` stays quick."""
+    task: type | str
+    """The ``hf_cgpu.train.Task`` subclass, or the ``"module:Class"`` that holds it (imported when a run starts)."""
+    presets: str = ""
+    """Folder of presets under hf_cgpu/presets (empty: none)."""
     default_preset: str | None = None
+    """Preset used when the command line names none."""
+    script: str = ""
+    """The script under recipes/ that runs this row, if any."""
 
-    def settings_class(self) -> type:
-        module, name = self.settings.split(":")
-        return getattr(importlib.import_module(module), name)
-
-    def runner(self) -> Callable[[Any, Any], dict[str, Any]]:
-        module, name = self.run.split(":")
+    def task_class(self) -> type:
+        if isinstance(self.task, type):
+            return self.task
+        module, _, name = self.task.partition(":")
         return getattr(importlib.import_module(module), name)
 
     def description(self) -> str:
-        return f"{self.summary[0].upper()}{self.summary[1:]} (the settings of recipes/{self.script})."
+        where = f" (recipes/{self.script})" if self.script else ""
+        return f"{self.summary[0].upper()}{self.summary[1:]}{where}."
 
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (
-    Recipe("gpt", "train_gpt.py", "pretrain the hf_cgpu GPT from scratch: tokenizer, packing, the one loop, "
-           "continuations", "gpt", "hf_cgpu.tasks.settings:GPTSettings", "hf_cgpu.recipes:train_gpt"),
-    Recipe("flow", "train_flow.py", "train a flow-matching UNet on CIFAR-10-style images; saves a FlowMatchPipeline",
-           "flow", "hf_cgpu.tasks.settings:FlowSettings", "hf_cgpu.recipes:train_flow"),
-    Recipe("lora", "finetune_lora.py", "LoRA / QLoRA (or full) fine-tuning of an open causal LM", "finetune",
-           "hf_cgpu.tasks.settings:FinetuneSettings", "hf_cgpu.recipes:finetune", default_preset="lora"),
-    Recipe("classifier", "train_classifier.py", "train the CIFAR-10 classifier whose features `hf-cgpu eval` scores "
-           "images with", "classifier", "hf_cgpu.tasks.settings:ClassifierSettings", "hf_cgpu.recipes:train_classifier"),
-)}
-FLOW2D = Recipe("flow2d", "flow2d.py", "the 2D flow-matching toy on CPU: a table and a scatter plot", "flow2d",
-                "hf_cgpu.tasks.settings:Toy2DSettings", "hf_cgpu.recipes:flow2d", default_preset="toy")
+RECIPES: dict[str, Recipe] = {}
+"""Every training command by name, in registration order."""
 
 
-# ---------------------------------------------------------------------------------------------------- runners
-def train_gpt(cfg, train) -> dict[str, Any]:
-    from .tasks.causal_lm import CausalLMTask
-    from .train import fit
-
-    return fit(CausalLMTask(cfg), train)
-
-
-def train_flow(cfg, train) -> dict[str, Any]:
-    from .tasks.flow_images import FlowMatchingTask
-    from .train import fit
-
-    return fit(FlowMatchingTask(cfg), train)
+def register_recipe(recipe: Recipe, replace: bool = False) -> Recipe:
+    """Add ``recipe`` to ``RECIPES`` (``replace`` to redefine a name); returns it."""
+    if recipe.name in RECIPES and not replace:
+        raise ValueError(f"a recipe named {recipe.name!r} is registered already; pass replace=True to redefine it")
+    RECIPES[recipe.name] = recipe
+    return recipe
 
 
-def finetune(cfg, train) -> dict[str, Any]:
-    from .tasks.finetune_lm import FinetuneTask
-    from .train import fit
-
-    return fit(FinetuneTask(cfg), train)
+def unregister_recipe(name: str) -> None:
+    """Remove ``name`` from ``RECIPES`` (tests that registered a toy one)."""
+    RECIPES.pop(name, None)
 
 
-def train_classifier(cfg, train) -> dict[str, Any]:
-    from .tasks.classifier import ClassifierTask
-    from .train import fit
+for _recipe in (
+    Recipe("gpt", "pretrain the hf_cgpu GPT from scratch: tokenizer, packing, the one loop, continuations",
+           GPTSettings, "hf_cgpu.tasks.causal_lm:CausalLMTask", presets="gpt", script="train_gpt.py"),
+    Recipe("flow", "train a flow-matching UNet on CIFAR-10-style images; saves a FlowMatchPipeline", FlowSettings,
+           "hf_cgpu.tasks.flow_images:FlowMatchingTask", presets="flow", script="train_flow.py"),
+    Recipe("lora", "LoRA / QLoRA (or full) fine-tuning of an open causal LM", FinetuneSettings,
+           "hf_cgpu.tasks.finetune_lm:FinetuneTask", presets="finetune", default_preset="lora",
+           script="finetune_lora.py"),
+    Recipe("classifier", "train the CIFAR-10 classifier whose features `hf-cgpu eval` scores images with",
+           ClassifierSettings, "hf_cgpu.tasks.classifier:ClassifierTask", presets="classifier",
+           script="train_classifier.py"),
+    Recipe("flow2d", "the 2D flow-matching toy on CPU: a table and a scatter plot", Toy2DSettings,
+           "hf_cgpu.tasks.flow_toy2d:Toy2DTask", presets="flow2d", default_preset="toy", script="flow2d.py"),
+):
+    register_recipe(_recipe)
 
-    return fit(ClassifierTask(cfg), train)
 
+def run(recipe: Recipe, cfg: Any, train: Any) -> dict[str, Any]:
+    """Train ``recipe``'s task with its settings ``cfg`` and ``train`` through the one loop; the main process prints
+    the final figures. Returns what all_results.json holds."""
+    from .train import fit  # the command-line boundary: torch and accelerate load only when a run starts
+    from .train.parallel import is_main_process
 
-def flow2d(cfg, train) -> dict[str, Any]:
-    from .tasks.flow_toy2d import run_flow2d
-
-    results = run_flow2d(cfg, train)
-    print(f"train {results['train_seconds']:.1f}s; best within 0.3 at <= 20 NFE: "
-          f"{results['best_within_at_20_nfe_or_less']:.1%}; wrote {train.output_dir}/all_results.json")
+    results = fit(recipe.task_class()(cfg), train)
+    if is_main_process():  # one copy of the figures, not one per process
+        print(json.dumps({k: v for k, v in results.items() if k != "settings"}, indent=2, ensure_ascii=False))
     return results
 
 
 # ---------------------------------------------------------------------------------------------------- commands
-def parse(recipe: Recipe, argv: Sequence[str], prog: str, launch: bool = True) -> tuple:
-    """(task settings, TrainSettings[, LaunchSettings]) from ``argv``, as the recipe script parses them."""
-    from .settings import TrainSettings, parse_settings
-
-    classes = (recipe.settings_class(), TrainSettings, *((LaunchSettings,) if launch else ()))
-    return parse_settings(classes, list(argv), family=recipe.family, description=recipe.description(), prog=prog,
-                          default_preset=recipe.default_preset)
+def parse(recipe: Recipe, argv: Sequence[str] | None = None, prog: str | None = None, launch: bool = False) -> tuple:
+    """(task settings, TrainSettings[, LaunchSettings]) from ``argv``: command line > preset > defaults; the tier is
+    checked against the task's train mode here, once."""
+    classes = (recipe.settings, TrainSettings, *((LaunchSettings,) if launch else ()))
+    return parse_settings(classes, None if argv is None else list(argv), family=recipe.presets or None,
+                          description=recipe.description(), prog=prog, default_preset=recipe.default_preset,
+                          fixed={"train_mode": getattr(recipe.settings, "train_mode", "pretrain")})
 
 
 def run_recipe(recipe: Recipe, argv: Sequence[str], prog: str) -> int:
     argv = list(argv)
-    cfg, train, launch = parse(recipe, argv, prog)  # bad flags end here, before anything starts
+    cfg, train, launch = parse(recipe, argv, prog, launch=True)  # bad flags end here, before anything starts
     if launch.launched:
         return _launch(recipe, argv, launch)
     if launch.cpu:
         os.environ["ACCELERATE_USE_CPU"] = "true"  # what accelerate launch --cpu sets
-    results = recipe.runner()(cfg, train)
-    from .train.parallel import is_main_process
-
-    if is_main_process():  # one copy of the figures, not one per process
-        print(json.dumps(results, indent=2, ensure_ascii=False))
+    run(recipe, cfg, train)
     return 0
 
 
@@ -180,8 +174,7 @@ def _launch(recipe: Recipe, argv: list[str], launch: LaunchSettings) -> int:
         os.environ["ACCELERATE_USE_CPU"] = "true"  # CPU processes over gloo (--cpu would start one process)
     elif launch.cpu:
         cmd += ["--cpu"]
-    command = ["train", recipe.name] if recipe.name in RECIPES else [recipe.name]
-    cmd += ["-m", "hf_cgpu.cli", *command, *_launch_argv(argv)]
+    cmd += ["-m", "hf_cgpu.cli", "train", recipe.name, *_launch_argv(argv)]
     args = launch_command_parser().parse_args(cmd)
     try:
         launch_command(args)
@@ -199,7 +192,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     """``hf-cgpu train NAME ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        lines = [f"  {r.name:<11} {r.summary} (recipes/{r.script})" for r in RECIPES.values()]
+        lines = [f"  {r.name:<11} {r.summary}" + (f" (recipes/{r.script})" if r.script else "") for r in RECIPES.values()]
         print("usage: hf-cgpu train NAME [--preset P] [--FLAG VALUE ...]\n\ntrain a model with the one loop:\n"
               + "\n".join(lines) + "\n\n`hf-cgpu train NAME --help` lists every setting with its docs and default.")
         return 0
@@ -210,10 +203,9 @@ def train_main(argv: Sequence[str] | None = None) -> int:
 
 
 def flow2d_main(argv: Sequence[str] | None = None) -> int:
-    """``hf-cgpu flow2d ...``."""
-    return run_recipe(FLOW2D, list(sys.argv[1:] if argv is None else argv), prog="hf-cgpu flow2d")
+    """``hf-cgpu flow2d ...``: ``hf-cgpu train flow2d``."""
+    return run_recipe(RECIPES["flow2d"], list(sys.argv[1:] if argv is None else argv), prog="hf-cgpu flow2d")
 
 
-main = train_main
-
-__all__ = ["FLOW2D", "LaunchSettings", "RECIPES", "Recipe", "flow2d_main", "parse", "run_recipe", "train_main"]
+__all__ = ["LaunchSettings", "RECIPES", "Recipe", "flow2d_main", "parse", "register_recipe", "run", "run_recipe",
+           "train_main", "unregister_recipe"]

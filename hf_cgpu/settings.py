@@ -10,17 +10,20 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import sys
 import textwrap
 import typing
 from importlib.resources import files
+from dataclasses import field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import ArgumentParser, SettingsError
-from .tiers import COMPILE_MODES, TIERS, validate_optimizer, validate_recompute_policy
+from .errors import ArgumentParser, MissingPathError, SettingsError
+from .optim import optimizer_choices, optimizer_settings, optimizer_spec
+from .options import COMPILE_MODES, MIXED_PRECISIONS, RECOMPUTE_POLICIES, check_choice, check_tier
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -29,6 +32,26 @@ if TYPE_CHECKING:
 def preset_root() -> Traversable:
     """``hf_cgpu/presets`` as the installed package holds it (``importlib.resources``: a wheel, a zip, a checkout)."""
     return files("hf_cgpu") / "presets"
+
+
+FIXED = {"resume": "fixed"}
+"""Field metadata of a setting that changes the math of every later step: a resume must use the checkpoint's value
+(``fixed_settings``; the resume fingerprint compares them). Settings without it may change on resume and apply from
+there (the schedule's length, evaluation, logging)."""
+
+
+def fixed_settings(*settings: Any) -> dict[str, Any]:
+    """The ``FIXED`` fields of ``settings`` by name, and every field of a registered choice's settings (an optimizer's
+    own settings change its updates)."""
+    out: dict[str, Any] = {}
+    for s in settings:
+        for f in dataclasses.fields(s):
+            value = getattr(s, f.name)
+            if "options_of" in f.metadata and value is not None:
+                out.update(dataclasses.asdict(value))
+            elif f.metadata.get("resume") == "fixed":
+                out[f.name] = value
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,25 +79,19 @@ class TrainSettings:
     """Cosine decay ends at learning_rate * this (the seed decays to 10%)."""
     warmup_steps: int = 100
     """Linear warmup steps from 0 to learning_rate."""
-    weight_decay: float = 0.1
+    weight_decay: float = field(default=0.1, metadata=FIXED)
     """AdamW weight decay, applied to >=2-D weights only (not norms, biases, 1-D tensors)."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = field(default=0.9, metadata=FIXED)
     """AdamW beta1."""
-    adam_beta2: float = 0.95
+    adam_beta2: float = field(default=0.95, metadata=FIXED)
     """AdamW beta2."""
-    adam_eps: float = 1e-8
+    adam_eps: float = field(default=1e-8, metadata=FIXED)
     """AdamW epsilon."""
-    optimizer: str = "adamw"
-    """adamw (every weight) or muon: torch.optim.Muon (Nesterov momentum orthogonalised by 5 Newton-Schulz steps) on
-    the 2-D hidden weight matrices, AdamW (learning_rate, weight_decay, betas) on embeddings, head, norms and biases;
-    tier full only."""
-    muon_learning_rate: float = 0.02
-    """Peak learning rate of the Muon matrices (optimizer muon); follows the same warmup and cosine schedule."""
-    muon_momentum: float = 0.95
-    """Muon's Nesterov momentum (optimizer muon)."""
-    muon_weight_decay: float = 0.0
-    """Decoupled weight decay of the Muon matrices, times their learning rate (optimizer muon; Keller Jordan's
-    default 0)."""
+    optimizer: str = field(default="adamw", metadata={"choices": optimizer_choices, **FIXED})
+    """The optimizer (hf_cgpu.optim registry); its own settings are the flags of its group below."""
+    optimizer_options: Any = field(default=None, metadata={"cli": False, "options_of": "optimizer",
+                                                           "registry": optimizer_settings})
+    """The chosen optimizer's own settings (its spec's dataclass, e.g. MuonSettings); None = its defaults."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
     mixed_precision: str = "auto"
@@ -84,36 +101,31 @@ class TrainSettings:
     with a note on the CPU, where compiling takes minutes and rarely pays off."""
     compile_mode: str = "default"
     """torch.compile's mode with --compile: default, reduce-overhead (CUDA graphs: fewer kernel launches, more
-    memory), max-autotune-no-cudagraphs (autotuned matmul templates: a much longer first compile) or
-    max-autotune (both). On an H200 the 124M GPT gained 0.5% from max-autotune-no-cudagraphs (cuBLAS won every
-    matmul it tuned). With gradient accumulation under CUDA graphs the loop accumulates into gradient buffers of its
-    own (train/step.py: graph-owned gradients are overwritten by the next replay; on an H200 the gradients match the
-    default mode's, benchmarks/graphs_accumulation_check.py). Inductor's
-    coordinate descent tuning (environment TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1) gave the flow UNet's step
-    +2.7% for a first compile five times longer (benchmarks/RESULTS.md)."""
+    memory), max-autotune-no-cudagraphs (autotuned matmul templates: a much longer first compile) or max-autotune
+    (both). With gradient accumulation under CUDA graphs the loop accumulates into gradient buffers of its own
+    (graph-owned gradients are overwritten by the next replay)."""
     recompute: bool = False
-    """Activation checkpointing of every block: ~17x less activation memory for ~30% more time."""
+    """Activation checkpointing of every block: far less activation memory for one more forward in the backward."""
     recompute_policy: str = "full"
     """With --recompute: full (the backward re-runs each block: the least memory) or selective (keeps the matmul and
-    attention outputs and re-runs only norms, activations and casts; 1.4B LoRA with compiled blocks on an H200:
-    +33% time at 6.90 GiB; full recompute +23-33% at 3.93 GiB in the recipe's step, 10.35 GiB without recompute).
-    Without --compile selective runs a Python policy on every op and is slower than full."""
-    tier: str = "full"
+    attention outputs and re-runs only norms, activations and casts: less time, more memory). Without --compile
+    selective runs a Python policy on every op and is slower than full."""
+    tier: str = field(default="full", metadata=FIXED)
     """Memory tier: full (AdamW), adamw8bit (bitsandbytes 8-bit states), lora (frozen base + adapters), qlora."""
-    lora_r: int = 16
+    lora_r: int = field(default=16, metadata=FIXED)
     """LoRA rank (tiers lora/qlora)."""
-    lora_alpha: int = 32
+    lora_alpha: int = field(default=32, metadata=FIXED)
     """LoRA alpha; the update is scaled by alpha / r."""
-    lora_dropout: float = 0.0
+    lora_dropout: float = field(default=0.0, metadata=FIXED)
     """Dropout on the LoRA input."""
-    lora_target_modules: str = ""
+    lora_target_modules: str = field(default="", metadata=FIXED)
     """Comma-separated module names to adapt; empty = chosen per architecture."""
     autofit: bool = False
     """Before training, let the ledger pick micro-batch/accumulation (effective batch kept), recompute and 8-bit
     AdamW, in the seed's order, so the run fits memory_cap; prints why (language models)."""
     memory_cap: str = ""
     """Memory budget for --autofit, e.g. 16GB (a 5070 Ti); empty = this GPU's total memory."""
-    paged_optimizer: bool = False
+    paged_optimizer: bool = field(default=False, metadata=FIXED)
     """Use bitsandbytes' paged AdamW8bit (tier adamw8bit) so optimizer state can spill to host memory."""
     eval_steps: int = 200
     """Run validation every this many optimizer steps (0 = only at the end)."""
@@ -135,14 +147,14 @@ class TrainSettings:
     """'latest' (newest valid checkpoint in output_dir/checkpoints) or a checkpoint directory; empty = fresh start."""
     overwrite_output_dir: bool = False
     """A fresh start in an output_dir holding an earlier run deletes that run first (default: refuse)."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=FIXED)
     """Seed of data order, initialisation and every random draw (each step reseeds from seed and step)."""
     report_to: str = "none"
     """Experiment trackers for accelerate, comma-separated: none, tensorboard, wandb, ... (console logging is always
     on)."""
     peak_tflops: float = 0.0
     """bf16 peak used as the MFU denominator; 0 = what `hf-cgpu bench` measured on this machine, else none."""
-    ema_decay: float = 0.0
+    ema_decay: float = field(default=0.0, metadata=FIXED)
     """Exponential moving average of the weights (0 = off); the image recipe uses 0.9999-ish. Warm-up
     min(decay, (1 + step) / (10 + step)): the decay itself applies from step (10 decay - 1) / (1 - decay) on
     (0.999: 8,990), and a run that ends before says so."""
@@ -164,14 +176,18 @@ class TrainSettings:
     hub_strategy: str = "end"
     """end: push the finished run; checkpoint: also upload each checkpoint to last-checkpoint/ in the background (as
     the HF Trainer does), so a crashed run can be resumed from the Hub."""
+    train_mode: str = field(default="", metadata={"cli": False})
+    """What the task starts from (pretrain: random weights, finetune: a trained model), which decides the tiers it can
+    use; set from the task (by the recipe's parser, else by ``fit``); empty = not known yet."""
 
     def __post_init__(self) -> None:
-        if self.tier not in TIERS:
-            raise SettingsError(f"unknown tier {self.tier!r}; choose one of {', '.join(TIERS)}")
-        if self.compile_mode not in COMPILE_MODES:
-            raise SettingsError(f"compile_mode={self.compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
-        if self.mixed_precision not in ("auto", "bf16", "no"):
+        check_types(self)
+        check_tier(self.tier, self.train_mode)
+        check_choice("compile_mode", self.compile_mode, COMPILE_MODES)
+        check_choice("recompute_policy", self.recompute_policy, RECOMPUTE_POLICIES)
+        if self.mixed_precision not in MIXED_PRECISIONS:
             raise SettingsError(f"mixed_precision={self.mixed_precision!r}; use auto, bf16 or no (fp16 needs loss scaling)")
+        self._check_optimizer()
         for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be >= 1 (got {getattr(self, name)})")
@@ -182,11 +198,6 @@ class TrainSettings:
                                 "e.g. --ema_decay 0.999")
         if self.early_stopping_patience < 0 or self.eval_batches < 0:
             raise SettingsError("early_stopping_patience and eval_batches must be >= 0")
-        validate_optimizer(self.optimizer, self.tier)
-        validate_recompute_policy(self.recompute_policy)
-        if self.muon_learning_rate <= 0 or not 0 <= self.muon_momentum < 1 or self.muon_weight_decay < 0:
-            raise SettingsError("muon_learning_rate must be > 0, muon_momentum in [0, 1) and muon_weight_decay >= 0; "
-                                "e.g. --muon_learning_rate 0.02 --muon_momentum 0.95")
         if self.fit_schedule_to_time and self.max_minutes <= 0:
             raise SettingsError("--fit_schedule_to_time needs the minutes to fit into: add --max_minutes M")
         if self.hub_strategy not in ("end", "checkpoint"):
@@ -194,6 +205,25 @@ class TrainSettings:
         if (self.load_best_at_end or self.early_stopping_patience) and not self.eval_steps:
             raise SettingsError("load_best_at_end/early_stopping_patience need evaluations: set --eval_steps N")
         self._check_ranges()
+
+    def _check_optimizer(self) -> None:
+        """The optimizer is registered, can train this tier, and holds settings of its own kind (its defaults when
+        none are given)."""
+        spec = optimizer_spec(self.optimizer)
+        if self.tier not in spec.tiers:
+            raise SettingsError(f"optimizer {self.optimizer} trains tier {' or '.join(spec.tiers)} only, not "
+                                f"{self.tier}; use --tier {spec.tiers[0]} or --optimizer adamw")
+        options = self.optimizer_options
+        if spec.settings is None and options is not None:
+            raise SettingsError(f"optimizer {self.optimizer} takes no settings of its own, got {options!r}")
+        if spec.settings is not None:
+            if options is None:
+                object.__setattr__(self, "optimizer_options", spec.settings())
+            elif not isinstance(options, spec.settings):
+                raise SettingsError(f"optimizer_options is a {type(options).__name__}; --optimizer {self.optimizer} "
+                                    f"takes a {spec.settings.__name__}")
+        if self.paged_optimizer and self.tier != "adamw8bit":
+            raise SettingsError("--paged_optimizer pages 8-bit AdamW state: add --tier adamw8bit or drop it")
 
     def _check_ranges(self) -> None:
         """Values the libraries would reject with a traceback, or take silently to mean something else (a negative
@@ -217,8 +247,6 @@ class TrainSettings:
                                 f"(got {self.adam_eps}, {self.lora_alpha}, {self.spike_factor})")
         resume = self.resume_from_checkpoint
         if resume not in ("", "latest") and not Path(resume).expanduser().is_dir():  # before any folder is made
-            from .errors import MissingPathError
-
             raise MissingPathError(f"checkpoint {resume!r} not found; pass 'latest' or an existing step_N directory")
         if self.trackers:
             from accelerate.utils import LoggerType
@@ -237,6 +265,23 @@ class TrainSettings:
     def samples_per_step(self, processes: int = 1) -> int:
         """Samples per optimizer step over ``processes`` data-parallel processes (the effective batch)."""
         return self.micro_batch_size * self.gradient_accumulation_steps * processes
+
+
+def check_types(settings: Any) -> None:
+    """One line for a field given a value of the wrong kind in code (the command line converts them): a bool that is
+    not True or False, a number that is not one (a string "yes" would otherwise be truthy, "8" compare as text)."""
+    hints = _hints(type(settings))
+    for f in dataclasses.fields(settings):
+        value, kind = getattr(settings, f.name), hints.get(f.name)
+        if kind is bool and not isinstance(value, bool):
+            raise SettingsError(f"{f.name} must be True or False, got {value!r}")
+        if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise SettingsError(f"{f.name} must be a number, got {value!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 # ---------------------------------------------------------------- parsing
@@ -326,12 +371,35 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
+def cli_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of a settings class that are flags (not those marked ``metadata={"cli": False}``)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
+
+
+def option_groups(classes: tuple[type, ...]) -> list[tuple[dataclasses.Field, dict[str, type | None]]]:
+    """Fields that hold the settings of a registered choice (``metadata["options_of"]``: the field naming the choice,
+    ``metadata["registry"]``: choice -> its settings class), with the registry read now."""
+    return [(f, f.metadata["registry"]()) for cls in classes for f in dataclasses.fields(cls)
+            if "options_of" in f.metadata]
+
+
+def parser_classes(classes: tuple[type, ...]) -> tuple[type, ...]:
+    """``classes`` with the settings class of every registered choice (the optimizers' own settings) right after the
+    class that holds the choice."""
+    out: list[type] = []
+    for cls in classes:
+        out.append(cls)
+        out += [c for _, registry in option_groups((cls,)) for c in registry.values() if c is not None]
+    return tuple(dict.fromkeys(out))
+
+
 def build_parser(
     classes: tuple[type, ...], description: str = "", family: str | None = None, prog: str | None = None,
     preset: dict[str, Any] | None = None, preset_name: str | None = None, epilog: str | None = None,
 ) -> argparse.ArgumentParser:
-    """One flag per field; its help is the field's docstring and the value the run would use without the flag
-    (the preset's when ``preset`` is given, else the dataclass default). Parsed values are None when not given."""
+    """One flag per field (and per field of every registered choice's settings); its help is the field's docstring,
+    the registered choices where the field lists them, and the value the run would use without the flag (the
+    preset's when ``preset`` is given, else the dataclass default). Parsed values are None when not given."""
     usage = "%(prog)s" + (" [--preset NAME]" if family else "") + " [--SETTING VALUE ...]"
     parser = ArgumentParser(prog=prog, description=description, epilog=epilog, usage=usage,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -341,11 +409,15 @@ def build_parser(
         parser.add_argument("--preset", default=None,
                             help=f"preset name ({', '.join(list_presets(family))}) or a .json file; the defaults "
                                  f"below are the preset's where it sets them{shown}")
+    owners = {cls: name for field_, registry in option_groups(classes) for name, cls in registry.items() if cls}
     seen: set[str] = set()
-    for cls in classes:
-        group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().splitlines()[0] or None)
+    for cls in parser_classes(classes):
+        title = (cls.__doc__ or "").strip().splitlines()[0] or None
+        if cls in owners:
+            title = f"{title} (only with --{_choice_field(classes)} {owners[cls]})"
+        group = parser.add_argument_group(cls.__name__, title)
         docs, hints = field_docs(cls), typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
+        for f in cli_fields(cls):
             if f.name in seen:
                 continue
             seen.add(f.name)
@@ -354,9 +426,25 @@ def build_parser(
                      else {"metavar": {int: "INT", float: "FLOAT"}.get(kind, "TEXT")})
             value = preset.get(f.name, f.default)
             origin = f"; preset {preset_name}" if f.name in preset and preset_name else ""
-            help_ = f"{docs.get(f.name, '')} (default: {_shown(value)}{origin})".strip().replace("%", "%%")
+            listed = _choices_text(f.metadata.get("choices"))
+            help_ = f"{docs.get(f.name, '')}{listed} (default: {_shown(value)}{origin})".strip().replace("%", "%%")
             group.add_argument(f"--{f.name}", type=kind, default=None, help=help_, **extra)
     return parser
+
+
+def _choices_text(choices: Any) -> str:
+    """`` Choices: ...`` for a field whose registry lists them (``metadata["choices"]``: a function returning names, or
+    names with a one-line summary each); empty for others."""
+    if not choices:
+        return ""
+    found = choices()
+    if isinstance(found, dict):
+        return " Choices: " + "; ".join(f"{k}: {v}" for k, v in found.items()) + "."
+    return f" Choices: {', '.join(found)}."
+
+
+def _choice_field(classes: tuple[type, ...]) -> str:
+    return next(f.metadata["options_of"] for f, _ in option_groups(classes))
 
 
 def preset_in(argv: list[str] | None) -> str | None:
@@ -374,10 +462,14 @@ def preset_in(argv: list[str] | None) -> str | None:
 def parse_settings(
     classes: tuple[type, ...], argv: list[str] | None = None, family: str | None = None, description: str = "",
     prog: str | None = None, default_preset: str | None = None, epilog: str | None = None,
+    fixed: dict[str, Any] | None = None,
 ) -> tuple:
     """Parse ``argv`` into one instance per dataclass: command line > preset > dataclass defaults.
 
-    ``default_preset`` applies when ``argv`` names none. ``--help`` shows the values the run would use.
+    ``default_preset`` applies when ``argv`` names none; ``fixed`` sets fields that are no flags (a task's
+    ``train_mode``). The settings of a registered choice (``--optimizer muon`` -> ``MuonSettings``) become the
+    instance of its ``options_of`` field; a value given for a choice that was not made is refused. ``--help`` shows
+    the values the run would use.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     name = (preset_in(argv) or default_preset) if family else None
@@ -385,11 +477,23 @@ def parse_settings(
     parser = build_parser(classes, description, family, prog, preset, name, epilog)
     ns = vars(parser.parse_args(argv))
     ns.pop("preset", None)
-    known = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    known = {f.name for cls in parser_classes(classes) for f in cli_fields(cls)}
     unknown = set(preset) - known - {"description"}
     if unknown:
         raise SettingsError(f"preset has unknown keys {sorted(unknown)}; remove them or fix their names")
-    values = {**{k: v for k, v in preset.items() if k in known}, **{k: v for k, v in ns.items() if v is not None}}
+    values = {**{k: v for k, v in preset.items() if k in known}, **{k: v for k, v in ns.items() if v is not None},
+              **(fixed or {})}
+    typed = {k for k, v in ns.items() if v is not None}
+    for f, registry in option_groups(classes):
+        chosen = values.get(f.metadata["options_of"], _default_of(classes, f.metadata["options_of"]))
+        for choice, cls in registry.items():
+            given = {g.name: values[g.name] for g in (cli_fields(cls) if cls else []) if g.name in values}
+            if choice == chosen and cls is not None:
+                values[f.name] = cls(**given)
+            elif given.keys() & typed:  # a preset's settings of another choice are left with it
+                flag = next(k for k in given if k in typed)
+                raise SettingsError(f"--{flag} is a setting of --{f.metadata['options_of']} {choice}; add "
+                                    f"--{f.metadata['options_of']} {choice} or drop it")
     out = []
     for cls in classes:
         names = {f.name for f in dataclasses.fields(cls)}
@@ -397,8 +501,19 @@ def parse_settings(
     return tuple(out)
 
 
+def _default_of(classes: tuple[type, ...], name: str) -> Any:
+    return next(f.default for cls in classes for f in dataclasses.fields(cls) if f.name == name)
+
+
 def to_dict(*settings) -> dict[str, Any]:
+    """The settings as one flat dict of flags (``all_results.json``, the card): a registered choice's settings
+    (``optimizer_options``) are flattened in beside the choice, fields that are no flags are left out."""
     merged: dict[str, Any] = {}
     for s in settings:
-        merged.update(dataclasses.asdict(s))
+        for f in dataclasses.fields(s):
+            value = getattr(s, f.name)
+            if "options_of" in f.metadata:
+                merged.update(dataclasses.asdict(value) if value is not None else {})
+            elif f.metadata.get("cli", True):
+                merged[f.name] = value
     return merged

@@ -7,22 +7,17 @@
 Writes adapter_config.json + adapter_model.safetensors (+ merged/ with --merge), the tokenizer, all_results.json.
 """
 
-import json
 import sys
 
 from hf_cgpu.errors import run_main
-from hf_cgpu.settings import TrainSettings, parse_settings
-from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
-from hf_cgpu.train import fit
-from hf_cgpu.train.parallel import is_main_process
+from hf_cgpu.recipes import RECIPES, parse, run
+
+RECIPE = RECIPES["lora"]
 
 
 def main(argv=None):
-    cfg, train = parse_settings((FinetuneSettings, TrainSettings), argv, family="finetune", description=__doc__,
-                                default_preset="lora")
-    results = fit(FinetuneTask(cfg), train)
-    if is_main_process():  # one copy of the figures, not one per process
-        print(json.dumps(results, indent=2))
+    cfg, train = parse(RECIPE, argv)  # FinetuneSettings + TrainSettings: command line > --preset > defaults
+    run(RECIPE, cfg, train)  # FinetuneTask: the base in the tier's form, adapters, the adapter and its card
     return 0
 
 

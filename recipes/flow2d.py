@@ -12,16 +12,14 @@ the training side defaults to --preset toy.
 import sys
 
 from hf_cgpu.errors import run_main
-from hf_cgpu.settings import TrainSettings, parse_settings
-from hf_cgpu.tasks.flow_toy2d import Toy2DSettings, run_flow2d
+from hf_cgpu.recipes import RECIPES, parse, run
+
+RECIPE = RECIPES["flow2d"]
 
 
-def main(argv=None) -> int:
-    toy, train = parse_settings((Toy2DSettings, TrainSettings), argv, family="flow2d", description=__doc__,
-                                default_preset="toy")
-    results = run_flow2d(toy, train)
-    print(f"train {results['train_seconds']:.1f}s; best within 0.3 at <= 20 NFE: "
-          f"{results['best_within_at_20_nfe_or_less']:.1%}; wrote {train.output_dir}/all_results.json")
+def main(argv=None):
+    toy, train = parse(RECIPE, argv)  # Toy2DSettings + TrainSettings: command line > --preset > defaults
+    run(RECIPE, toy, train)  # Toy2DTask: fresh points each step; every sampler at every budget, table, plot
     return 0
 
 

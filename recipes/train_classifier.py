@@ -7,21 +7,17 @@
     hf-cgpu train classifier --preset tiny --dataset ../shared/data/cifar10 --output_dir runs/clf_tiny  # as a command
 """
 
-import json
 import sys
 
 from hf_cgpu.errors import run_main
-from hf_cgpu.settings import TrainSettings, parse_settings
-from hf_cgpu.tasks.classifier import ClassifierSettings, ClassifierTask
-from hf_cgpu.train import fit
-from hf_cgpu.train.parallel import is_main_process
+from hf_cgpu.recipes import RECIPES, parse, run
+
+RECIPE = RECIPES["classifier"]
 
 
 def main(argv=None):
-    clf, train = parse_settings((ClassifierSettings, TrainSettings), argv, family="classifier", description=__doc__)
-    results = fit(ClassifierTask(clf), train)
-    if is_main_process():  # one copy of the figures, not one per process
-        print(json.dumps(results, indent=2))
+    clf, train = parse(RECIPE, argv)  # ClassifierSettings + TrainSettings: command line > --preset > defaults
+    run(RECIPE, clf, train)  # ClassifierTask: the ResNet, accuracy on the test split, its weights
     return 0
 
 

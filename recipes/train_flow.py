@@ -6,21 +6,17 @@
     hf-cgpu train flow --preset cifar10 --dataset ../shared/data/cifar10 --output_dir runs/flow   # as a command
 """
 
-import json
 import sys
 
 from hf_cgpu.errors import run_main
-from hf_cgpu.settings import TrainSettings, parse_settings
-from hf_cgpu.tasks.flow_images import FlowMatchingTask, FlowSettings
-from hf_cgpu.train import fit
-from hf_cgpu.train.parallel import is_main_process
+from hf_cgpu.recipes import RECIPES, parse, run
+
+RECIPE = RECIPES["flow"]
 
 
 def main(argv=None):
-    flow, train = parse_settings((FlowSettings, TrainSettings), argv, family="flow", description=__doc__)
-    results = fit(FlowMatchingTask(flow), train)
-    if is_main_process():  # one copy of the figures, not one per process
-        print(json.dumps(results, indent=2))
+    flow, train = parse(RECIPE, argv)  # FlowSettings + TrainSettings: command line > --preset > defaults
+    run(RECIPE, flow, train)  # FlowMatchingTask: the UNet, sample grids, a FlowMatchPipeline and its card
     return 0
 
 

@@ -6,21 +6,17 @@
     hf-cgpu train gpt --preset tiny --output_dir runs/tiny                               # the same, as a command
 """
 
-import json
 import sys
 
 from hf_cgpu.errors import run_main
-from hf_cgpu.settings import TrainSettings, parse_settings
-from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
-from hf_cgpu.train import fit
-from hf_cgpu.train.parallel import is_main_process
+from hf_cgpu.recipes import RECIPES, parse, run
+
+RECIPE = RECIPES["gpt"]
 
 
 def main(argv=None):
-    gpt, train = parse_settings((GPTSettings, TrainSettings), argv, family="gpt", description=__doc__)
-    results = fit(CausalLMTask(gpt), train)  # saves the model, tokenizer, card and the continuations
-    if is_main_process():  # one copy of the figures, not one per process
-        print(json.dumps(results, indent=2, ensure_ascii=False))
+    gpt, train = parse(RECIPE, argv)  # GPTSettings + TrainSettings: command line > --preset > defaults
+    run(RECIPE, gpt, train)  # CausalLMTask: tokenizer, packing, training, the model, its card and continuations
     return 0
 
 

@@ -24,7 +24,8 @@ def neox_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_base(tmp_path_factory):
     """A tiny GPTNeoX base with a tokenizer trained on the built-in corpus (a fine-tuning run's --model)."""
-    from hf_cgpu.data.text import builtin_corpus, train_tokenizer
+    from hf_cgpu.data.corpus import builtin_corpus
+    from hf_cgpu.data.tokenizer import train_tokenizer
 
     d = tmp_path_factory.mktemp("neox_base")
     tok = train_tokenizer(builtin_corpus()[:20], vocab_size=400, show_progress=False)
@@ -42,11 +43,11 @@ def fused_adamw(monkeypatch):
     """The loop builds the optimizer it builds on CUDA (torch's fused AdamW, which skips a non-finite step on the
     device: the path where step k is read one step late) on the CPU too. No fork() after it: its OpenMP region hangs
     in a forked child."""
-    from hf_cgpu import tiers
+    from hf_cgpu import optim
     from hf_cgpu.train import prepare
 
     def build(*args, **kwargs):
-        return tiers.build_optimizer(*args, **{**kwargs, "fused": True})
+        return optim.build_optimizer(*args, **{**kwargs, "fused": True})
 
     monkeypatch.setattr(prepare, "build_optimizer", build)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hf_cgpu import bench
+from hf_cgpu.paths import bench_file
 from hf_cgpu.cli import main as cli_main
 
 
@@ -37,7 +38,7 @@ def test_no_cuda_exits_2_with_one_line(monkeypatch, capsys):
 def test_save_and_load_round_trip(cache):
     result = fake_result()
     path = bench.save_result(result)
-    assert path == cache / "bench.json" == bench.bench_path()
+    assert path == cache / "bench.json" == bench_file()
     data = json.loads(path.read_text())
     assert data["peak_bf16_tflops"] == 162.25 and data["matmul_tflops"]["8192"] == 162.25
     assert bench.load_result() == result

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from hf_cgpu import budget
-from hf_cgpu.budget.cli import preset_shape
+from hf_cgpu.commands.budget import preset_shape
 from hf_cgpu.budget import (
     GiB,
     LADDER,
@@ -21,12 +23,13 @@ from hf_cgpu.budget import (
     ledger,
     lora_trainable_params,
     parse_memory,
-    seed_activation_bytes,
-    seed_model_state_bytes,
     training_hours,
 )
 from hf_cgpu.cli import main as cli_main
 from hf_cgpu.errors import SettingsError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "memory"))
+from peers import seed_activation_bytes, seed_model_state_bytes, stock_ledger  # noqa: E402  (the benchmark's peers)
 
 GPT_PRESETS = ("tiny", "30m", "124m", "350m", "770m")
 
@@ -198,8 +201,10 @@ def test_lora_and_qlora_states():
 
 
 def test_adamw8bit_keeps_small_tensors_in_32_bit():
-    assert budget.adamw8bit_state_bytes([4095]) == 8 * 4095
-    assert budget.adamw8bit_state_bytes([4096]) == 2 * 4096 + 2 * 4 * (4096 // 256)
+    from hf_cgpu.optim.adamw import adamw8bit_state_bytes
+
+    assert adamw8bit_state_bytes([4095]) == 8 * 4095
+    assert adamw8bit_state_bytes([4096]) == 2 * 4096 + 2 * 4 * (4096 // 256)
 
 
 # ---- activations ----------------------------------------------------------------------------------------------------
@@ -244,10 +249,9 @@ def test_chunked_loss_holds_one_chunk():
     assert chunked <= full / 6  # 16 B x 1024 tokens vs 12 B x 8192 tokens
 
 
-def test_held_logits_add_their_dtype(monkeypatch):
+def test_held_logits_add_their_dtype():
     s = preset_shape("124m")
-    monkeypatch.setattr(budget.memory, "LOGITS_HELD", True)
-    held = ledger(s, micro_batch_size=8, loss_chunk_size=0).row("logits")
+    held = ledger(s, micro_batch_size=8, loss_chunk_size=0, logits_held=True).row("logits")
     assert held == (budget.LOGITS_EAGER_BYTES + 2) * 8 * 1024 * 32000  # + the bf16 logits a kept output holds
 
 
@@ -270,11 +274,11 @@ def test_ema_adds_an_fp32_copy_of_the_trainable_weights():
     """--ema_decay keeps an fp32 shadow of every trainable weight all run (measured on an H200, zh-poetry-modern:
     8.07 GiB allocated without it, 8.42 with it; benchmarks/RESULTS.md)."""
     s = preset_shape("zh-poetry-modern")
-    plain, ema = ledger(s, micro_batch_size=32), ledger(s, micro_batch_size=32, ema=True)
+    plain, ema = ledger(s, micro_batch_size=32), ledger(s, micro_batch_size=32, ema_decay=0.999)
     assert plain.row("ema") == 0
     assert ema.row("ema") == 4 * s.n_params
     assert ema.allocated - plain.allocated == pytest.approx(4 * s.n_params)
-    lora = ledger(preset_shape("pythia-1.4b"), tier="lora", ema=True)  # adapters only are trainable
+    lora = ledger(preset_shape("pythia-1.4b"), tier="lora", ema_decay=0.999)  # adapters only are trainable
     assert lora.row("ema") == 4 * lora_trainable_params(preset_shape("pythia-1.4b"), 16)
     assert ema.row("ema") / GiB == pytest.approx(8.42 - 8.07, rel=0.05)
 
@@ -289,8 +293,8 @@ def test_small_micro_batch_peaks_at_the_optimizer_step():
 @pytest.mark.parametrize(
     "name, measured, kw",
     [  # H200 anchors (docs/gpu.md): the constants must keep reproducing them within 10%
-        ("350m", 12.8, dict(micro_batch_size=8, loss_chunk_size=0, compiled_loss=True)),
-        ("770m", 15.6, dict(micro_batch_size=4, loss_chunk_size=0, compiled_loss=True)),
+        ("350m", 12.8, dict(micro_batch_size=8, loss_chunk_size=0, compile=True)),
+        ("770m", 15.6, dict(micro_batch_size=4, loss_chunk_size=0, compile=True)),
         ("pythia-1.4b", 20.9, dict(tier="adamw8bit", micro_batch_size=4, loss_chunk_size=0)),
     ],
 )
@@ -300,7 +304,7 @@ def test_h200_anchors_within_10_percent(name, measured, kw):
 
 
 def test_770m_reserved_anchor():
-    led = ledger(preset_shape("770m"), micro_batch_size=4, loss_chunk_size=0, compiled_loss=True)
+    led = ledger(preset_shape("770m"), micro_batch_size=4, loss_chunk_size=0, compile=True)
     assert led.reserved / GiB == pytest.approx(16.2, rel=0.10)
 
 
@@ -449,17 +453,17 @@ H200_MEASURED = [
     ("pythia-1.4b lora (stock peft)", "pythia-1.4b", "lora", True, 4, True, 5.60),
     ("pythia-1.4b qlora (stock peft)", "pythia-1.4b", "qlora", True, 4, True, 4.93),
 ]
-def _bench_setup(tier: str, recompute: bool, mb: int, stock: bool) -> TrainSetup:
-    """Exactly what bench_memory.measure passes to the ledger."""
+def _bench_setup(tier: str, recompute: bool, mb: int) -> TrainSetup:
+    """Exactly what bench_memory.measure passes to the ledger (the stock peer through peers.stock_ledger)."""
     return TrainSetup(seq_len=1024, micro_batch_size=mb, gradient_accumulation_steps=2, tier=tier,
-                      recompute=recompute, stock_peft=stock, loss_chunk_size=0 if stock else 1024)
+                      recompute=recompute, loss_chunk_size=1024)
 
 
 @pytest.mark.parametrize("row", H200_MEASURED, ids=[r[0] for r in H200_MEASURED])
 def test_ledger_within_10pct_of_h200(row):
     name, model, tier, recompute, mb, stock, measured = row
     shape = preset_shape(model)
-    predicted = ledger(shape, _bench_setup(tier, recompute, mb, stock)).allocated
+    predicted = (stock_ledger if stock else ledger)(shape, _bench_setup(tier, recompute, mb)).allocated
     assert abs(predicted / GiB - measured) / measured < 0.10, f"{name}: {predicted / GiB:.2f} vs {measured}"
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from hf_cgpu.budget import autofit_settings, ledger
-from hf_cgpu.budget.cli import describe_run, run
+from hf_cgpu.commands.budget import describe_run, run
 from hf_cgpu.budget.shape import REFERENCE_CONFIGS, ModelShape
 from hf_cgpu.errors import SettingsError
 from hf_cgpu.settings import TrainSettings, list_presets, load_preset, parse_settings
@@ -41,7 +41,7 @@ def test_124m_is_priced_compiled_as_it_trains():
     setup = shape.setup(train)
     assert train.compile and setup.loss_chunk_size == 0 and setup.compiled_loss
     assert "full logits, compiled loss" in run(["--preset", "124m"])
-    eager = ledger(shape.model, dataclasses.replace(setup, compiled_loss=False))
+    eager = ledger(shape.model, dataclasses.replace(setup, compile=False))
     assert ledger(shape.model, setup).allocated < eager.allocated
     _, eager_train, _ = describe_run(["--preset", "124m", "--compile", "false"])
     assert not shape.setup(eager_train).compiled_loss
@@ -132,7 +132,7 @@ def test_ema_decay_reaches_the_ledger():
 
 
 def test_a_model_file_that_is_no_config_is_a_one_line_error(tmp_path, capsys):
-    from hf_cgpu.budget.cli import main
+    from hf_cgpu.commands.budget import main
     from hf_cgpu.errors import MissingPathError, run_main
 
     blob = tmp_path / "weights.bin"
@@ -167,7 +167,7 @@ def test_budget_prices_only_the_tiers_a_from_scratch_gpt_trains_with():
 
 
 def test_a_preset_name_wins_over_a_folder_of_that_name(tmp_path, monkeypatch):
-    from hf_cgpu.budget.cli import preset_shape, resolve_model
+    from hf_cgpu.commands.budget import preset_shape, resolve_model
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny").mkdir()  # e.g. a run folder named like the preset, without config.json

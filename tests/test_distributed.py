@@ -213,7 +213,7 @@ def test_ledger_per_gpu_under_ddp_and_fsdp2():
     """DDP: a whole replica plus gradient buckets (the trainable gradients once more); FSDP2: weights, gradients and
     optimizer state divided by the processes, plus the gathered units; activations stay per process."""
     from hf_cgpu.budget import ledger
-    from hf_cgpu.budget.cli import preset_shape
+    from hf_cgpu.commands.budget import preset_shape
     from hf_cgpu.budget.shape import TrainSetup
 
     shape = preset_shape("350m")
@@ -232,7 +232,7 @@ def test_ledger_per_gpu_under_ddp_and_fsdp2():
 
 def test_autofit_and_budget_see_the_processes(capsys):
     from hf_cgpu.budget import autofit_settings
-    from hf_cgpu.budget.cli import gpt_run_shape, main
+    from hf_cgpu.commands.budget import gpt_run_shape, main
     from hf_cgpu.settings import TrainSettings
 
     settings = TrainSettings(micro_batch_size=32, gradient_accumulation_steps=1, memory_cap="12GB", output_dir="x")

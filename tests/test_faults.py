@@ -672,7 +672,7 @@ def test_atomic_output_leaves_the_old_file_on_error_and_on_kill(tmp_path):
 def test_a_kill_while_the_tokenizer_is_saved_leaves_no_broken_tokenizer(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
-    from hf_cgpu.data.text import load_text_dataset
+    from hf_cgpu.data.corpus import load_text_dataset
     from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
 
     task = CausalLMTask(GPTSettings(vocab_size=300, tokenizer_train_docs=20))
@@ -696,7 +696,7 @@ def test_a_kill_while_the_tokenizer_is_saved_leaves_no_broken_tokenizer(tmp_path
 
 
 def test_a_damaged_saved_tokenizer_is_one_line_at_resume_and_retrained_otherwise(tmp_path):
-    from hf_cgpu.data.text import load_text_dataset
+    from hf_cgpu.data.corpus import load_text_dataset
     from hf_cgpu.errors import CheckpointError
     from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
 
@@ -779,7 +779,7 @@ GOOD_TEXT = ["some words in a document " * 20] * 10
 ], ids=["0-byte-parquet-shard", "0-row-validation", "corrupt-parquet", "bad-jsonl-line", "0-byte-jsonl",
         "blank-validation"])
 def test_bad_text_files_end_in_one_line_naming_the_file(files, expected, tmp_path):
-    from hf_cgpu.data.text import load_text_dataset
+    from hf_cgpu.data.corpus import load_text_dataset
 
     d = _text_dir(tmp_path, files)
     with pytest.raises(DataError, match=expected) as err:

@@ -11,7 +11,9 @@ import torch
 
 from hf_cgpu.flow.toy2d import mode_centres, mode_stats
 from hf_cgpu.settings import TrainSettings, load_preset
-from hf_cgpu.tasks.flow_toy2d import Toy2DSettings, run_flow2d
+from hf_cgpu.tasks.flow_toy2d import Toy2DTask
+from hf_cgpu.tasks.settings import Toy2DSettings
+from hf_cgpu.train import fit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +38,7 @@ def test_smoke_run_writes_table_json_and_plot(tmp_path, capsys):
     preset = {k: v for k, v in load_preset("toy", "flow2d").items() if k != "description"}
     train = TrainSettings(**{**preset, "max_steps": 30, "micro_batch_size": 64, "output_dir": str(tmp_path),
                              "progress": False})
-    results = run_flow2d(toy, train)
+    results = fit(Toy2DTask(toy), train)
     assert "euler" in capsys.readouterr().out
     saved = json.loads((tmp_path / "all_results.json").read_text())
     assert [(r["method"], r["nfe"]) for r in saved["rows"]] == [("euler", 2), ("euler", 3), ("heun", 1), ("heun", 3)]

@@ -180,7 +180,7 @@ def test_gradient_checkpointing_same_gradients():
 
 @pytest.fixture(scope="module")
 def saved_lm(tmp_path_factory):
-    from hf_cgpu.data.text import train_tokenizer
+    from hf_cgpu.data.tokenizer import train_tokenizer
 
     texts = ["the quick brown fox jumps over the lazy dog " * 3, "床前明月光，疑是地上霜。舉頭望明月，低頭思故鄉。"] * 20
     tok = train_tokenizer(texts, vocab_size=300, show_progress=False)

@@ -50,8 +50,8 @@ def test_every_template_renders_with_valid_front_matter_and_numbers(tmp_path, ki
     assert (d / "README.md").read_text(encoding="utf-8") == text
     card = ModelCard.load(d / "README.md")
     meta = card.data.to_dict()
-    assert meta["library_name"] == hub.KINDS[kind]["library_name"]
-    assert meta["pipeline_tag"] == hub.KINDS[kind]["pipeline_tag"]
+    assert meta["library_name"] == hub.CARDS[kind].library_name
+    assert meta["pipeline_tag"] == hub.CARDS[kind].pipeline_tag
     assert meta["tags"][:2] == ["hf_cgpu", kind] and meta["license"] == "apache-2.0"
     assert meta["datasets"] == ["uoft-cs/cifar10"]
     assert yaml.safe_load(text.split("---")[1]) == meta

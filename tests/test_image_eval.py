@@ -21,7 +21,8 @@ from hf_cgpu.evaluation.classifier import (CifarResNet, ClassifierConfig, file_h
                                            save_classifier, to_classifier_input)
 from hf_cgpu.evaluation.images import (class_statistics, feature_statistics, frechet_distance,
                                        frechet_distance_of_features, image_features, precision_recall)
-from hf_cgpu.evaluation.flow import ImageEvalSettings, evaluations_per_image, steps_within
+from hf_cgpu.evaluation.flow import ImageEvalSettings
+from hf_cgpu.flow.samplers import evaluations_per_image, steps_within
 
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR = ROOT.parent / "shared" / "data" / "cifar10"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_cgpu.data.instruct import IGNORE, build_rows, detect_format, encode, load_instruction_splits, to_messages
-from hf_cgpu.data.text import train_tokenizer
+from hf_cgpu.data.tokenizer import train_tokenizer
 from hf_cgpu.gguf import smollm2_gguf
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -158,7 +158,7 @@ def test_real_gguf_base_lora_merge_and_reload(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_cgpu.hub import render_model_card
-    from hf_cgpu.loop import fit
+    from hf_cgpu.train import fit
     from hf_cgpu.settings import TrainSettings
     from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
 
@@ -191,7 +191,7 @@ def test_real_gguf_base_lora_merge_and_reload(tmp_path):
     # the ledger reads the same GGUF as the trainer (its metadata only) and prices the model the trainer built
     import dataclasses
 
-    from hf_cgpu.budget.cli import run as budget
+    from hf_cgpu.commands.budget import run as budget
     from hf_cgpu.budget.shape import ModelShape
 
     shape = ModelShape.from_gguf(str(gguf))

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from hf_cgpu.budget.cli import preset_shape
+from hf_cgpu.commands.budget import preset_shape
 from hf_cgpu.errors import SettingsError, TrainingStopped
 from hf_cgpu.integrity import build_manifest, write_manifest
 from hf_cgpu.settings import TrainSettings
@@ -58,9 +58,6 @@ class ToyTask(Task):
 
     def save_pretrained(self, model, output_dir):
         torch.save(model.state_dict(), output_dir / "toy.pt")
-
-    def fingerprint(self):
-        return {"width": self.width}
 
 
 def settings(tmp_path, **kw):

@@ -8,15 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from hf_cgpu.finetune import default_target_modules, format_instruction_example, merge_and_save, save_adapter
-from hf_cgpu.tiers import (
-    apply_lora,
-    apply_tiers,
-    build_optimizer,
-    causal_lm_loss_from_hidden,
-    count_parameters,
-    load_base_model,
-)
+from hf_cgpu.data.instruct import format_instruction_example
+from hf_cgpu.finetune import merge_and_save, save_adapter
+from hf_cgpu.models.causal_lm_loss import causal_lm_loss_from_hidden
+from hf_cgpu.optim import build_optimizer
+from hf_cgpu.settings import TrainSettings
+from hf_cgpu.tiers import apply_lora, apply_tiers, count_parameters, default_target_modules, load_base_model
 
 from conftest import TINY_VOCAB as VOCAB
 
@@ -141,13 +138,14 @@ def test_qlora_trains_on_cpu(neox_dir, tmp_path):
     assert len(four_bit) == 2 * 4 and all(m.weight.quant_state.quant_type == "nf4" for m in four_bit)
     assert base.get_output_embeddings().weight.dtype == torch.bfloat16  # head stays bf16, not 4-bit
 
-    model = apply_tiers(base, "qlora", recompute=True, compile=False, lora_r=8, lora_alpha=16)
+    qlora = TrainSettings(tier="qlora", recompute=True, lora_r=8, lora_alpha=16, learning_rate=1e-2, weight_decay=0.0)
+    model = apply_tiers(base, qlora)
     assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
     assert not any(p.dtype == torch.float32 for p in model.parameters() if not p.requires_grad)
     trainable, total = count_parameters(model)
     assert 0 < trainable < total
 
-    opt = build_optimizer(model, "qlora", lr=1e-2, weight_decay=0.0)
+    opt = build_optimizer(model, qlora)
     x = ids(b=4, t=16)
     losses = []
     for _ in range(5):

@@ -7,10 +7,16 @@ import torch
 
 from hf_cgpu.errors import SettingsError
 from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
-from hf_cgpu.optim import MuonWithAdamW
+from hf_cgpu.optim import build_optimizer
+from hf_cgpu.optim.muon import MuonSettings
+from hf_cgpu.optim.muon_optimizer import MuonWithAdamW
 from hf_cgpu.settings import TrainSettings
-from hf_cgpu.tiers import build_optimizer
 from hf_cgpu.train.schedule import set_lr
+
+
+def _muon(lr: float, **muon) -> TrainSettings:
+    """The settings of a Muon run at AdamW peak ``lr`` (Muon's own settings by name)."""
+    return TrainSettings(learning_rate=lr, optimizer="muon", optimizer_options=MuonSettings(**muon))
 
 
 def _gpt(**kw):
@@ -44,7 +50,7 @@ def test_newton_schulz_update_is_nearly_orthogonal_and_scaled_by_aspect(shape):
 def test_grouping_puts_block_matrices_on_muon_and_the_rest_on_adamw():
     for tie in (True, False):
         model = _gpt(tie_word_embeddings=tie, position_embedding="rotary", qk_norm=True)
-        opt = build_optimizer(model, "full", lr=1e-3, optimizer="muon", muon_lr=0.02)
+        opt = build_optimizer(model, _muon(1e-3, muon_learning_rate=0.02))
         names = {id(p): n for n, p in model.named_parameters()}
         muon = sorted(names[id(p)] for g in opt.param_groups if g["use_muon"] for p in g["params"])
         want = sorted(n for n, p in model.named_parameters() if ".h." in n and p.ndim == 2)
@@ -57,11 +63,11 @@ def test_grouping_puts_block_matrices_on_muon_and_the_rest_on_adamw():
 
 def test_schedule_scales_muon_by_its_ratio_and_leaves_adamw_exact():
     model = _gpt()
-    opt = build_optimizer(model, "full", lr=1e-3, optimizer="muon", muon_lr=0.02)
+    opt = build_optimizer(model, _muon(1e-3, muon_learning_rate=0.02))
     set_lr(opt, 3e-4)
     for g in opt.param_groups:
         assert g["lr"] == (pytest.approx(6e-3, rel=1e-12) if g["use_muon"] else 3e-4)
-    plain = build_optimizer(_gpt(), "full", lr=1e-3)
+    plain = build_optimizer(_gpt(), TrainSettings(learning_rate=1e-3))
     assert type(plain) is torch.optim.AdamW and all("lr_scale" not in g for g in plain.param_groups)
     set_lr(plain, 3e-4)
     assert all(g["lr"] == 3e-4 for g in plain.param_groups)
@@ -78,13 +84,13 @@ def _train(model, opt, steps, seed=1):
 
 def test_state_dict_round_trip_continues_exactly():
     model = _gpt(position_embedding="rotary", qk_norm=True, activation="relu2")
-    opt = build_optimizer(model, "full", lr=1e-3, optimizer="muon")
+    opt = build_optimizer(model, _muon(1e-3))
     _train(model, opt, 3)
     state = copy.deepcopy(opt.state_dict())
     assert any("momentum_buffer" in s for s in state["state"].values())  # Muon's
     assert any("exp_avg_sq" in s for s in state["state"].values())  # AdamW's
     twin = copy.deepcopy(model)
-    twin_opt = build_optimizer(twin, "full", lr=1e-3, optimizer="muon")
+    twin_opt = build_optimizer(twin, _muon(1e-3))
     twin_opt.load_state_dict(state)
     _train(model, opt, 3, seed=2)
     _train(twin, twin_opt, 3, seed=2)
@@ -98,7 +104,7 @@ def test_muon_needs_the_full_tier():
     with pytest.raises(SettingsError, match="choose one of adamw, muon"):
         TrainSettings(optimizer="sgd")
     with pytest.raises(SettingsError, match="use --tier full or --optimizer adamw"):
-        build_optimizer(_gpt(), "adamw8bit", lr=1e-3, optimizer="muon")
+        TrainSettings(tier="adamw8bit", optimizer="muon")
 
 
 def test_the_ledger_ladder_never_lowers_a_muon_run_to_an_8bit_or_adapter_tier():
@@ -117,7 +123,7 @@ def test_batched_step_is_torch_muon_up_to_bf16_rounding():
     twin = copy.deepcopy(model)
     opts = []
     for m, batched in ((model, True), (twin, False)):
-        opt = build_optimizer(m, "full", lr=1e-2, optimizer="muon", muon_weight_decay=0.5, muon_lr=0.05)
+        opt = build_optimizer(m, _muon(1e-2, muon_weight_decay=0.5, muon_learning_rate=0.05))
         opt.batched = batched
         opts.append(opt)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -138,7 +144,7 @@ def test_batched_step_is_torch_muon_up_to_bf16_rounding():
 def test_batched_newton_schulz_matches_torch_per_matrix():
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    from hf_cgpu.optim.muon import newton_schulz_batched
+    from hf_cgpu.optim.muon_optimizer import newton_schulz_batched
 
     torch.manual_seed(0)
     for shape in [(48, 16), (16, 48), (32, 32)]:

@@ -12,7 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPTNeoXForCausalLM
 
 from conftest import tiny_neox_config
-from hf_cgpu.tiers import apply_tiers, causal_lm_loss_from_hidden, unwrap_model
+from hf_cgpu.models.causal_lm_loss import causal_lm_loss_from_hidden, unwrap_model
+from hf_cgpu.settings import TrainSettings
+from hf_cgpu.tiers import apply_tiers
 
 BIG = ("aten.addmm.default", "aten._scaled_dot_product_flash_attention_for_cpu.default")
 """GPTNeoX's base linears (with bias: addmm) and CPU attention; LoRA's own matmuls are aten.mm."""
@@ -31,8 +33,8 @@ class Ops(TorchDispatchMode):
 def lora_model(recompute: bool, policy: str = "full", compile_backend: str = ""):
     torch.manual_seed(0)
     model = GPTNeoXForCausalLM(tiny_neox_config())
-    model = apply_tiers(model, "lora", recompute=recompute, compile=bool(compile_backend), lora_r=4, lora_alpha=8,
-                        recompute_policy=policy, compile_backend=compile_backend or "inductor")
+    lora = TrainSettings(tier="lora", recompute=recompute, lora_r=4, lora_alpha=8, recompute_policy=policy)
+    model = apply_tiers(model, lora, compile=bool(compile_backend), backend=compile_backend or "inductor")
     for n, p in model.named_parameters():
         if "lora_B" in n:  # non-zero B: every adapter is on the gradient path
             torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(n)))
@@ -127,8 +129,6 @@ def test_selective_recompute_without_compile_warns_with_the_fix():
 def test_selective_recompute_in_compiled_blocks_keeps_the_gradients(runs):
     """Compiled blocks apply the selective policy at tracing (no per-op Python policy at run time): the same
     gradients as no recompute. aot_eager traces exactly what inductor would compile, without codegen."""
-    from hf_cgpu.tiers import causal_lm_loss_from_hidden
-
     model = lora_model(True, "selective", compile_backend="aot_eager")
     ids = torch.randint(0, unwrap_model(model).config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     causal_lm_loss_from_hidden(model, ids, ids).backward()
@@ -175,8 +175,8 @@ def test_compiled_blocks_trace_the_checkpoint(monkeypatch, transformers_style, p
         return aot_eager(gm, example_inputs)
 
     torch.manual_seed(0)
-    model = apply_tiers(GPTNeoXForCausalLM(tiny_neox_config()), "lora", recompute=True, compile=True, lora_r=4,
-                        lora_alpha=8, recompute_policy=policy, compile_backend=backend)
+    lora = TrainSettings(tier="lora", recompute=True, lora_r=4, lora_alpha=8, recompute_policy=policy)
+    model = apply_tiers(GPTNeoXForCausalLM(tiny_neox_config()), lora, compile=True, backend=backend)
     for n, p in model.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(n)))

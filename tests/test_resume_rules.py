@@ -11,7 +11,8 @@ import datasets
 import pytest
 from safetensors.torch import load_file
 
-from hf_cgpu.data.text import builtin_corpus, train_tokenizer
+from hf_cgpu.data.corpus import builtin_corpus
+from hf_cgpu.data.tokenizer import train_tokenizer
 from hf_cgpu.errors import CheckpointError
 from hf_cgpu.settings import TrainSettings, parse_settings
 from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings

@@ -7,7 +7,8 @@ import datasets
 import pytest
 import torch
 
-from hf_cgpu.data.text import pack_dataset, train_tokenizer
+from hf_cgpu.data.packing import pack_dataset
+from hf_cgpu.data.tokenizer import train_tokenizer
 from hf_cgpu.settings import TrainSettings
 from hf_cgpu.tasks.packed import PackedTokensTask
 

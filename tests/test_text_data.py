@@ -15,13 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_cgpu.data.text import (
-    EOS_TOKEN,
-    check_vocab,
-    load_text_dataset,
-    pack_dataset,
-    train_tokenizer,
-)
+from hf_cgpu.data.corpus import load_text_dataset
+from hf_cgpu.data.packing import pack_dataset
+from hf_cgpu.data.tokenizer import EOS_TOKEN, check_vocab, train_tokenizer
 
 ZH_POETRY = Path(__file__).resolve().parents[2] / "shared" / "data" / "zh-poetry"
 needs_zh = pytest.mark.skipif(
@@ -289,7 +285,7 @@ def test_packed_tokens_pickle_without_copying_the_array(tmp_path):
 
 
 def test_a_tokenizer_trained_once_is_reused_for_the_same_data_and_settings(tmp_path):
-    from hf_cgpu.data.text import cached_tokenizer, tokenizer_hash
+    from hf_cgpu.data.tokenizer import cached_tokenizer, tokenizer_hash
 
     texts = ["床前明月光，疑是地上霜。", "春眠不覺曉，處處聞啼鳥。"] * 20
     calls = []
@@ -312,7 +308,7 @@ def test_a_tokenizer_trained_once_is_reused_for_the_same_data_and_settings(tmp_p
 
 
 def test_a_damaged_cached_tokenizer_is_trained_again_and_replaced(tmp_path):
-    from hf_cgpu.data.text import cached_tokenizer
+    from hf_cgpu.data.tokenizer import cached_tokenizer
 
     def train():
         return train_tokenizer(["abcabc abd"] * 10, vocab_size=260, show_progress=False)
@@ -330,7 +326,7 @@ def test_a_damaged_cached_tokenizer_is_trained_again_and_replaced(tmp_path):
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_cache_still_trains(tmp_path):
-    from hf_cgpu.data.text import cached_tokenizer
+    from hf_cgpu.data.tokenizer import cached_tokenizer
 
     tmp_path.chmod(0o500)
     try:
@@ -342,7 +338,7 @@ def test_a_read_only_cache_still_trains(tmp_path):
 
 
 def test_a_fresh_output_folder_reuses_the_tokenizer_an_earlier_run_trained(tmp_path, monkeypatch):
-    from hf_cgpu.data import text
+    from hf_cgpu.tasks import causal_lm
     from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
 
     task = CausalLMTask(GPTSettings(vocab_size=300, tokenizer_train_docs=20, cache_dir=str(tmp_path / "cache")))
@@ -350,7 +346,7 @@ def test_a_fresh_output_folder_reuses_the_tokenizer_an_earlier_run_trained(tmp_p
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     first = task._tokenizer(ds, tmp_path / "a", resume=False)
-    monkeypatch.setattr(text, "train_tokenizer", lambda *a, **k: pytest.fail("trained again"))
+    monkeypatch.setattr(causal_lm, "train_tokenizer", lambda *a, **k: pytest.fail("trained again"))
     logs = []
     second = task._tokenizer(ds, tmp_path / "b", resume=False, log=logs.append)
     assert second.get_vocab() == first.get_vocab() and (tmp_path / "b" / "tokenizer" / "tokenizer.json").is_file()

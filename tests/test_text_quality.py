@@ -14,9 +14,11 @@ from hypothesis import given, settings as hsettings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from hf_cgpu.data.text import WindowOrder, eval_windows, pack_dataset, train_tokenizer
+from hf_cgpu.data.packing import pack_dataset
+from hf_cgpu.data.tokenizer import train_tokenizer
+from hf_cgpu.data.windows import WindowOrder, eval_windows
 from hf_cgpu.evaluation.text import score_stream
-from hf_cgpu.loop import SampleOrder, fit
+from hf_cgpu.train import SampleOrder, fit
 from hf_cgpu.settings import SettingsError, TrainSettings
 from test_loop import ToyTask, settings
 

@@ -7,19 +7,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from hf_cgpu.tiers import (
-    TIERS,
-    apply_compile,
-    apply_lora,
-    apply_recompute,
-    apply_tiers,
-    build_optimizer,
-    causal_lm_loss_from_hidden,
-    chunked_causal_lm_loss,
-    count_parameters,
-    load_base_model,
-    validate_tier,
-)
+from hf_cgpu.models.causal_lm_loss import causal_lm_loss_from_hidden, chunked_causal_lm_loss
+from hf_cgpu.optim import build_optimizer
+from hf_cgpu.options import TIERS
+from hf_cgpu.settings import TrainSettings
+from hf_cgpu.tiers import apply_compile, apply_lora, apply_recompute, apply_tiers, count_parameters, load_base_model
 
 from conftest import TINY_VOCAB as VOCAB
 
@@ -36,14 +28,14 @@ def batch(b: int = 2, t: int = 16, seed: int = 0):
     return ids, labels
 
 
-# --- validate_tier ---------------------------------------------------------------------------------
+# --- tier validation (once, by the settings) ------------------------------------------------------
 
 
 def test_validate_tier_accepts_sensible_combinations():
     for tier in TIERS:
-        validate_tier(tier, recompute=True, train_mode="finetune")
-    validate_tier("full", recompute=False, train_mode="pretrain")
-    validate_tier("adamw8bit", recompute=True, train_mode="pretrain")
+        TrainSettings(tier=tier, recompute=True, train_mode="finetune")
+    TrainSettings(tier="full", recompute=False, train_mode="pretrain")
+    TrainSettings(tier="adamw8bit", recompute=True, train_mode="pretrain")
 
 
 @pytest.mark.parametrize(
@@ -58,7 +50,7 @@ def test_validate_tier_accepts_sensible_combinations():
 )
 def test_validate_tier_rejects_with_one_line_fix(tier, recompute, mode, fix):
     with pytest.raises(ValueError) as err:
-        validate_tier(tier, recompute, mode)
+        TrainSettings(tier=tier, recompute=recompute, train_mode=mode)
     assert fix in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -209,7 +201,7 @@ def test_recompute_runs_the_checkpoint(neox_dir):
 
 def test_apply_tiers_lora_recompute_trains(neox_dir):
     model = AutoModelForCausalLM.from_pretrained(neox_dir, dtype=torch.bfloat16)
-    model = apply_tiers(model, "lora", recompute=True, compile=False, lora_r=4, lora_alpha=8)
+    model = apply_tiers(model, TrainSettings(tier="lora", recompute=True, lora_r=4, lora_alpha=8))
     trainable, total = count_parameters(model)
     assert 0 < trainable < total
     ids, labels = batch()
@@ -235,7 +227,7 @@ def test_apply_compile_in_place_keeps_names(neox_dir):
 
 def test_weight_decay_only_on_matrices(neox_dir):
     model = load_fp32(neox_dir)
-    opt = build_optimizer(model, "full", lr=1e-3, weight_decay=0.1)
+    opt = build_optimizer(model, TrainSettings(learning_rate=1e-3, weight_decay=0.1))
     by_wd = {g["weight_decay"]: g["params"] for g in opt.param_groups}
     assert all(p.ndim >= 2 for p in by_wd[0.1])
     assert all(p.ndim < 2 for p in by_wd[0.0]) and len(by_wd[0.0]) > 0
@@ -251,7 +243,7 @@ def test_adamw8bit_step_on_cpu_changes_only_trainable(neox_dir):
     frozen = model.gpt_neox.embed_in.weight
     frozen.requires_grad_(False)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = build_optimizer(model, "adamw8bit", lr=1e-2)
+    opt = build_optimizer(model, TrainSettings(tier="adamw8bit", learning_rate=1e-2))
     assert isinstance(opt, bnb.optim.AdamW8bit)
     ids, labels = batch()
     model(input_ids=ids, labels=labels).loss.backward()
@@ -269,9 +261,9 @@ def test_optimizer_without_trainable_parameters_raises(neox_dir):
     model = load_fp32(neox_dir)
     model.requires_grad_(False)
     with pytest.raises(ValueError, match="8-bit optimizer got no trainable parameters.*apply LoRA"):
-        build_optimizer(model, "adamw8bit", lr=1e-3)
+        build_optimizer(model, TrainSettings(tier="adamw8bit", learning_rate=1e-3))
     with pytest.raises(ValueError, match="no trainable parameters"):
-        build_optimizer(model, "full", lr=1e-3)
+        build_optimizer(model, TrainSettings(learning_rate=1e-3))
 
 
 def test_count_parameters_counts_4bit_weights_logically(neox_dir):
@@ -293,4 +285,4 @@ def test_load_base_model_lora_is_frozen_bf16(neox_dir):
 
 def test_apply_tiers_qlora_needs_4bit_base(neox_dir):
     with pytest.raises(ValueError, match="load_base_model"):
-        apply_tiers(load_fp32(neox_dir), "qlora", recompute=False, compile=False)
+        apply_tiers(load_fp32(neox_dir), TrainSettings(tier="qlora"))

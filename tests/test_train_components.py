@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from hf_cgpu import budget
-from hf_cgpu.budget.cli import preset_shape
+from hf_cgpu.commands.budget import preset_shape
 from hf_cgpu.errors import SettingsError, TrainingStopped
 from hf_cgpu.settings import TrainSettings
 from hf_cgpu.train import EMA, SampleOrder, fit
@@ -362,7 +362,7 @@ def test_the_loop_trains_with_the_settings_autofit_returns(tmp_path, capsys):
 
 def test_the_card_of_a_run_states_its_validation_loss(tmp_path):
     class Carded(ToyTask):
-        card_kind = "gpt"
+        card = "gpt"
 
     r = fit(Carded(), settings(tmp_path, max_steps=4))
     card = (tmp_path / "README.md").read_text()
@@ -398,8 +398,8 @@ def test_compile_mode_reaches_torch_compile_and_a_wrong_one_is_refused(tmp_path,
 
     monkeypatch.setenv("HF_CGPU_COMPILE_ON_CPU", "inductor")
     seen = []
-    monkeypatch.setattr(prepare, "apply_tiers", lambda model, *a, compile, compile_mode=None, **k:
-                        seen.append((compile, compile_mode)) or model)
+    monkeypatch.setattr(prepare, "apply_tiers", lambda model, s, compile, backend="inductor":
+                        seen.append((compile, None if s.compile_mode == "default" else s.compile_mode)) or model)
     fit(ToyTask(), settings(tmp_path / "a", compile=True, compile_mode="reduce-overhead", max_steps=1,
                             checkpointing_steps=0))
     fit(ToyTask(), settings(tmp_path / "b", compile=True, max_steps=1, checkpointing_steps=0))

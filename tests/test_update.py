@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_cgpu.optim import MuonWithAdamW
-from hf_cgpu.tiers import build_optimizer
+from hf_cgpu.optim import build_optimizer
+from hf_cgpu.optim.muon_optimizer import MuonWithAdamW
+from hf_cgpu.settings import TrainSettings
 from hf_cgpu.train import EMA, fit
 from hf_cgpu.train.step import StepResult
 from hf_cgpu.train.update import Updater, skips_on_device
@@ -29,7 +30,7 @@ def _train(deferred: bool, bad_steps=(2,), steps=6):
     """``steps`` updates of fixed gradients (NaN at ``bad_steps``) through an Updater; the outcomes in the order
     they came back, the weights, the optimizer's state and the EMA."""
     model = _model()
-    optimizer = build_optimizer(model, "full", lr=0.05, weight_decay=0.1, fused=True)  # the GPU's optimizer
+    optimizer = build_optimizer(model, TrainSettings(learning_rate=0.05, weight_decay=0.1), fused=True)  # the GPU's optimizer
     ema = EMA(model, decay=0.5)
     updater = Updater(CPU, optimizer, ema, deferred=deferred)
     seen, x = [], torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
@@ -45,17 +46,17 @@ def _train(deferred: bool, bad_steps=(2,), steps=6):
 
 def test_fused_adamw_skips_on_the_device_and_others_do_not():
     model = _model()
-    assert skips_on_device(CPU, build_optimizer(model, "full", lr=1e-3, fused=True))  # what CUDA builds
-    assert not skips_on_device(CPU, build_optimizer(model, "full", lr=1e-3))  # the CPU's (foreach)
+    assert skips_on_device(CPU, build_optimizer(model, TrainSettings(learning_rate=1e-3), fused=True))  # what CUDA builds
+    assert not skips_on_device(CPU, build_optimizer(model, TrainSettings(learning_rate=1e-3)))  # the CPU's (foreach)
     assert not skips_on_device(CPU, MuonWithAdamW([{"params": [model[0].weight], "use_muon": True},
                                                    {"params": [model[0].bias], "use_muon": False}], lr=1e-3))
     fp16 = SimpleNamespace(**{**vars(CPU), "scaler": object()})  # GradScaler sets found_inf itself
-    assert not skips_on_device(fp16, build_optimizer(model, "full", lr=1e-3, fused=True))
+    assert not skips_on_device(fp16, build_optimizer(model, TrainSettings(learning_rate=1e-3), fused=True))
 
 
 def test_sync_steps_switch(monkeypatch):
     monkeypatch.setenv("HF_CGPU_SYNC_STEPS", "1")
-    assert not skips_on_device(CPU, build_optimizer(_model(), "full", lr=1e-3, fused=True))
+    assert not skips_on_device(CPU, build_optimizer(_model(), TrainSettings(learning_rate=1e-3), fused=True))
 
 
 def test_device_skip_equals_host_skip_and_reads_one_step_late():
@@ -86,7 +87,7 @@ def test_a_skipped_step_changes_nothing_on_the_device():
 def test_without_the_flag_the_nan_step_would_have_moved_the_weights():
     """The check above can fail: with ``found_inf`` left out, the same NaN step poisons the weights."""
     model = _model()
-    optimizer = build_optimizer(model, "full", lr=0.05, fused=True)
+    optimizer = build_optimizer(model, TrainSettings(learning_rate=0.05), fused=True)
     (model(torch.randn(3, 4)).sum() * float("nan")).backward()
     optimizer.step()
     assert not all(torch.isfinite(p).all() for p in model.parameters())

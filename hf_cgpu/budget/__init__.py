@@ -1,11 +1,12 @@
 """The ledger: what a run needs on one card (memory) and how long it takes (time), before it starts.
 
-    shape.py   ModelShape (from a model config) and TrainSetup (from TrainSettings); RunShape, what a task declares
+    shape.py   ModelShape (from a model config) and TrainSetup (the run's TrainSettings plus its task's sequence);
+               RunShape, what a task declares
     memory.py  bytes of every kind of GPU memory in one step, and the peak (``ledger``)
     time.py    training FLOPs per token (the trainer's MFU counts them too) and hours
     ladder.py  the memory-saving ladder: ``autofit``, ``next_rung``, the trainer's ``--autofit`` and OOM advice
-    cli.py     ``hf-cgpu budget`` (or ``python -m hf_cgpu.budget``): reads a training command line, GPT presets
-               through the task's settings (``preset_shape``); the one part above the tasks
+
+``hf-cgpu budget`` (``hf_cgpu.commands.budget``) reads a training command line and prints all of it.
 """
 
 from .ladder import LADDER, RUNGS, TRAINER_RUNGS, FitPlan, autofit, autofit_settings, next_rung, oom_advice
@@ -18,9 +19,9 @@ from .memory import (
     GiB,
     Ledger,
     MiB,
+    Regime,
     Row,
     activation_bytes,
-    adamw8bit_state_bytes,
     fmt_gib,
     layer_activation_bytes_per_token,
     ledger,
@@ -28,11 +29,9 @@ from .memory import (
     model_state_bytes,
     outside_blocks_bytes_per_token,
     parse_memory,
-    seed_activation_bytes,
-    seed_model_state_bytes,
+    regime,
 )
 from .shape import ModelShape, RunShape, TrainSetup
 from .time import chinchilla_tokens, flops_per_token, peak_tflops, training_hours
-
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SettingsError
-from ..tiers import CUDA_GRAPH_MODES, TIERS
+from ..optim import optimizer_spec
+from ..options import ADAPTER_TIERS, CUDA_GRAPH_MODES, TIERS
 from .memory import Ledger, fmt_gib, ledger, parse_memory
 from .shape import ModelShape, RunShape, TrainSetup
 
@@ -57,9 +58,10 @@ def _halve_sequence(s: TrainSetup, tokens: int, floor: int) -> TrainSetup | None
 
 def _tier_rung(tier: str, words: str, advice: str) -> Rung:
     def lower(s: TrainSetup, tokens: int, floor: int) -> TrainSetup | None:
-        if s.optimizer == "muon":  # Muon has no 8-bit or adapter form
-            return None
-        return dataclasses.replace(s, tier=tier) if TIERS.index(s.tier) < TIERS.index(tier) else None
+        if tier not in optimizer_spec(s.optimizer).tiers or TIERS.index(s.tier) >= TIERS.index(tier):
+            return None  # an optimizer without a form for this tier stays where it is
+        mode = "finetune" if tier in ADAPTER_TIERS else s.train_mode  # adapters: fine-tune a trained model instead
+        return dataclasses.replace(s, tier=tier, train_mode=mode)
 
     return Rung(tier, advice, lower, lambda before, after: f"{words} (--tier {tier})", grow_back=True)
 
@@ -112,8 +114,7 @@ def autofit(
     sooner). Every later rung is switched on cumulatively, and after recompute and each tier the micro-batch (and
     the sequence) grow back as far as they fit, because a memory saving is best spent on throughput. When the
     ``recompute`` rung is among ``rungs`` the walk starts without recompute, whatever ``base`` says: recompute
-    costs a forward (+23-54% measured for LoRA on the 1.4B shape with compiled blocks, benchmarks/RESULTS.md), so it
-    is only taken when the run does not fit otherwise (Pythia-1.4B LoRA fits 16 GB without it).
+    costs a forward, so it is only taken when the run does not fit otherwise.
     """
     unknown = set(rungs) - set(RUNGS)
     if unknown:
@@ -190,13 +191,10 @@ def oom_advice(setup: TrainSetup) -> str:
 
 
 QLORA_RECOMPUTE_NOTE = (
-    "QLoRA's compiled blocks with recompute were never measured, and a checkpoint dynamo cannot trace falls back to "
-    "wrapping the compiled block, which took 6.18 GiB against the ledger's 4.09 for LoRA; the eager QLoRA step with "
-    "recompute took 2.62 GiB at the Pythia-1.4B shape (benchmarks/RESULTS.md)")
-"""Why autofit keeps QLoRA with recompute eager (LoRA's compiled recompute is measured: 3.89 GiB, ledger 4.09)."""
-GRAPHS_RECOMPUTE_NOTE = (
-    "CUDA graphs keep a memory pool of their own: LoRA with recompute on the Pythia-1.4B shape reserved 4.99 GiB "
-    "under reduce-overhead against 3.93 GiB with the default mode (benchmarks/RESULTS.md)")
+    "a checkpoint dynamo cannot trace in QLoRA's compiled blocks falls back to wrapping the compiled block, which "
+    "holds more than the ledger prices; the eager QLoRA step with recompute matches it")
+"""Why autofit keeps QLoRA with recompute eager."""
+GRAPHS_RECOMPUTE_NOTE = "CUDA graphs keep a memory pool of their own, which takes back part of what recompute saves"
 """Why a recompute chosen to save memory runs without CUDA graphs."""
 
 
@@ -207,8 +205,7 @@ def autofit_settings(settings: Any, run_shape: RunShape | None, device_memory: i
 
     The effective batch (tokens per optimizer step) is kept; the sequence length and the model are not touched,
     and adapter tiers are not chosen (the base model is already loaded). Compile stays as asked for LoRA: compiled
-    adapter blocks trace their checkpoint (``tiers._checkpoint_inside``), so recompute saves what the ledger prices
-    (1.4B LoRA, micro-batch 4 x 1024 on an H200: 3.89 GiB compiled, ledger 4.09; benchmarks/RESULTS.md); QLoRA with
+    adapter blocks trace their checkpoint (``tiers.compile``), so recompute saves what the ledger prices; QLoRA with
     recompute goes eager (``QLORA_RECOMPUTE_NOTE``), and a recompute it chose runs without CUDA graphs
     (``GRAPHS_RECOMPUTE_NOTE``). Logs each reason.
     """

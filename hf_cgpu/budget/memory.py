@@ -3,49 +3,42 @@
 Pure arithmetic on a ``ModelShape`` and a ``TrainSetup`` (``shape``); ``ledger`` returns the rows in bytes so a
 benchmark can print the prediction beside ``torch.cuda.max_memory_allocated()``.
 
-Model states follow the seed chapter: mixed-precision AdamW costs 16 bytes per parameter (bf16 weights 2 + bf16
-grads 2 + fp32 master 4 + Adam m, v 8), which ``seed_model_state_bytes`` reproduces (350M -> 5.2 GiB, 770M ->
-11.5 GiB, 1.4B -> 20.9 GiB; the seed's "GB" is GiB). What a PyTorch AMP run (the trainer's) really holds is also
-16 bytes per parameter (fp32 weights 4 + fp32 grads 4 + Adam 8), plus bf16 copies of the weights that autocast
-makes during the forward and keeps for the backward (2 more bytes per matmul weight).
+Model states: a PyTorch AMP run (the trainer's) holds fp32 weights 4 + fp32 gradients 4 bytes per parameter, the
+optimizer's state (its registry entry says how much: AdamW m, v 8 bytes per parameter), and bf16 copies of the
+weights that autocast makes during the forward and keeps for the backward (2 more bytes per matmul weight).
 
-What this ledger corrects in the seed's ``budget.py``:
+What it counts beyond the seed chapter's rules (16 bytes per parameter, 34 d bytes per token per layer, a flat 1.2 GB
+reserve):
 
-1. Logits. The seed leaves them out. Full logits cost ``B*T*V`` entries: bf16 from the head, an fp32 copy for the
-   loss, fp32 log-softmax saved for backward, and two fp32 gradients at the start of backward (~12-14 bytes per
-   entry eager: 3.4 GiB at 350M, micro-batch 8, vocab 32000, more than the seed's whole 0.4 GiB of recomputed
-   activations). hf_cgpu computes the loss in chunks of ``loss_chunk_size`` tokens inside a checkpoint, so only one
-   chunk of fp32 logits is alive.
-2. Activations by tensor, not 34d. The seed's 34 bytes x d per token per layer (Korthikanti et al. 2022) assumes a
-   bf16 residual stream, dropout masks and a 4d MLP. Here every saved tensor is counted with its dtype: under AMP
-   the residual stream and the LayerNorm inputs are fp32 (36d for a 4d GPT, no dropout); the MLP terms scale with
-   ``d_ff`` (gated MLPs save three ``d_ff`` tensors); frozen LoRA/QLoRA base weights save no inputs but each
-   adapter saves its own cast of its input; SDPA/flash attention saves no ``T x T`` scores, eager attention does.
-3. Recompute. Full-layer checkpointing keeps each layer's input (2d bf16 as in the seed; 4d when the residual is
-   fp32) and during backward re-creates one whole layer's activations: that layer is a row of its own.
+1. Logits. Full logits cost ``B*T*V`` entries: bf16 from the head, an fp32 copy for the loss, fp32 log-softmax saved
+   for backward, and two fp32 gradients at the start of backward. hf_cgpu computes the loss in chunks of
+   ``loss_chunk_size`` tokens inside a checkpoint, so only one chunk of fp32 logits is alive.
+2. Activations by tensor, not 34d. Every saved tensor is counted with its dtype: under AMP the residual stream and
+   the LayerNorm inputs are fp32 (36d for a 4d GPT, no dropout); the MLP terms scale with ``d_ff`` (gated MLPs save
+   three ``d_ff`` tensors); frozen LoRA/QLoRA base weights save no inputs but each adapter saves its own cast of its
+   input; SDPA/flash attention saves no ``T x T`` scores, eager attention does.
+3. Recompute. Full-layer checkpointing keeps each layer's input and during backward re-creates one whole layer's
+   activations: that layer is a row of its own.
 4. Gradients are alive through forward and backward only with gradient accumulation > 1; with accumulation 1
    the peak is the larger of "start of backward without gradients" and "optimizer step with all of them".
-5. The seed's flat 1.2 GiB reserve becomes three named rows: workspace (inside the allocator), allocator
-   fragmentation (reserved - allocated) and the CUDA context (outside the allocator).
+5. The flat reserve becomes three named rows: workspace (inside the allocator), allocator fragmentation (reserved -
+   allocated) and the CUDA context (outside the allocator).
 
-Calibration constants are module-level names below, each with the measurement it came from. Anchors (H200,
-``docs/gpu.md``): nanoGPT-style GPT, vocab 32k, seq 1024, fp32 master + bf16 autocast, whole-model torch.compile,
-no recompute, full logits: 350M at micro-batch 8 peaked at 12.8 GiB allocated, 770M at micro-batch 4 at 15.6 GiB
-allocated / 16.2 GiB reserved; Pythia-1.4B full training with AdamW8bit: 20.9 GiB. The per-tensor activation
-counts were checked against a meta-device trace of live tensors (CUDA autocast rules, flash SDPA) for the GPT,
-GPT-NeoX and Llama layouts.
+The constants below are dtype sizes and library facts, or calibrated against measured peaks (the calibration and
+its error: benchmarks/RESULTS.md, memory). The per-tensor activation counts were checked against a meta-device trace
+of live tensors (CUDA autocast rules, flash SDPA) for the GPT, GPT-NeoX and Llama layouts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SettingsError
+from ..optim import optimizer_spec
 from .shape import LinearSpec, ModelShape, TrainSetup, fmt_count
 
 # ---- units -------------------------------------------------------------------------------------------------------
@@ -55,17 +48,6 @@ FP32 = 4
 BF16 = 2
 
 # ---- model states (exact: dtype sizes and library behaviour) -----------------------------------------------------
-ADAM_STATE_BYTES = 2 * FP32
-"""AdamW keeps m and v in fp32: 8 bytes per trainable parameter."""
-MUON_STATE_BYTES = FP32
-"""torch.optim.Muon keeps one fp32 momentum buffer per parameter (Newton-Schulz runs on a bf16 copy of one matrix
-at a time, inside the workspace)."""
-ADAM8BIT_STATE_BYTES = 2
-"""bitsandbytes AdamW8bit keeps m and v in one byte each."""
-BNB_MIN_8BIT_SIZE = 4096
-"""bitsandbytes keeps 32-bit state for tensors with fewer elements (``min_8bit_size``): norms, biases."""
-BNB_8BIT_BLOCK = 256
-"""Blockwise 8-bit state: one fp32 absmax per 256 values, per state tensor (m and v)."""
 NF4_BYTES = 0.5
 """4-bit NormalFloat: two weights per byte."""
 NF4_BLOCK = 64
@@ -73,14 +55,13 @@ NF4_BLOCK = 64
 NF4_DOUBLE_QUANT_BLOCK = 256
 """Double quantization stores the absmax values in 8 bits, with one fp32 scale per 256 of them."""
 NF4_DOUBLE_QUANT = True
-"""The qlora tier double-quantizes the block scales (``tiers.load_base_model``); the stock peer is counted alike."""
+"""The qlora tier double-quantizes the block scales (``tiers.load_base_model``)."""
 
 # ---- activations (structural: per saved tensor, checked against a meta-device trace) -----------------------------
 ACTIVATION_SCALE = 1.0
-"""Multiplier on the per-tensor activation count. 1.0 reproduces the eager trace exactly (GPT AMP: 36.07 d per token
-per layer counted, 36 d predicted; GPT-NeoX stock LoRA 50.1 vs 50; NeoX stock QLoRA 72.3 vs 72) and, with the
-logit constants below, the compiled H200 anchors (350M mb8 12.8 GiB, 770M mb4 15.6 GiB) within 2%: inductor saves
-about as much inside the blocks as eager does. Calibrate: measured activation bytes / predicted."""
+"""Multiplier on the per-tensor activation count. 1.0 reproduces the eager meta-device trace and, with the logit
+constants below, the compiled GPT anchors: inductor saves about as much inside the blocks as eager does. Calibrate:
+measured activation bytes / predicted."""
 EAGER_SCORE_BYTES = FP32 + BF16
 """Eager attention saves the fp32 softmax output and its bf16 copy: 6 bytes per head per key per token."""
 FLASH_LSE_BYTES = FP32
@@ -89,25 +70,16 @@ FLASH_LSE_BYTES = FP32
 # ---- logits and loss ---------------------------------------------------------------------------------------------
 LOGITS_EAGER_BYTES = 12
 """Full logits, eager cross-entropy with the fp32 upcast: fp32 log-softmax saved (4) + at the start of backward the
-fp32 gradient of the log-softmax and of the logits at once (4 + 4). Meta-device trace of a 350M GPT step: 12.0 bytes
-per logit. The logits tensor itself is extra when the caller keeps the model output alive (``LOGITS_HELD``)."""
-LOGITS_HELD = False
-"""Whether the (B*T, V) logits from the head stay alive until backward. HF causal LMs return them in their output
-object, but a loop that takes ``model(...).loss`` at once (``benchmarks/bench_memory.py``, and the HF Trainer's
-``compute_loss``/``training_step``) drops that object before backward: the loss's fp32 upcast is a new tensor and
-log-softmax saves its output, not its input, so nothing references the logits after the forward. Anchor: H200,
-torch 2.11, transformers 5.17, Pythia-1.4B shape, micro-batch 4, accumulation 2, recompute, full logits under bf16
-autocast: stock peft LoRA 5.60 GiB, stock QLoRA 4.93 GiB measured; held logits predicted 6.04 (+7.9%) and 5.53
-(+12.2%, fp32 logits counted), not held 5.66 and 4.76; a meta-device replay of the same steps peaks at 5.53 / 4.81
-GiB before the workspace. Set True for a loop that keeps ``outputs`` alive across ``backward()``."""
+fp32 gradient of the log-softmax and of the logits at once (4 + 4). A loop that takes ``model(...).loss`` at once (the
+trainer's, and the HF Trainer's) drops the logits before backward: the upcast is a new tensor and log-softmax saves
+its output. A loop that keeps them alive pays ``Regime.logits`` more per entry (``ledger(logits_held=True)``)."""
 LOGITS_COMPILED_BYTES = 6
-"""Full logits with the cross-entropy inside a torch.compile region (nanoGPT-style whole-model compile): fitted to the
-H200 anchors 350M mb8 12.8 GiB and 770M mb4 15.6 GiB (predicted 12.7 and 15.5) with eager activations; inductor
-fuses the upcast, log-softmax and its gradient. Our GPT compiled whole with full logits is this case
-(``TrainSetup.compiled_loss``)."""
+"""Full logits with the cross-entropy inside a torch.compile region (nanoGPT-style whole-model compile): inductor
+fuses the upcast, log-softmax and its gradient; fitted to measured peaks of compiled GPTs. Our GPT compiled whole
+with full logits is this case (``TrainSetup.compiled_loss``)."""
 LOGITS_CHUNK_BYTES = 16
 """One checkpointed loss chunk (``loss_chunk_size`` tokens x V): bf16 logits 2 + fp32 copy 4 + fp32 log-softmax 4 + its
-two fp32 gradients, not all at once. Meta-device trace, 350M, chunk 1024 x 32000: 17 bytes per entry."""
+two fp32 gradients, not all at once (a meta-device trace counts 17 per entry)."""
 
 # ---- several GPUs ------------------------------------------------------------------------------------------------
 FSDP_UNSHARDED_BLOCKS = 2
@@ -118,35 +90,18 @@ reduce-scatter. Structural (torch's FSDP2 prefetches one unit ahead), not yet me
 # ---- outside the tensors -----------------------------------------------------------------------------------------
 WORKSPACE_BYTES = 128 * MiB
 """cuBLAS + cuBLASLt workspaces (32 MiB each per stream on sm_90 and newer, allocated through PyTorch's caching
-allocator so they count in max_memory_allocated), SDPA scratch and rounding. Assumption, not yet measured: calibrate
-as max_memory_allocated - (sum of live tensors) in a one-layer step."""
+allocator so they count in max_memory_allocated), SDPA scratch and rounding. An assumption: calibrate as
+max_memory_allocated - (sum of live tensors) in a one-layer step."""
 CUDA_CONTEXT_BYTES = 512 * MiB
-"""CUDA context, kernels and cuBLAS handles outside the allocator (torch with lazy module loading on an RTX 40/50:
-~300-500 MiB; compiled Triton kernels add more). Assumption: measure as nvidia-smi's process memory - reserved."""
+"""CUDA context, kernels and cuBLAS handles outside the allocator (with lazy module loading on an RTX 40/50; compiled
+Triton kernels add more). An assumption: measure as nvidia-smi's process memory - reserved."""
 FRAGMENTATION_FRACTION = 0.04
-"""Allocator reserve on top of the peak allocated bytes: 770M at micro-batch 4 on H200 reserved 16.2 GiB for 15.6 GiB
-allocated (+3.8%). Varying sequence lengths fragment more (set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."""
-
-# ---- the seed's rules, kept for comparison -----------------------------------------------------------------------
-SEED_STATE_BYTES_PER_PARAM = 16
-SEED_ACT_BYTES_PER_D = 34
-SEED_RECOMPUTE_BYTES_PER_D = 2
-SEED_RESERVED_BYTES = int(1.2 * GiB)
+"""Allocator reserve on top of the peak allocated bytes, fitted to measured reserved / allocated. Varying sequence
+lengths fragment more (set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)."""
 
 # ===================================================================================================================
 # Model states
 # ===================================================================================================================
-
-
-def seed_model_state_bytes(params: float, bytes_per_param: int = SEED_STATE_BYTES_PER_PARAM) -> float:
-    """The seed's mixed-precision AdamW: bf16 weights 2 + bf16 grads 2 + fp32 master 4 + Adam m, v 8 = 16 Psi."""
-    return bytes_per_param * params
-
-
-def seed_activation_bytes(n_layer: int, d_model: int, seq_len: int, micro_batch_size: int, recompute: bool) -> float:
-    """The seed's rule: ~34 d bytes per token per layer (bf16, no recompute), ~2 d with full-layer recompute."""
-    per_d = SEED_RECOMPUTE_BYTES_PER_D if recompute else SEED_ACT_BYTES_PER_D
-    return n_layer * seq_len * micro_batch_size * per_d * d_model
 
 
 def _matches(lin: LinearSpec, targets: Sequence[str]) -> bool:
@@ -178,17 +133,6 @@ def lora_trainable_params(shape: ModelShape, rank: int = 16, targets: Sequence[s
     return shape.n_layer * sum(rank * (lin.d_in + lin.d_out) for lin in adapted_linears(shape, targets))
 
 
-def adamw8bit_state_bytes(numels: Sequence[int]) -> float:
-    """bitsandbytes AdamW8bit: 2 B/param + blockwise absmax for big tensors; fp32 m, v for tensors < 4096 elements."""
-    total = 0.0
-    for n in numels:
-        if n < BNB_MIN_8BIT_SIZE:
-            total += ADAM_STATE_BYTES * n
-        else:
-            total += ADAM8BIT_STATE_BYTES * n + 2 * FP32 * math.ceil(n / BNB_8BIT_BLOCK)
-    return total
-
-
 def nf4_bytes_per_param(double_quant: bool) -> float:
     """0.5 B of codes + the block scales: fp32 per 64 weights (0.0625 B), or 8-bit per 64 + fp32 per 256 blocks."""
     if double_quant:
@@ -207,43 +151,35 @@ class StateBytes:
     notes: dict[str, str]
 
 
-def model_state_bytes(shape: ModelShape, setup: TrainSetup) -> StateBytes:
-    """Weights, gradients, optimizer state, master copy and autocast weight copies for the tier."""
+def model_state_bytes(shape: ModelShape, setup: TrainSetup, r: Regime | None = None) -> StateBytes:
+    """Weights, gradients, optimizer state (the optimizer's registry entry counts it), master copy and autocast weight
+    copies for the tier."""
+    r = r or regime(setup)
     tensors = shape.param_tensors()
     n = shape.n_params
+    spec = optimizer_spec(setup.optimizer)
     if setup.adapters:
-        n_lora = lora_trainable_params(shape, setup.lora_r, setup.lora_target_modules)
+        n_lora = lora_trainable_params(shape, setup.lora_r, setup.lora_targets)
         adapters = FP32 * n_lora
         if setup.tier == "lora":
             base, base_note = BF16 * n, "bf16 base 2 B/param"
         else:
             q = shape.n_block_linear_params
-            rest_bytes = FP32 if setup.stock_peft else BF16
-            base = nf4_bytes_per_param(NF4_DOUBLE_QUANT) * q + rest_bytes * (n - q)
-            base_note = (
-                f"nf4 block linears {nf4_bytes_per_param(NF4_DOUBLE_QUANT):.3f} B/param + "
-                f"{'fp32' if setup.stock_peft else 'bf16'} embeddings/head/norms"
-            )
+            base = nf4_bytes_per_param(NF4_DOUBLE_QUANT) * q + r.rest_weights * (n - q)
+            base_note = (f"nf4 block linears {nf4_bytes_per_param(NF4_DOUBLE_QUANT):.3f} B/param + "
+                         f"{'fp32' if r.rest_weights == FP32 else 'bf16'} embeddings/head/norms")
+        opt, opt_note = spec.state_bytes([(n_lora, "adapter")], setup.tier)
         return StateBytes(
-            weights=base + adapters, gradients=FP32 * n_lora, optimizer=ADAM_STATE_BYTES * n_lora, master=0.0,
+            weights=base + adapters, gradients=FP32 * n_lora, optimizer=opt, master=0.0,
             autocast_copies=0.0, trainable_params=n_lora,
             notes={
                 "weights": f"{base_note} + {fmt_count(n_lora)} fp32 adapter params",
                 "gradients": "fp32, adapters only",
-                "optimizer": "AdamW m, v fp32 on the adapters (8 B/param)",
+                "optimizer": opt_note,
                 "master": "none: the base is frozen",
             },
         )
-    numels = [m for _, m, _ in tensors]
-    if setup.tier == "adamw8bit":
-        opt, opt_note = adamw8bit_state_bytes(numels), "AdamW8bit: 2 B/param (+absmax); fp32 for tensors < 4096"
-    elif setup.optimizer == "muon":
-        n_muon = shape.n_block_linear_params
-        opt = MUON_STATE_BYTES * n_muon + ADAM_STATE_BYTES * (n - n_muon)
-        opt_note = (f"Muon momentum fp32 4 B/param on the {fmt_count(n_muon)} block matrices, AdamW m, v 8 B/param "
-                    "on the rest")
-    else:
-        opt, opt_note = ADAM_STATE_BYTES * n, "AdamW m, v fp32: 8 B/param"
+    opt, opt_note = spec.state_bytes([(m, kind) for _, m, kind in tensors], setup.tier)
     cast = BF16 * (shape.n_matmul_params + sum(m for _, m, k in tensors if k == "bias"))
     return StateBytes(
         weights=FP32 * n, gradients=FP32 * n, optimizer=opt, master=0.0, autocast_copies=cast, trainable_params=n,
@@ -284,40 +220,35 @@ class Regime:
     """Bytes of the copy each adapter saves of its input (0 = it saves the shared input tensor)."""
     logits: int
     """Dtype of the logits the head produces."""
+    rest_weights: int = BF16
+    """Bytes per weight of what a 4-bit base keeps unquantized (embeddings, head, norms)."""
 
 
 def regime(setup: TrainSetup) -> Regime:
-    """How each tier runs a block, from the dtypes involved.
+    """How hf_cgpu's tiers run a block, from the dtypes involved.
 
-    amp: fp32 weights under CUDA autocast: LayerNorm runs in fp32 (its fp32 input and output are saved / cast),
-      every linear makes its own bf16 copy of an fp32 input, attention and linear outputs are bf16, residual fp32.
-    lora (hf_cgpu): bf16 base under autocast: each norm saves an fp32 cast of the bf16 residual; peft's fp32 cast of
-      an adapter input is followed by autocast's bf16 cast, which is what the adapter saves (2 B).
-    lora stock: bf16 model, no autocast: peft casts each adapted input to fp32 and saves it (4 B).
-    qlora (hf_cgpu): as lora, but bnb's Linear4bit returns its input's dtype: q, k, v and the MLP hidden come out
-      fp32 from fp32 norm outputs, and the residual turns fp32 after the first MLP.
-    qlora stock (prepare_model_for_kbit_training): fp32 embeddings and norms make every activation fp32; the fp32
-      adapters share their fp32 inputs; attention runs fp32 (memory-efficient kernel).
+    amp (full, adamw8bit): fp32 weights under CUDA autocast: LayerNorm runs in fp32 (its fp32 input and output are
+      saved / cast), every linear makes its own bf16 copy of an fp32 input, attention and linear outputs are bf16,
+      residual fp32.
+    lora: bf16 base under autocast: each norm saves an fp32 cast of the bf16 residual; peft's fp32 cast of an adapter
+      input is followed by autocast's bf16 cast, which is what the adapter saves (2 B).
+    qlora: as lora, but bnb's Linear4bit returns its input's dtype: q, k, v and the MLP hidden come out fp32 from fp32
+      norm outputs, and the residual turns fp32 after the first MLP.
+    Another way of running the same tiers (a benchmark's peer) passes its own ``Regime`` to ``ledger``.
     """
     if not setup.adapters:
         return Regime(autocast=True, norm_save=FP32, norm_shared=True, norm_out=FP32, proj_out=BF16, attn=BF16,
                       resid=FP32, base_trainable=True, adapter_copy=0, logits=BF16)
-    if setup.tier == "lora" and not setup.stock_peft:
+    if setup.tier == "lora":
         return Regime(autocast=True, norm_save=FP32, norm_shared=False, norm_out=FP32, proj_out=BF16, attn=BF16,
                       resid=BF16, base_trainable=False, adapter_copy=BF16, logits=BF16)
-    if setup.tier == "lora":
-        return Regime(autocast=False, norm_save=BF16, norm_shared=True, norm_out=BF16, proj_out=BF16, attn=BF16,
-                      resid=BF16, base_trainable=False, adapter_copy=FP32, logits=BF16)
-    if not setup.stock_peft:
-        return Regime(autocast=True, norm_save=FP32, norm_shared=True, norm_out=FP32, proj_out=FP32, attn=BF16,
-                      resid=FP32, base_trainable=False, adapter_copy=BF16, logits=BF16)
-    return Regime(autocast=False, norm_save=FP32, norm_shared=True, norm_out=FP32, proj_out=FP32, attn=FP32,
-                  resid=FP32, base_trainable=False, adapter_copy=0, logits=FP32)
+    return Regime(autocast=True, norm_save=FP32, norm_shared=True, norm_out=FP32, proj_out=FP32, attn=BF16,
+                  resid=FP32, base_trainable=False, adapter_copy=BF16, logits=BF16)
 
 
 def _group_input_bytes(shape: ModelShape, setup: TrainSetup, r: Regime) -> float:
     """Linear inputs a block saves for the weight gradients (trainable base) or for the adapters (LoRA)."""
-    adapted = {lin.name for lin in adapted_linears(shape, setup.lora_target_modules)} if setup.adapters else set()
+    adapted = {lin.name for lin in adapted_linears(shape, setup.lora_targets)} if setup.adapters else set()
     total = 0.0
     groups: dict[str, list[LinearSpec]] = {}
     for lin in shape.linears():
@@ -349,7 +280,7 @@ def _attention_stats_bytes(shape: ModelShape, setup: TrainSetup, r) -> float:
     return FLASH_LSE_BYTES * shape.n_head
 
 
-def layer_activation_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> float:
+def layer_activation_bytes_per_token(shape: ModelShape, setup: TrainSetup, r: Regime | None = None) -> float:
     """Bytes one block saves for backward per token (no recompute), before ``ACTIVATION_SCALE``.
 
     Counted per saved tensor: norm inputs, linear inputs (``_group_input_bytes``), q/k/v (+ rotary copies) and the
@@ -358,7 +289,7 @@ def layer_activation_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> fl
     the attention output itself) + 8 (q, k, v, output) + 8 (GELU input) = 36 d (the seed's 34 d
     assumes a bf16 residual stream and counts two dropout masks).
     """
-    r = regime(setup)
+    r = r or regime(setup)
     d, ff, q, kv = shape.d_model, shape.d_ff, shape.q_dim, shape.kv_dim
     n_norms = 2
     if shape.family == "llama":  # RMSNorm: fp32 upcast of the input + normalised tensor for a trainable gain
@@ -382,18 +313,18 @@ def layer_activation_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> fl
     return norm + _group_input_bytes(shape, setup, r) + attn + mlp
 
 
-def outside_blocks_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> float:
+def outside_blocks_bytes_per_token(shape: ModelShape, setup: TrainSetup, r: Regime | None = None) -> float:
     """The final norm's saved input and the head's input (kept for the head / loss-chunk backward)."""
-    r = regime(setup)
+    r = r or regime(setup)
     return (r.norm_save + BF16) * shape.d_model
 
 
-def selective_kept_bytes_per_token(shape: ModelShape, setup: TrainSetup) -> float:
+def selective_kept_bytes_per_token(shape: ModelShape, setup: TrainSetup, r: Regime | None = None) -> float:
     """Bytes one block keeps per token under selective recompute (``tiers.selective_recompute_policy``), before
     ``ACTIVATION_SCALE``: the block input (the checkpoint's), the outputs of its projections (qkv, out, MLP) and of
     attention (output + log-sum-exp); the norms, activations and casts are re-run in the backward. The LoRA A outputs
     (r values per adapted linear) are left out."""
-    r = regime(setup)
+    r = r or regime(setup)
     d, ff, q, kv = shape.d_model, shape.d_ff, shape.q_dim, shape.kv_dim
     mlp = (2 * ff + d) if shape.family == "llama" else (ff + d)
     projections = r.proj_out * (q + 2 * kv + d + mlp)
@@ -419,12 +350,12 @@ class ActivationBytes:
                 "selective": (self.selective, self.selective_layer)}[setup.recompute_mode]
 
 
-def activation_bytes(shape: ModelShape, setup: TrainSetup) -> ActivationBytes:
+def activation_bytes(shape: ModelShape, setup: TrainSetup, r: Regime | None = None) -> ActivationBytes:
     tokens = setup.tokens_per_micro_batch
-    per_layer = layer_activation_bytes_per_token(shape, setup) * ACTIVATION_SCALE
-    outside = outside_blocks_bytes_per_token(shape, setup) * tokens
-    r = regime(setup)
-    kept = min(per_layer, selective_kept_bytes_per_token(shape, setup) * ACTIVATION_SCALE)
+    r = r or regime(setup)
+    per_layer = layer_activation_bytes_per_token(shape, setup, r) * ACTIVATION_SCALE
+    outside = outside_blocks_bytes_per_token(shape, setup, r) * tokens
+    kept = min(per_layer, selective_kept_bytes_per_token(shape, setup, r) * ACTIVATION_SCALE)
     return ActivationBytes(
         no_recompute=shape.n_layer * per_layer * tokens + outside,
         recompute=shape.n_layer * r.resid * shape.d_model * tokens + outside,
@@ -435,7 +366,8 @@ def activation_bytes(shape: ModelShape, setup: TrainSetup) -> ActivationBytes:
     )
 
 
-def logits_bytes(shape: ModelShape, setup: TrainSetup) -> tuple[float, str]:
+def logits_bytes(shape: ModelShape, setup: TrainSetup, r: Regime | None = None,
+                 logits_held: bool = False) -> tuple[float, str]:
     """Logits and loss: one checkpointed chunk, or the full (B*T, V) logits (compiled or eager cross-entropy)."""
     V, tokens = shape.vocab_size, setup.tokens_per_micro_batch
     if setup.loss_chunk_size:
@@ -443,7 +375,7 @@ def logits_bytes(shape: ModelShape, setup: TrainSetup) -> tuple[float, str]:
         return LOGITS_CHUNK_BYTES * chunk * V, f"one chunk of {chunk} tokens x {V} vocab, {LOGITS_CHUNK_BYTES} B each"
     if setup.compiled_loss:
         return LOGITS_COMPILED_BYTES * tokens * V, f"full {tokens} x {V} logits, compiled cross-entropy"
-    per = LOGITS_EAGER_BYTES + (regime(setup).logits if LOGITS_HELD else 0)
+    per = LOGITS_EAGER_BYTES + ((r or regime(setup)).logits if logits_held else 0)
     return per * tokens * V, f"full {tokens} x {V} logits, eager fp32 loss, {per} B each"
 
 
@@ -522,17 +454,20 @@ def parallel_rows(shape: ModelShape, setup: TrainSetup, rows: list[Row], st: Sta
 
 
 def ledger(
-    shape: ModelShape, setup: TrainSetup | None = None, memory_cap: float | None = None, **overrides: Any
+    shape: ModelShape, setup: TrainSetup | None = None, memory_cap: float | None = None,
+    regime: Regime | None = None, logits_held: bool = False, **overrides: Any
 ) -> Ledger:
     """Predict the memory of a training step of ``shape`` under ``setup`` (fields can be overridden by keyword).
 
     The peak is the larger of two moments: the start of backward (all activations and the loss's logits alive,
-    gradients only if accumulation > 1) and the optimizer step (all gradients, no activations).
+    gradients only if accumulation > 1) and the optimizer step (all gradients, no activations). ``regime`` counts
+    another way of running the same tier (a benchmark's peer) and ``logits_held`` a loop that keeps the model's
+    logits alive through the backward.
     """
     setup = dataclasses.replace(setup or TrainSetup(), **overrides)
-    st = model_state_bytes(shape, setup)
-    act = activation_bytes(shape, setup)
-    logits, logits_note = logits_bytes(shape, setup)
+    st = model_state_bytes(shape, setup, regime)
+    act = activation_bytes(shape, setup, regime)
+    logits, logits_note = logits_bytes(shape, setup, regime, logits_held)
     accumulate = setup.gradient_accumulation_steps > 1
     grads_at_peak = st.gradients if accumulate else 0.0
     activations, recompute_layer = act.kept(setup)
@@ -593,7 +528,7 @@ _UNITS = {"mb": MiB, "mib": MiB, "m": MiB, "gb": GiB, "gib": GiB, "g": GiB, "tb"
 
 
 def parse_memory(text: str) -> int:
-    """'16GB', '15.5 GiB', '12000MB' -> bytes. GB is read as GiB, like the seed: a "16 GB" card has 16 GiB of DRAM."""
+    """'16GB', '15.5 GiB', '12000MB' -> bytes. GB is read as GiB: a "16 GB" card has 16 GiB of DRAM."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise SettingsError(f"cannot read memory size {text!r}: write a number and a unit, e.g. 16GB, 15.5GiB or 12000MB")

@@ -3,13 +3,15 @@
 ``ModelShape`` comes from a transformers config only (``from_config``): a GPT preset goes through the same
 ``GPTSettings.model_config`` -> ``CgptConfig`` that training builds (``cli.preset_shape``), a fine-tuning base
 through its ``config.json``.
-``TrainSetup`` carries the training settings that move the memory peak, under the names ``TrainSettings`` gives
-them, and is built from those settings (``RunShape.setup``). A task declares its ``RunShape`` (model shape,
-sequence length, loss chunk) so the trainer's autofit and ``hf-cgpu budget`` describe a run the same way.
+``TrainSetup`` is the run's ``TrainSettings`` (the very fields, defaults and checks) plus the sequence, loss and
+processes of its task and launch, built from those settings (``RunShape.setup``). A task declares its ``RunShape``
+(model shape, sequence length, loss chunk, train mode) so the trainer's autofit and ``hf-cgpu budget`` describe a run
+the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,7 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MissingPathError, SettingsError
-from ..tiers import ADAPTER_TIERS, TIERS, validate_optimizer, validate_recompute_policy
+from ..gguf import gguf_location
+from ..optim import optimizer_spec
+from ..options import ADAPTER_TIERS
+from ..settings import TrainSettings
 
 FAMILIES = ("gpt", "gptneox", "llama")
 ATTENTIONS = ("sdpa", "eager")
@@ -157,8 +162,6 @@ class ModelShape:
     def from_gguf(cls, model: str, gguf_file: str = "") -> ModelShape:
         """From a GGUF checkpoint as the fine-tuning command's ``--model`` (and ``--gguf_file``) name it: its
         metadata through ``transformers.AutoConfig(..., gguf_file=)``; no tensor is read or de-quantised."""
-        from ..gguf import gguf_location
-
         folder, name = gguf_location(model, gguf_file)
         from transformers import AutoConfig
 
@@ -337,60 +340,37 @@ def _shape_from_config(config: Any, name: str = "") -> ModelShape:
 
 
 @dataclass(frozen=True)
-class TrainSetup:
-    """The training settings that move the memory peak, named as in ``TrainSettings`` (and the task settings)."""
+class TrainSetup(TrainSettings):
+    """A run as the ledger sees it: its ``TrainSettings`` (inherited: the same fields, defaults and checks) and what
+    the task and the launch add. Built from the settings by ``RunShape.setup``; the ladder steps down with
+    ``dataclasses.replace``."""
 
     seq_len: int = 1024
-    """Tokens per sequence."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward."""
-    gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step. Above 1 the gradients stay allocated through every forward and backward."""
-    tier: str = "full"
-    """full (AdamW), adamw8bit (bitsandbytes 8-bit m, v), lora (frozen bf16 base + adapters), qlora (nf4 base)."""
-    recompute: bool = False
-    """Full-layer activation checkpointing: keep each block's input, re-run one block at a time in backward."""
-    recompute_policy: str = "full"
-    """With recompute: full (re-run the whole block) or selective (keep matmul and attention outputs, re-run the
-    norms, activations and casts)."""
-    lora_r: int = 16
-    """LoRA rank r: each adapted linear gains r * (d_in + d_out) trainable parameters."""
-    lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """Module names (qkv, q_proj, ...), roles (attn, mlp) or 'all-linear' (every block linear, not the head)."""
+    """Tokens per sequence (the task's)."""
     loss_chunk_size: int = 1024
-    """Tokens per checkpointed loss chunk (hf_cgpu's GPT and tiers); 0 = full logits."""
-    optimizer: str = "adamw"
-    """adamw (m, v fp32 for every weight) or muon (one fp32 momentum buffer for the 2-D block matrices, AdamW's two
-    for embeddings, head, norms and biases; tier full)."""
-    compiled_loss: bool = False
-    """The full-logits cross-entropy runs inside torch.compile: our GPT compiled whole (``--compile`` with
-    ``--loss_chunk_size 0``), as in the H200 anchors of a nanoGPT-style whole-model compile."""
-    stock_peft: bool = False
-    """The peer the benchmark trains beside ours, not an hf_cgpu tier: LoRA on a bf16 model without autocast (peft
-    upcasts every adapted input to fp32 and saves it); QLoRA through prepare_model_for_kbit_training (embeddings,
-    head, norms and so the residual stream in fp32)."""
+    """Tokens per checkpointed loss chunk (the task's); 0 = full logits."""
+    loss_in_forward: bool = True
+    """The loss runs inside ``model.forward`` (our GPT), so a whole-model compile fuses it with the head."""
     processes: int = 1
     """Data-parallel processes (one per GPU); the ledger is per GPU, the micro-batch is per process."""
-    ema: bool = False
-    """``--ema_decay`` above 0: an fp32 average of every trainable weight, alive all run."""
     fsdp: bool = False
     """With ``processes`` > 1: FSDP2 (weights, gradients and optimizer state sharded over the processes) instead of
     DDP (a whole replica per GPU, plus DDP's gradient buckets)."""
 
     def __post_init__(self) -> None:
-        for key in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "lora_r", "processes"):
+        super().__post_init__()
+        for key in ("seq_len", "processes"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SettingsError(f"{key} must be a positive integer, got {value!r}")
-        if self.tier not in TIERS:
-            raise SettingsError(f"unknown tier {self.tier!r}: choose one of {', '.join(TIERS)} (add --recompute to any)")
         if not isinstance(self.loss_chunk_size, int) or self.loss_chunk_size < 0:
             raise SettingsError(f"loss_chunk_size must be 0 (full logits) or a positive token count, "
                                 f"got {self.loss_chunk_size!r}")
-        validate_optimizer(self.optimizer, self.tier)
-        validate_recompute_policy(self.recompute_policy)
-        if isinstance(self.lora_target_modules, str):
-            object.__setattr__(self, "lora_target_modules", _targets(self.lora_target_modules))
+
+    @classmethod
+    def of(cls, settings: TrainSettings, **run: Any) -> TrainSetup:
+        """``settings`` with the task's and the launch's part ``run`` (seq_len, loss_chunk_size, ...)."""
+        return cls(**{**{f.name: getattr(settings, f.name) for f in dataclasses.fields(TrainSettings)}, **run})
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -413,18 +393,29 @@ class TrainSetup:
     def adapters(self) -> bool:
         return self.tier in ADAPTER_TIERS
 
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """``lora_target_modules`` as names; empty = every block linear (what the tiers pick per architecture)."""
+        return tuple(t for t in self.lora_target_modules.split(",") if t) or ("all-linear",)
+
+    @property
+    def ema(self) -> bool:
+        """An fp32 average of every trainable weight, alive all run (``ema_decay`` above 0)."""
+        return self.ema_decay > 0
+
+    @property
+    def compiled_loss(self) -> bool:
+        """The full-logits cross-entropy runs inside torch.compile: our GPT compiled whole with full logits."""
+        return self.compile and self.loss_in_forward and not self.loss_chunk_size and not self.adapters
+
     def describe(self) -> str:
         if self.adapters:
-            regime = {
-                ("lora", False): "frozen bf16 base under bf16 autocast, fp32 adapters",
-                ("lora", True): "stock peft: bf16 model, no autocast, adapters upcast their inputs to fp32",
-                ("qlora", False): "frozen nf4 base, bf16 embeddings/norms, bf16 autocast, fp32 adapters",
-                ("qlora", True): "stock prepare_model_for_kbit_training: nf4 base, fp32 embeddings/norms/residual",
-            }[(self.tier, self.stock_peft)]
-            what = f"{self.tier} r={self.lora_r} on {','.join(self.lora_target_modules)} ({regime})"
+            regime = {"lora": "frozen bf16 base under bf16 autocast, fp32 adapters",
+                      "qlora": "frozen nf4 base, bf16 embeddings/norms, bf16 autocast, fp32 adapters"}[self.tier]
+            what = f"{self.tier} r={self.lora_r} on {','.join(self.lora_targets)} ({regime})"
         else:
-            opt = {"adamw8bit": "AdamW8bit"}.get(self.tier, "Muon + AdamW" if self.optimizer == "muon" else "AdamW")
-            what = f"{self.tier} ({opt}, fp32 weights + bf16 autocast)"
+            label = "AdamW8bit" if self.tier == "adamw8bit" else optimizer_spec(self.optimizer).label
+            what = f"{self.tier} ({label}, fp32 weights + bf16 autocast)"
         loss = f"loss in chunks of {self.loss_chunk_size} tokens" if self.loss_chunk_size else (
             "full logits, compiled loss" if self.compiled_loss else "full logits, eager loss")
         gpus = ""
@@ -436,11 +427,6 @@ class TrainSetup:
             f"{self.gradient_accumulation_steps} = {self.tokens_per_step:,} tokens/step{gpus}; "
             f"{self.recompute_words}; {loss}"
         )
-
-
-def _targets(text: str) -> tuple[str, ...]:
-    """``--lora_target_modules``: empty = every block linear (what the tiers pick per architecture)."""
-    return tuple(t for t in text.split(",") if t) or ("all-linear",)
 
 
 @dataclass(frozen=True)
@@ -456,18 +442,17 @@ class RunShape:
     loss_in_forward: bool = True
     """The loss runs inside ``model.forward`` (our GPT), so a whole-model compile fuses it; False when the task
     calls the backbone itself (the fine-tuning loss)."""
-    pretrain: bool = False
-    """Trained from random weights (our GPT's task): the adapter tiers are refused, as training refuses them."""
+    train_mode: str = "finetune"
+    """pretrain: trained from random weights (our GPT's task), where the adapter tiers are refused as training
+    refuses them; finetune: from a trained model."""
 
-    def setup(self, settings: Any, **peer: Any) -> TrainSetup:
-        """The ``TrainSetup`` of a run with ``settings`` (a ``TrainSettings``); ``peer`` sets stock_peft."""
-        compiled = (settings.compile and self.loss_in_forward and not self.loss_chunk_size
-                    and settings.tier not in ADAPTER_TIERS)
-        return TrainSetup(
-            seq_len=self.seq_len, micro_batch_size=settings.micro_batch_size,
-            gradient_accumulation_steps=settings.gradient_accumulation_steps, tier=settings.tier,
-            recompute=settings.recompute, recompute_policy=getattr(settings, "recompute_policy", "full"),
-            lora_r=settings.lora_r, lora_target_modules=_targets(settings.lora_target_modules),
-            loss_chunk_size=self.loss_chunk_size, compiled_loss=compiled,
-            optimizer=getattr(settings, "optimizer", "adamw"), ema=getattr(settings, "ema_decay", 0.0) > 0, **peer,
-        )
+    @property
+    def pretrain(self) -> bool:
+        return self.train_mode == "pretrain"
+
+    def setup(self, settings: TrainSettings, processes: int = 1, fsdp: bool = False) -> TrainSetup:
+        """The ``TrainSetup`` of a run of this shape with ``settings`` on ``processes`` GPUs (its tier checked
+        against the task's train mode, as training checks it)."""
+        return TrainSetup.of(settings, seq_len=self.seq_len, loss_chunk_size=self.loss_chunk_size,
+                             loss_in_forward=self.loss_in_forward, processes=processes, fsdp=fsdp,
+                             train_mode=self.train_mode)

@@ -9,6 +9,7 @@ Hours = tokens x FLOPs / (peak x utilisation).
 
 from __future__ import annotations
 
+from ..bench import load_measured_peak
 from .memory import lora_trainable_params
 from .shape import ModelShape, TrainSetup
 
@@ -30,7 +31,7 @@ def flops_per_token(shape: ModelShape, setup: TrainSetup, count_recompute: bool 
     n = shape.n_matmul_params
     attn = attention_flops_per_token(shape, setup.seq_len)  # forward a third of it, backward two thirds
     if setup.adapters:
-        n_lora = lora_trainable_params(shape, setup.lora_r, setup.lora_target_modules)
+        n_lora = lora_trainable_params(shape, setup.lora_r, setup.lora_targets)
         flops = 4.0 * n + 6.0 * n_lora + attn
         extra = 2.0 * (n + n_lora) + attn / 3
     else:
@@ -60,8 +61,6 @@ def peak_tflops(explicit: float = 0.0, use_bench: bool = True, assumed: float = 
     if explicit > 0:
         return explicit, "--peak_tflops"
     if use_bench:
-        from ..bench import load_measured_peak
-
         measured = load_measured_peak()
         if measured:
             return measured, "hf-cgpu bench"

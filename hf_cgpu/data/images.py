@@ -33,6 +33,7 @@ import torch
 from PIL import Image
 
 from ..errors import DataError
+from ..paths import image_cache
 
 CACHE_VERSION = 2  # 2: labels checked, content hash in the metadata
 _16BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
@@ -210,14 +211,6 @@ def cache_file(
     return Path(cache_dir) / f"{name}-{split}-{image_size}px-{limit or 'all'}-{digest}.safetensors"
 
 
-def default_cache_dir() -> Path:
-    """``$HF_CGPU_CACHE/images``, else ``~/.cache/hf_cgpu/images`` (the package's one cache root,
-    ``bench.cache_dir``)."""
-    from ..bench import cache_dir
-
-    return cache_dir() / "images"
-
-
 def load_image_dataset(
     source: str | Sequence[str],
     split: str = "train",
@@ -232,9 +225,9 @@ def load_image_dataset(
     """Decode ``split`` of ``source`` once into (N, 3, S, S) uint8 (+ int64 labels), cached as safetensors.
 
     ``label_column`` missing from the data (or None) gives ``labels=None``: an unconditional dataset.
-    ``limit`` keeps the first rows only (quick runs, tests). ``cache_dir`` defaults to ``default_cache_dir()``.
+    ``limit`` keeps the first rows only (quick runs, tests). ``cache_dir`` defaults to ``paths.image_cache()``.
     """
-    path = cache_file(source, split, image_column, label_column, image_size, limit, cache_dir or default_cache_dir())
+    path = cache_file(source, split, image_column, label_column, image_size, limit, cache_dir or image_cache())
     if use_cache and path.is_file():
         return _read_cache(path)
     data = _decode_dataset(source, split, image_column, label_column, limit, image_size, batch_size)

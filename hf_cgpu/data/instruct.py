@@ -11,6 +11,7 @@ prompt token, padding, or another example's text.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,36 +20,70 @@ import numpy as np
 import torch
 
 from ..errors import DataError
+from .corpus import load_splits
 
 IGNORE = -100
-FORMATS = ("messages", "instruction", "prompt")
+
+
+def _messages(row: dict[str, Any]) -> list[dict[str, str]]:
+    msgs = row["messages"]
+    if not msgs or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in msgs):
+        raise DataError(f"a 'messages' row must be a non-empty list of {{role, content}} dicts, got {msgs!r:.80}")
+    return [{"role": str(m["role"]), "content": str(m["content"])} for m in msgs]
+
+
+def _instruction(row: dict[str, Any]) -> list[dict[str, str]]:
+    extra = str(row.get("input") or "").strip()
+    user = str(row["instruction"]).strip() + (f"\n\n{extra}" if extra else "")
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": str(row["output"]).strip()}]
+
+
+def _prompt(row: dict[str, Any]) -> list[dict[str, str]]:
+    return [{"role": "user", "content": str(row["prompt"]).strip()},
+            {"role": "assistant", "content": str(row["response"]).strip()}]
+
+
+@dataclass(frozen=True)
+class InstructionFormat:
+    """One layout of instruction rows: the columns that identify it and how a row becomes a chat."""
+
+    name: str
+    """What ``--data_format`` detection calls it (recorded as the run's format)."""
+    columns: frozenset[str]
+    """A dataset whose columns include these holds this format."""
+    to_messages: Callable[[dict[str, Any]], list[dict[str, str]]]
+    """A row as ``[{"role", "content"}, ...]`` (user turns and the assistant's answers)."""
+
+
+INSTRUCTION_FORMATS: dict[str, InstructionFormat] = {}
+"""Every instruction layout, by name, in the order ``detect_format`` tries them."""
+
+
+def register_instruction_format(fmt: InstructionFormat) -> InstructionFormat:
+    INSTRUCTION_FORMATS[fmt.name] = fmt
+    return fmt
+
+
+for _fmt in (InstructionFormat("messages", frozenset({"messages"}), _messages),
+             InstructionFormat("instruction", frozenset({"instruction", "output"}), _instruction),
+             InstructionFormat("prompt", frozenset({"prompt", "response"}), _prompt)):
+    register_instruction_format(_fmt)
 
 
 def detect_format(columns: list[str]) -> str | None:
-    """``messages``, ``instruction`` or ``prompt`` by the columns a dataset has; None = plain text."""
+    """The first registered format whose columns the dataset has; None = plain text."""
     cols = set(columns)
-    if "messages" in cols:
-        return "messages"
-    if {"instruction", "output"} <= cols:
-        return "instruction"
-    if {"prompt", "response"} <= cols:
-        return "prompt"
-    return None
+    return next((f.name for f in INSTRUCTION_FORMATS.values() if f.columns <= cols), None)
 
 
 def to_messages(row: dict[str, Any], fmt: str) -> list[dict[str, str]]:
     """One row as a chat: a user turn (instruction + input, or prompt) and the assistant's answer."""
-    if fmt == "messages":
-        msgs = row["messages"]
-        if not msgs or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in msgs):
-            raise DataError(f"a 'messages' row must be a non-empty list of {{role, content}} dicts, got {msgs!r:.80}")
-        return [{"role": str(m["role"]), "content": str(m["content"])} for m in msgs]
-    if fmt == "instruction":
-        extra = str(row.get("input") or "").strip()
-        user = str(row["instruction"]).strip() + (f"\n\n{extra}" if extra else "")
-        return [{"role": "user", "content": user}, {"role": "assistant", "content": str(row["output"]).strip()}]
-    return [{"role": "user", "content": str(row["prompt"]).strip()},
-            {"role": "assistant", "content": str(row["response"]).strip()}]
+    return INSTRUCTION_FORMATS[fmt].to_messages(row)
+
+
+PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+"""How a user turn is written for a base without a chat template."""
+PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
 
 def render(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
@@ -67,8 +102,6 @@ def render(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[i
                                  "pass plain text (--text_column) or a tokenizer with another template")
             spans.append((len(before), len(upto)))
         return full, spans
-    from ..finetune import PROMPT_TEMPLATE
-
     prompt = "".join(PROMPT_TEMPLATE.format(instruction=m["content"]) for m in messages if m["role"] != "assistant")
     answer = "\n\n".join(m["content"] for m in messages if m["role"] == "assistant")
     eos = tokenizer.eos_token or ""
@@ -125,13 +158,11 @@ def instruction_splits(source: str | None, data_format: str = "auto", text_colum
     (``detect_format``) under ``--data_format`` auto or instruct, loaded once; ``None`` for plain text (``builtin``
     is text, and so is anything under ``text``). A validation split is carved from train when it has none:
     ``validation_fraction`` of the rows, at least 1. ``instruct`` on columns that hold none is a one-line error."""
-    from .text import _load_splits
-
     if data_format not in ("auto", "instruct", "text"):
         raise DataError(f"--data_format {data_format!r}: choose auto, instruct or text")
     if data_format == "text" or source is None or source == "builtin":
         return None
-    splits = _load_splits(source, text_column)
+    splits = load_splits(source, text_column)
     fmt = detect_format(splits["train"].column_names)
     if fmt is None:
         if data_format == "auto":
@@ -152,3 +183,25 @@ def instruction_splits(source: str | None, data_format: str = "auto", text_colum
 def load_instruction_splits(source: str, validation_fraction: float = 0.05, seed: int = 0) -> tuple[dict, str]:
     """``instruction_splits`` of a source that must hold instructions."""
     return instruction_splits(source, "instruct", validation_fraction=validation_fraction, seed=seed)
+
+
+def format_instruction_example(example: dict[str, Any]) -> dict[str, str]:
+    """Turn one instruction row into {"prompt", "response", "text"} (text = prompt + response).
+
+    Accepts Alpaca-style columns instruction/input/output (input may be empty or absent) or
+    prompt/response. The prompt is returned separately so the recipe can set its label tokens to
+    -100 and train on the response only; the tokenizer's EOS is appended by the recipe.
+    """
+    if "instruction" in example and "output" in example:
+        extra = (example.get("input") or "").strip()
+        template = PROMPT_WITH_INPUT_TEMPLATE if extra else PROMPT_TEMPLATE
+        prompt = template.format(instruction=str(example["instruction"]).strip(), input=extra)
+        response = str(example["output"]).strip()
+    elif "prompt" in example and "response" in example:
+        prompt = PROMPT_TEMPLATE.format(instruction=str(example["prompt"]).strip())
+        response = str(example["response"]).strip()
+    else:
+        raise ValueError(
+            f"instruction example needs columns instruction/output (+input) or prompt/response, got {sorted(example)}"
+        )
+    return {"prompt": prompt, "response": response, "text": prompt + response}

@@ -24,16 +24,16 @@ import json
 import math
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..flow.samplers import SAMPLERS, check_sampler, sampler_class, sampler_names, steps_within
+from ..paths import feature_cache, image_cache
 from ..settings import SettingsError, build_parser
 from .images import (class_statistics, feature_statistics, frechet_distance, inception_fid, kth_neighbour_radii,
                      precision_recall)
-
-SCHEDULERS = ("euler", "heun")
 
 
 @dataclass
@@ -54,8 +54,9 @@ class ImageEvalSettings:
     """Use only the first this many real images (0 = the whole split)."""
     num_images: int = 10000
     """Images to generate per setting."""
-    scheduler: str = "heun"
-    """ODE solver: euler (N network calls for N steps) or heun (2N - 1)."""
+    scheduler: str = field(default="heun", metadata={"choices": sampler_names})
+    """Sampler (hf_cgpu.flow.samplers): euler (N network calls for N steps), heun (2N - 1), or another registered
+    one."""
     num_inference_steps: int = 10
     """Solver steps N."""
     guidance_scale: float = 1.5
@@ -85,7 +86,7 @@ class ImageEvalSettings:
     """Comma-separated solver steps of the sweep."""
     sweep_evaluations: str = ""
     """Comma-separated network evaluations per image (e.g. 5,10,20,50) instead of --sweep_steps: each sampler and
-    guidance scale gets the most steps whose evaluations fit (Euler n steps = n, Heun 2n - 1, a guided step twice)."""
+    guidance scale gets the most steps whose evaluations fit (counted from the sampler; a guided call twice)."""
     sweep_guidance: str = "1,1.5,2,3"
     """Comma-separated guidance scales of the sweep (only 1 for an unconditional model)."""
     inception_weights: str = ""
@@ -97,8 +98,7 @@ class ImageEvalSettings:
     """Show a progress bar."""
 
     def __post_init__(self) -> None:
-        if self.scheduler not in SCHEDULERS:
-            raise SettingsError(f"scheduler={self.scheduler!r}; use euler or heun")
+        check_sampler(self.scheduler)
         if self.weights not in ("", "ema", "raw"):
             raise SettingsError(f"weights={self.weights!r}; use ema, raw or leave it empty")
         if self.mixed_precision not in ("auto", "bf16", "no"):
@@ -111,20 +111,6 @@ class ImageEvalSettings:
         self.grid = _sweep_grid(self)
 
 
-def evaluations_per_image(scheduler: str, steps: int, guidance_scale: float) -> int:
-    """Network evaluations of one image: Euler one per step, Heun a predictor and a corrector per step but the last
-    (2n - 1), each doubled by classifier-free guidance (scale != 1: conditional and unconditional rows)."""
-    calls = steps if scheduler == "euler" else 2 * steps - 1
-    return calls * (2 if guidance_scale != 1 else 1)
-
-
-def steps_within(evaluations: int, scheduler: str, guidance_scale: float) -> int:
-    """The most steps whose ``evaluations_per_image`` fit ``evaluations`` (at least 1)."""
-    per = 2 if guidance_scale != 1 else 1
-    calls = evaluations // per
-    return max(1, calls if scheduler == "euler" else (calls + 1) // 2)
-
-
 def _sweep_grid(s: ImageEvalSettings) -> list[tuple[str, int, float]]:
     try:
         schedulers = [x.strip() for x in s.sweep_schedulers.split(",") if x.strip()]
@@ -133,8 +119,9 @@ def _sweep_grid(s: ImageEvalSettings) -> list[tuple[str, int, float]]:
         scales = [float(x) for x in s.sweep_guidance.split(",") if x.strip()]
     except ValueError:
         raise SettingsError("sweep lists are comma-separated, e.g. --sweep_steps 4,8,16 --sweep_guidance 1,1.5,2")
-    if not schedulers or not steps or not scales or set(schedulers) - set(SCHEDULERS) or min(steps) < 1:
-        raise SettingsError("--sweep_schedulers takes euler/heun, --sweep_steps positive integers, none empty")
+    if not schedulers or not steps or not scales or set(schedulers) - set(SAMPLERS) or min(steps) < 1:
+        raise SettingsError(f"--sweep_schedulers takes {'/'.join(SAMPLERS)}, --sweep_steps positive integers, none "
+                            "empty")
     if budgets and min(budgets) < 1:
         raise SettingsError("--sweep_evaluations takes positive integers, e.g. 5,10,20,50")
     if not budgets:
@@ -184,10 +171,8 @@ def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inferenc
     from tqdm.auto import tqdm
 
     from ..flow.pipeline_flow_match import FlowMatchPipeline
-    from ..flow.scheduling_flow_match import FlowMatchEulerScheduler, FlowMatchHeunScheduler
 
-    sched_cls = FlowMatchHeunScheduler if scheduler == "heun" else FlowMatchEulerScheduler
-    sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=sched_cls.from_config(pipe.scheduler.config))
+    sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=sampler_class(scheduler).from_config(pipe.scheduler.config))
     sampler.set_progress_bar_config(disable=True)
     device = pipe.unet.device
     num_classes = pipe.unet.config.num_classes
@@ -265,12 +250,6 @@ def save_grid(images_uint8: torch.Tensor, path: str | Path, num_classes: int | N
 
 
 # ----------------------------------------------------------------------------- real reference
-def default_feature_cache() -> Path:
-    from ..data.images import default_cache_dir
-
-    return default_cache_dir().parent / "features"
-
-
 def _looks_local(source: str) -> bool:
     return source.startswith((".", "/", "~")) or source.count("/") != 1
 
@@ -301,16 +280,16 @@ def real_reference(classifier, classifier_dir: str | Path, s: ImageEvalSettings,
     """
     from safetensors.torch import load_file, save_file
 
-    from ..data.images import cache_file, default_cache_dir
+    from ..data.images import cache_file
     from .classifier import file_hash
     from .images import image_features
 
     source = str(Path(s.dataset).expanduser()) if _looks_local(s.dataset) else s.dataset
     data_key = cache_file(source, s.split, s.image_column, s.label_column, 32, s.real_limit or None,
-                          default_cache_dir()).name
+                          image_cache()).name
     clf_hash = file_hash(classifier_dir)
     digest = hashlib.sha256(f"{clf_hash}|{data_key}".encode()).hexdigest()[:16]
-    path = Path(s.cache_dir or default_feature_cache()) / f"{s.split}-{clf_hash}-{digest}.safetensors"
+    path = Path(s.cache_dir or feature_cache()) / f"{s.split}-{clf_hash}-{digest}.safetensors"
     if path.is_file():
         t = load_file(str(path))
         meta = json.loads(path.with_suffix(".json").read_text())

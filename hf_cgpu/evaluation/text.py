@@ -1,7 +1,7 @@
 """Language-model evaluation: loss, perplexity and bits per character over a whole split.
 
 Every token of the split's stream (documents joined by EOS) is scored exactly once, with up to ``seq_len`` tokens
-of context (``hf_cgpu.data.text.eval_windows``), in fixed-shape batches (compiled models do not recompile).
+of context (``hf_cgpu.data.windows.eval_windows``), in fixed-shape batches (compiled models do not recompile).
 Bits per character = summed cross-entropy in bits / characters of the split's documents: unlike loss per token it
 does not depend on the tokenizer, so models with different vocabularies compare on one scale.
 
@@ -18,7 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 from ..errors import ArgumentParser
+from ..models.causal_lm_loss import causal_lm_loss_from_hidden, unwrap_model
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, shifted targets) -> mean loss
 
@@ -39,7 +41,7 @@ def score_stream(
     data knows its characters) and ``{prefix}tokens`` (tokens scored). ``max_windows`` caps the work (the bpc then
     uses the characters in proportion to the tokens scored). Deterministic: no sampling anywhere.
     """
-    from ..data.text import eval_windows
+    from ..data.windows import eval_windows
 
     plan = eval_windows(data.n_tokens, seq_len)
     if max_windows is not None:
@@ -111,10 +113,8 @@ def causal_lm_target_loss(model) -> LossFn:
     """Mean cross-entropy against shifted targets for any transformers causal LM (peft-wrapped too).
 
     Our GPT takes the targets directly (its chunked fp32 loss); other models go through their backbone and the
-    chunked loss of ``hf_cgpu.tiers``, so the (batch, seq, vocab) fp32 logits never exist at once.
+    chunked loss of ``hf_cgpu.models.causal_lm_loss``, so the (batch, seq, vocab) fp32 logits never exist at once.
     """
-    from ..tiers import causal_lm_loss_from_hidden, unwrap_model
-
     if getattr(unwrap_model(model).config, "model_type", None) == "cgpt":
         return lambda x, y: model(input_ids=x, shift_labels=y, use_cache=False, return_logits=False).loss
     return lambda x, y: causal_lm_loss_from_hidden(model, x, y, shift=False)
@@ -147,7 +147,8 @@ def evaluate_language_model(
     ``data_format`` auto or instruct) on their responses only, as the fine-tuning run scores them (``score_rows``;
     ``max_windows`` then counts examples)."""
     from ..data.instruct import build_rows, instruction_splits
-    from ..data.text import BUILTIN, load_text_dataset, pack_dataset
+    from ..data.corpus import BUILTIN, load_text_dataset
+    from ..data.packing import pack_dataset
     from ..generate import load_causal_lm
     from ..settings import SettingsError
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +11,10 @@ import torch
 from PIL import Image
 
 from ..errors import MissingPathError, SettingsError, require_model
+from ..hub.checks import check_hub_model
+from ..settings import build_parser
+from .pipeline_flow_match import FlowMatchPipeline
+from .samplers import check_sampler, sampler_class, sampler_names
 
 
 def image_grid(images: np.ndarray, rows: int) -> Image.Image:
@@ -48,11 +52,12 @@ class SampleSettings:
 
     num_images: int = 64
     """Images to draw; the grid is about square."""
-    scheduler: str = "heun"
-    """ODE solver: heun (2 network calls per step, better at few steps) or euler (1 call per step)."""
+    scheduler: str = field(default="heun", metadata={"choices": sampler_names})
+    """Sampler (hf_cgpu.flow.samplers): heun (2 network calls per step but the last, better at few steps), euler
+    (1 call per step), or another registered one."""
     num_inference_steps: int = 8
-    """Solver steps from noise (t = 0) to data (t = 1). 8 Heun steps (15 calls, 30 guided) measured best for their
-    cost on the CIFAR-10 preset; 4 (14 guided calls) stays within 20 evaluations (benchmarks/RESULTS.md)."""
+    """Solver steps from noise (t = 0) to data (t = 1); the default is the measured best for its cost on the CIFAR-10
+    preset (benchmarks/RESULTS.md, sampling)."""
     class_labels: str = ""
     """Comma-separated class indices or names (see class_names.txt), cycled over the images; empty = unconditional
     (the null class)."""
@@ -65,8 +70,7 @@ class SampleSettings:
     """Where the PNGs go; empty = MODEL_DIR/samples_cli."""
 
     def __post_init__(self) -> None:
-        if self.scheduler not in ("euler", "heun"):
-            raise SettingsError(f"--scheduler {self.scheduler!r}; choose euler or heun")
+        check_sampler(self.scheduler)
         if self.num_images < 1 or self.num_inference_steps < 1:
             raise SettingsError("--num_images and --num_inference_steps must be >= 1")
         if self.guidance_scale < 0:
@@ -85,8 +89,6 @@ def check_pipeline_folder(model_dir: str) -> None:
     require_model(model_dir, "pipeline folder")
     d = Path(model_dir)
     if not d.is_dir():
-        from ..hub import check_hub_model
-
         check_hub_model(model_dir, "pipeline", filename="model_index.json")
         return
     if (d / "model_index.json").is_file():
@@ -99,8 +101,6 @@ def check_pipeline_folder(model_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..settings import build_parser
-
     parser = build_parser((SampleSettings,), description=__doc__, prog="hf-cgpu sample")
     parser.add_argument("model_dir", help="output_dir of a flow run (a saved FlowMatchPipeline) or a Hub id")
     parser.usage = "%(prog)s MODEL_DIR [--SETTING VALUE ...]"
@@ -108,12 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ns.pop("model_dir")
     a = SampleSettings(**{k: v for k, v in ns.items() if v is not None})
     check_pipeline_folder(model_dir)
-    from ..flow.pipeline_flow_match import FlowMatchPipeline
-    from ..flow.scheduling_flow_match import FlowMatchEulerScheduler, FlowMatchHeunScheduler
-
     pipe = FlowMatchPipeline.from_pretrained(model_dir)
-    sched_cls = FlowMatchHeunScheduler if a.scheduler == "heun" else FlowMatchEulerScheduler
-    pipe.scheduler = sched_cls.from_config(pipe.scheduler.config)
+    pipe.scheduler = sampler_class(a.scheduler).from_config(pipe.scheduler.config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe.to(device)
     names_file = Path(model_dir) / "class_names.txt"

@@ -1,21 +1,10 @@
-"""2D flow-matching toy on CPU: 8 Gaussians on a circle, learned in seconds, sampled with our schedulers.
+"""2D flow-matching toy on CPU: 8 Gaussians on a circle, learned in seconds, sampled with every registered sampler.
 
 The data, the velocity MLP and the evaluation; the one loop trains it as ``hf_cgpu.tasks.flow_toy2d.Toy2DTask``
-(``python recipes/flow2d.py``). Same loss and the same Euler/Heun scheduler classes as the image model, so it tests
-the whole idea cheaply. Quality measure (the seed chapter's): fraction of 2000 samples within 0.3 of a mode centre,
-and how many samples land nearest to each mode (250 each is perfect coverage, no mode collapse).
-
-Best row at <= 20 network evaluations with the preset (``presets/flow2d/toy.json``), one CPU thread, trained by
-the one loop, seeds 0-7: 96.1 / 96.1 / 97.0 / 96.8 / 96.0 / 96.4 / 95.2 / 97.1% (mean 96.3%; the earlier
-stand-alone loop: 96.8 / 97.0 / 96.6 / 97.2 / 96.2 / 95.5 / 96.1 / 95.9%, mean 96.4%). What beat the seed's 81%
-(MLP on raw (x, t), 100 Euler steps), measured with that stand-alone loop, seed 0:
-    - a sinusoidal embedding of t: the biggest lever. Without it the defaults drop to 85.7%; added alone to the
-      seed's own network and schedule it lifts 83.6% to 92.2%. The field sharpens as t -> 1 and raw t is a poor
-      input for a small MLP to resolve that.
-    - enough learning rate for the step budget: lr 5e-3 gives 96.8%, 2e-3 only 84.0% after 2000 steps.
-    - 3 hidden layers of 64 and batches of 512 instead of 2 x 96 and 256: cheaper per step, less gradient noise.
-Measured and not helping here (within 0.3 points): EMA (96.8% without), cosine decay (97.0% at constant lr),
-logit-normal t (96.9%). They stay as settings because the image model wants EMA.
+(``hf-cgpu flow2d``). Same loss and the same scheduler classes as the image model, so it tests the whole idea cheaply.
+Quality measure (the seed chapter's): fraction of 2000 samples within 0.3 of a mode centre, and how many samples land
+nearest to each mode (250 each is perfect coverage, no mode collapse). What the preset's choices buy (a sinusoidal
+embedding of t, the learning rate, the network's width) is measured in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -25,8 +14,8 @@ import math
 import torch
 import torch.nn as nn
 
-from ..evaluation.flow import steps_within
-from .scheduling_flow_match import FlowMatchEulerScheduler, FlowMatchHeunScheduler, sample_ode
+from .samplers import SAMPLERS, sampler_class, steps_within
+from .scheduling_flow_match import sample_ode
 from .unet import sinusoidal_embedding
 
 
@@ -77,9 +66,11 @@ def mode_stats(samples: torch.Tensor, centres: torch.Tensor, hit_radius: float) 
 @torch.no_grad()
 def sample_rows(model: nn.Module, centres: torch.Tensor, x0: torch.Tensor, budgets: tuple[int, ...],
                 hit_radius: float) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    """Euler and Heun at every budget from the same noise ``x0``; returns table rows and the samples per row."""
+    """Every registered sampler at every budget from the same noise ``x0``; returns table rows and the samples per
+    row."""
     rows, samples = [], {}
-    for name, scheduler in (("euler", FlowMatchEulerScheduler()), ("heun", FlowMatchHeunScheduler())):
+    for name in SAMPLERS:
+        scheduler = sampler_class(name)()
         for budget in budgets:
             steps = steps_within(budget, name, guidance_scale=1.0)
             x1, nfe = sample_ode(model, scheduler, x0, steps)
@@ -100,14 +91,16 @@ def format_table(rows: list[dict]) -> str:
 def save_plot(path: str, data: torch.Tensor, samples: dict[str, torch.Tensor], rows: list[dict]) -> None:
     """Scatter of data vs samples: one row per method, one column per budget (plus data in the first)."""
     budgets = sorted({r["budget"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
     nfe = {(r["method"], r["budget"]): r["nfe"] for r in rows}
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plotting only where a plot is drawn
 
-    fig, axes = plt.subplots(2, len(budgets) + 1, figsize=(2.6 * (len(budgets) + 1), 5.4), squeeze=False)
-    for row, method in enumerate(("euler", "heun")):
+    fig, axes = plt.subplots(len(methods), len(budgets) + 1, figsize=(2.6 * (len(budgets) + 1), 2.7 * len(methods)),
+                             squeeze=False)
+    for row, method in enumerate(methods):
         axes[row, 0].scatter(data[:, 0], data[:, 1], s=1, c="k")
         axes[row, 0].set_title("data")
         for col, budget in enumerate(budgets, start=1):

@@ -1,149 +1,52 @@
-"""Muon (``torch.optim.Muon``) on the 2-D hidden weight matrices, AdamW on embeddings, head, norms and biases.
+"""Muon on the 2-D hidden weight matrices, AdamW on embeddings, head, norms and biases (tier full).
 
-Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/) replaces each update of a weight matrix by the
-orthogonalised Nesterov momentum: 5 steps of the quintic Newton-Schulz iteration with coefficients
-(3.4445, -4.7750, 2.0315) in bf16, scaled by ``max(1, rows / cols) ** 0.5``. torch ships exactly that as
-``torch.optim.Muon`` (``adjust_lr_fn="original"``); this module only decides which parameters it gets and wraps it
-with ``torch.optim.AdamW`` into one optimizer, so the loop, accelerate and the checkpoints see a single
-``param_groups`` / ``state_dict`` and a resumed run continues exactly.
-
-The step is torch's algorithm, batched (``batched=True``, the default): torch's ``Muon.step`` runs ~22 small ops per
-matrix (about 1,000 launches for a 12-layer GPT's 48 matrices); ours stacks the matrices of one shape and runs one
-Newton-Schulz chain of ``baddbmm`` per shape (4 for a GPT) and ``_foreach`` ops for momentum, decay and the update.
-Same state (``momentum_buffer``), same hyperparameters, the same update up to bf16 rounding (tests/test_muon.py);
-``batched=False`` calls ``torch.optim.Muon.step`` itself.
-
-Learning rates: every group carries ``lr_scale`` (its peak lr over the run's ``learning_rate``); the schedule
-(``hf_cgpu.train.schedule.set_lr``) sets ``lr = schedule * lr_scale`` for such groups, so Muon's peak is
-``muon_learning_rate`` and the AdamW groups get the schedule's value unchanged.
+Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/) replaces each update of a weight matrix by its
+orthogonalised Nesterov momentum; ``muon_optimizer.MuonWithAdamW`` runs torch's ``torch.optim.Muon`` algorithm and
+AdamW as one optimizer. This file is its registry entry: settings, state bytes, tiers.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
 
-import torch
-from torch import nn
+from ..errors import SettingsError
+from .adamw import ADAM_STATE_BYTES
+from .spec import OptimizerSpec, Tensors
 
-
-def _output_weights(model: nn.Module) -> set[int]:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    return {id(head.weight)} if head is not None and getattr(head, "weight", None) is not None else set()
+MUON_STATE_BYTES = 4
+"""torch.optim.Muon keeps one fp32 momentum buffer per parameter (Newton-Schulz runs on a bf16 copy of one matrix
+at a time, inside the workspace)."""
 
 
-def is_muon_param(model: nn.Module) -> dict[int, bool]:
-    """By parameter id: True for 2-D weights of hidden layers (not an ``nn.Embedding``, not the output head)."""
-    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    outside = embeddings | _output_weights(model)
-    return {id(p): p.ndim == 2 and id(p) not in outside for p in model.parameters()}
+@dataclass(frozen=True)
+class MuonSettings:
+    """Muon's own settings; its AdamW part uses learning_rate, weight_decay and adam_*."""
+
+    muon_learning_rate: float = 0.02
+    """Peak learning rate of the Muon matrices; follows the same warmup and cosine schedule."""
+    muon_momentum: float = 0.95
+    """Muon's Nesterov momentum."""
+    muon_weight_decay: float = 0.0
+    """Decoupled weight decay of the Muon matrices, times their learning rate (Keller Jordan's default 0)."""
+
+    def __post_init__(self) -> None:
+        if self.muon_learning_rate <= 0 or not 0 <= self.muon_momentum < 1 or self.muon_weight_decay < 0:
+            raise SettingsError("muon_learning_rate must be > 0, muon_momentum in [0, 1) and muon_weight_decay >= 0; "
+                                "e.g. --muon_learning_rate 0.02 --muon_momentum 0.95")
 
 
-def muon_param_groups(
-    model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], lr: float, weight_decay: float, muon_lr: float,
-    muon_momentum: float, muon_weight_decay: float,
-) -> list[dict[str, Any]]:
-    """Three groups of the trainable ``named`` parameters: Muon matrices, AdamW decayed (other >= 2-D weights:
-    embeddings, an untied head), AdamW not decayed (norms, biases, 1-D tensors). Empty groups are dropped."""
-    muon = is_muon_param(model)
-    named = list(named)
-    groups = [
-        {"params": [p for _, p in named if muon.get(id(p), False)], "use_muon": True, "lr": muon_lr,
-         "lr_scale": muon_lr / lr, "momentum": muon_momentum, "weight_decay": muon_weight_decay},
-        {"params": [p for _, p in named if not muon.get(id(p), False) and p.ndim >= 2], "use_muon": False,
-         "weight_decay": weight_decay},
-        {"params": [p for _, p in named if not muon.get(id(p), False) and p.ndim < 2], "use_muon": False,
-         "weight_decay": 0.0},
-    ]
-    return [g for g in groups if g["params"]]
+def state_bytes(tensors: Tensors, tier: str) -> tuple[float, str]:
+    """One fp32 momentum buffer for the block matrices, AdamW's two for the rest."""
+    muon = sum(n for n, kind in tensors if kind == "linear")
+    rest = sum(n for n, kind in tensors if kind != "linear")
+    return (MUON_STATE_BYTES * muon + ADAM_STATE_BYTES * rest,
+            f"Muon momentum fp32 4 B/param on the {muon / 1e6:.1f}M block matrices, AdamW m, v 8 B/param on the rest")
 
 
-class MuonWithAdamW(torch.optim.Optimizer):
-    """One optimizer over groups marked ``use_muon``: those step with ``torch.optim.Muon`` (Nesterov, 5
-    Newton-Schulz steps), the others with ``torch.optim.AdamW``.
+MUON = OptimizerSpec(
+    "muon", "Muon (orthogonalised Nesterov momentum) on the 2-D hidden matrices, AdamW on the rest",
+    build="hf_cgpu.optim.muon_optimizer:build", state_bytes=state_bytes, tiers=("full",), settings=MuonSettings,
+    label="Muon + AdamW",
+)
 
-    Both inner optimizers hold the very group dicts of ``param_groups`` and share ``state``, so ``set_lr``,
-    ``state_dict`` and ``load_state_dict`` (accelerate's ``save_state`` / ``load_state``) act on both.
-    """
-
-    def __init__(self, groups: list[dict[str, Any]], lr: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.1, momentum: float = 0.95, fused: bool = False,
-                 batched: bool = True):
-        groups = [dict(g) for g in groups]
-        muon = [g for g in groups if g.get("use_muon")]
-        adamw = [g for g in groups if not g.get("use_muon")]
-        self._muon = torch.optim.Muon(muon, lr=lr, momentum=momentum, nesterov=True, weight_decay=0.0,
-                                      adjust_lr_fn="original") if muon else None
-        self._adamw = torch.optim.AdamW(adamw, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                        fused=fused) if adamw else None
-        super().__init__(muon + adamw, {})
-        self.batched = batched
-        self._link()
-
-    def _link(self) -> None:
-        """Point the inner optimizers at this one's groups and state (after construction and after a load)."""
-        for inner, use_muon in ((self._muon, True), (self._adamw, False)):
-            if inner is not None:
-                inner.param_groups = [g for g in self.param_groups if bool(g.get("use_muon")) == use_muon]
-                inner.state = self.state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._link()
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._muon is not None:
-            if self.batched:
-                for group in self._muon.param_groups:
-                    self._batched_muon_group(group)
-            else:
-                self._muon.step()
-        if self._adamw is not None:
-            self._adamw.step()
-        return loss
-
-    def _batched_muon_group(self, group: dict[str, Any]) -> None:
-        """torch.optim.Muon's update for one group, with the matrices of one shape stacked (see the module doc)."""
-        lr, wd, mu = float(group["lr"]), group["weight_decay"], group["momentum"]
-        by_shape: dict[torch.Size, list[torch.Tensor]] = {}
-        for p in group["params"]:
-            if p.grad is not None:
-                by_shape.setdefault(p.shape, []).append(p)
-        for shape, params in by_shape.items():
-            grads = [p.grad for p in params]
-            bufs = []
-            for p in params:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                bufs.append(state["momentum_buffer"])
-            torch._foreach_lerp_(bufs, grads, 1 - mu)
-            updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
-            ortho = newton_schulz_batched(torch.stack(updates), group["ns_coefficients"], group["ns_steps"],
-                                          group["eps"])
-            adjusted = lr * math.sqrt(max(1, shape[0] / shape[1]))  # adjust_lr_fn="original"
-            if wd:
-                torch._foreach_mul_(params, 1 - lr * wd)
-            torch._foreach_add_(params, list(ortho.to(params[0].dtype).unbind(0)), alpha=-adjusted)
-
-
-def newton_schulz_batched(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                          eps: float) -> torch.Tensor:
-    """torch.optim.Muon's quintic Newton-Schulz orthogonalisation of each matrix of ``g`` (k, rows, cols), in bf16."""
-    a, b, c = coefficients
-    x = g.bfloat16()
-    tall = g.size(-2) > g.size(-1)
-    if tall:
-        x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm at most 1
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.mT if tall else x
+__all__ = ["MUON", "MuonSettings"]

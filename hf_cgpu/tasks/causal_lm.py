@@ -7,10 +7,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from ..budget.shape import ModelShape, RunShape
+from ..data.corpus import load_text_dataset
+from ..data.packing import pack_dataset, source_fingerprint
+from ..data.tokenizer import (cached_tokenizer, check_vocab, save_tokenizer, tokenizer_hash, tokenizer_made_from,
+                              train_tokenizer)
 from ..errors import CheckpointError, SettingsError
-from ..models.cgpt import CgptConfig, CgptForCausalLM
+from ..generate import continue_texts
+from ..hub.checks import check_dataset
+from ..models.cgpt.configuration_cgpt import CgptConfig
+from ..models.cgpt.modeling_cgpt import CgptForCausalLM
 from ..settings import TrainSettings
 from ..train import TaskPlan
 from ..train.schedule import calibration_step
@@ -18,15 +26,16 @@ from .packed import PackedTokensTask
 from .settings import GPTSettings
 
 
-
-
 def cgpt_run_shape(config: CgptConfig, name: str = "") -> RunShape:
     """Our GPT's run shape: the sequence is its position table, the loss chunk its config's, the loss in forward."""
     return RunShape(ModelShape.from_config(config, name or "cgpt"), config.n_positions, config.loss_chunk_size,
-                    pretrain=True)
+                    train_mode="pretrain")
 
-MANY_EPOCHS = 4  # Muennighoff et al. (2023): up to ~4 epochs are nearly as good as fresh data, then returns drop
-TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal ratio (the seed's table uses it too)
+
+MANY_EPOCHS = 4
+"""Muennighoff et al. (2023): up to ~4 epochs of repeated data are nearly as good as fresh data, then returns drop."""
+TOKENS_PER_PARAM = 20
+"""Chinchilla's compute-optimal tokens per parameter."""
 
 
 def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_params: int, processes: int = 1) -> list[str]:
@@ -45,15 +54,15 @@ def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_pa
             f"warning: {epochs:.0f} epochs of one corpus over-fit (beyond ~{MANY_EPOCHS} epochs repeated tokens are "
             f"worth much less than new ones); at {TOKENS_PER_PARAM} tokens/parameter this corpus supports a "
             f"~{supported / 1e6:.2f}M-parameter model per epoch (this one has {num_params / 1e6:.1f}M). Use more "
-            f"data, a smaller model, dropout or a strong weight decay (zh-poetry, measured best: --dropout 0.1, "
-            f"--weight_decay 2.0, --muon_weight_decay 0.25); validation picks the best weights "
-            f"(--load_best_at_end true, --early_stopping_patience N)"
+            f"data, a smaller model, dropout (--dropout 0.1) or a strong weight decay (the zh-poetry-modern preset "
+            f"is tuned for many epochs); validation picks the best weights (--load_best_at_end true, "
+            f"--early_stopping_patience N)"
         )
     return lines
 
 
 class CausalLMTask(PackedTokensTask):
-    card_kind = "gpt"
+    card = "gpt"
 
     def __init__(self, cfg: GPTSettings):
         self.cfg = cfg
@@ -62,10 +71,6 @@ class CausalLMTask(PackedTokensTask):
 
     # ---- data and model
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
-        from ..data.text import check_vocab, load_text_dataset, pack_dataset
-
-        from ..hub import check_dataset
-
         cfg, out = self.cfg, Path(settings.output_dir)
         check_dataset(cfg.dataset)
         ds = load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column)
@@ -99,11 +104,6 @@ class CausalLMTask(PackedTokensTask):
         """--tokenizer, else the one this output folder's run trained (reused when resuming, or when it was trained
         from the same data and settings), else a new byte-level BPE saved atomically to ``output_dir/tokenizer``: the
         one an earlier run trained from the same data and settings when the cache has it (``cached_tokenizer``)."""
-        from transformers import AutoTokenizer
-
-        from ..data.text import (cached_tokenizer, save_tokenizer, source_fingerprint, tokenizer_made_from,
-                                 train_tokenizer)
-
         cfg = self.cfg
         if cfg.tokenizer:
             return AutoTokenizer.from_pretrained(cfg.tokenizer)
@@ -143,23 +143,16 @@ class CausalLMTask(PackedTokensTask):
 
     def on_saved(self, model, output_dir: Path, log=print) -> dict[str, Any]:
         """Continue the prompts with the saved weights: printed, kept in all_results.json, shown on the card."""
-        from ..generate import continue_texts
-
         was_training = model.training
         samples = continue_texts(model, self.tokenizer, self.sample_prompts(), self.cfg.max_new_tokens, log=log)
         model.train(was_training)
         log("\n".join(f"--- sample {i + 1}\n{s}" for i, s in enumerate(samples)))
         return {"samples": samples}
 
-    def fingerprint(self) -> dict[str, Any]:
-        """Model shape, the tokenizer's content and the packed data's content (not the path it was read from)."""
-        from ..data.text import tokenizer_hash
-
-        c = self.cfg
-        return {"n_layer": c.n_layer, "n_embd": c.n_embd, "n_head": c.n_head, "seq_len": c.seq_len,
-                "vocab_size": len(self.tokenizer), "mlp_ratio": c.mlp_ratio, "bias": c.bias, "dropout": c.dropout,
-                "tokenizer": tokenizer_hash(self.tokenizer), "train_data": self.train_data.content_hash,
-                "validation_data": self.val_data.content_hash, "data_order": c.data_order}
+    def data_fingerprint(self) -> dict[str, Any]:
+        """The tokenizer's content and the packed data's content (not the path it was read from)."""
+        return {"tokenizer": tokenizer_hash(self.tokenizer), "train_data": self.train_data.content_hash,
+                "validation_data": self.val_data.content_hash}
 
     def sample_prompts(self) -> list[str]:
         if self.cfg.prompts:

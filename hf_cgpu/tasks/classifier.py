@@ -13,13 +13,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..data.images import (augment_on_device, check_labels, describe_source, load_image_dataset,
+                           random_crop_on_device, to_device_async)
 from ..errors import SettingsError
+from ..evaluation.classifier import CifarResNet, ClassifierConfig, save_classifier
+from ..hub.checks import check_dataset
 from ..settings import TrainSettings
 from ..train import Task, TaskPlan
 from ..train.metrics import counted_training_flops
 from .settings import ClassifierSettings
-
-
 
 
 class ClassifierTask(Task):
@@ -29,10 +31,6 @@ class ClassifierTask(Task):
         self.cfg = cfg
 
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
-        from ..data.images import load_image_dataset
-        from ..evaluation.classifier import CifarResNet, ClassifierConfig
-        from ..hub import check_dataset
-
         cfg = self.cfg
         check_dataset(cfg.dataset)
         with accelerator.main_process_first():
@@ -42,8 +40,6 @@ class ClassifierTask(Task):
                                       label_column=cfg.label_column, limit=cfg.test_limit or None)
         if train.labels is None or test.labels is None:
             raise SettingsError(f"no label column {cfg.label_column!r} in {cfg.dataset}; pass --label_column NAME")
-        from ..data.images import check_labels, describe_source
-
         check_labels(test.labels, None, describe_source(cfg.dataset, "test"), num_classes=train.num_classes)
         self.data_hashes = {"train_data": train.content_hash, "validation_data": test.content_hash}
         device = accelerator.device
@@ -68,8 +64,6 @@ class ClassifierTask(Task):
         return len(self.images)
 
     def train_batch(self, indices, device, generator) -> dict:
-        from ..data.images import augment_on_device, random_crop_on_device, to_device_async
-
         idx = to_device_async(indices, self.images.device)
         x = self.images[idx]
         if self.cfg.flip:
@@ -103,12 +97,7 @@ class ClassifierTask(Task):
         return {"accuracy": correct / n, "val_loss": loss_sum / n}
 
     def save_pretrained(self, model, output_dir: Path) -> None:
-        from ..evaluation.classifier import save_classifier
-
         save_classifier(model, output_dir)
 
-    def fingerprint(self) -> dict[str, Any]:
-        c = self.cfg
-        return {"widths": c.widths, "label_smoothing": c.label_smoothing, "crop_padding": c.crop_padding,
-                "flip": c.flip, **self.data_hashes}
-
+    def data_fingerprint(self) -> dict[str, Any]:
+        return dict(self.data_hashes)

@@ -6,39 +6,40 @@ goes through ``causal_lm_loss_from_hidden`` so the (B, T, vocab) fp32 logits are
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from ..budget.shape import ModelShape, RunShape
-from ..errors import SettingsError
+from ..data.corpus import load_text_dataset
+from ..data.instruct import build_rows, instruction_splits
+from ..data.packing import pack_dataset
+from ..data.tokenizer import tokenizer_hash
+from ..errors import SettingsError, require_model
+from ..evaluation.text import score_rows
+from ..finetune import merge_and_save, resolve_base, save_adapter
+from ..hub.checks import check_dataset, check_hub_model
+from ..models.causal_lm_loss import causal_lm_loss_from_hidden
+from ..options import ADAPTER_TIERS
 from ..settings import TrainSettings
-from ..train import TaskPlan
+from ..tiers.load import count_parameters, load_base_model
+from ..train import SampleOrder, TaskPlan
 from .packed import PackedTokensTask
 from .settings import FinetuneSettings
 
 
-
-
 class FinetuneTask(PackedTokensTask):
-    train_mode = "finetune"
-
     def __init__(self, cfg: FinetuneSettings):
         self.cfg = cfg
 
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
-        from transformers import AutoTokenizer
-
-        from ..tiers import count_parameters, load_base_model
-
-        from ..errors import require_model
-        from ..finetune import resolve_base
-        from ..hub import check_dataset, check_hub_model
-
         cfg = self.cfg
         self.settings, self.accelerator = settings, accelerator
-        if cfg.merge and settings.tier not in ("lora", "qlora"):
+        if cfg.merge and settings.tier not in ADAPTER_TIERS:
             accelerator.print(f"note: --merge folds an adapter into its base; tier {settings.tier} trains every "
                               "weight, so the saved model is already whole (no merged/ folder)")
         require_model(cfg.model, "base model")
@@ -55,7 +56,6 @@ class FinetuneTask(PackedTokensTask):
         limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
         if limit and cfg.seq_len > limit:
             raise SettingsError(f"--seq_len {cfg.seq_len} exceeds the model's {limit} positions; use --seq_len {limit}")
-        self.model_config = model.config.to_dict()
         self.instruct = self._load_data(accelerator)
         _, total = count_parameters(model)
         if self.instruct:
@@ -70,9 +70,6 @@ class FinetuneTask(PackedTokensTask):
 
     def _load_data(self, accelerator) -> bool:
         """Instruction rows (True) or a packed text stream (False), by ``data_format`` and the columns."""
-        from ..data.instruct import build_rows, instruction_splits
-        from ..data.text import load_text_dataset, pack_dataset
-
         cfg = self.cfg
         source = None if cfg.dataset == "builtin" else cfg.dataset
         found = instruction_splits(source, cfg.data_format, cfg.text_column)
@@ -93,8 +90,6 @@ class FinetuneTask(PackedTokensTask):
     def sample_order(self, seed: int):
         if not self.instruct:
             return super().sample_order(seed)
-        from ..train import SampleOrder
-
         return SampleOrder(len(self.train_rows), seed)
 
     def train_batch(self, indices, device, generator) -> dict:
@@ -106,8 +101,6 @@ class FinetuneTask(PackedTokensTask):
     def evaluate(self, model, settings, device) -> dict[str, float]:
         if not self.instruct:
             return super().evaluate(model, settings, device)
-        from ..evaluation.text import score_rows
-
         return score_rows(lambda x, y: self.target_loss(model, x, y), self.val_rows, settings.micro_batch_size,
                           device, prefix="val_")
 
@@ -120,12 +113,11 @@ class FinetuneTask(PackedTokensTask):
         return RunShape(shape, self.cfg.seq_len, self.cfg.loss_chunk_size, loss_in_forward=False)
 
     @property
-    def card_kind(self) -> str | None:
-        return "lora" if self.settings.tier in ("lora", "qlora") else None
+    def card(self) -> str | None:
+        """An adapter's card; a fully fine-tuned model is the base's kind, which no card of ours describes."""
+        return "lora" if self.settings.tier in ADAPTER_TIERS else None
 
     def target_loss(self, model, inputs, targets) -> torch.Tensor:
-        from ..tiers import causal_lm_loss_from_hidden
-
         if getattr(self.accelerator, "num_processes", 1) > 1:
             # through the DDP/FSDP2 wrapper's forward: DDP syncs gradients only for a forward it ran, FSDP2 gathers
             # the root's weights (embeddings, head) in its forward hook. The model's own loss (full logits).
@@ -135,9 +127,7 @@ class FinetuneTask(PackedTokensTask):
             return causal_lm_loss_from_hidden(model, inputs, targets, chunk_size=self.cfg.loss_chunk_size, shift=False)
 
     def save_pretrained(self, model, output_dir: Path) -> None:
-        from ..finetune import merge_and_save, save_adapter
-
-        if self.settings.tier in ("lora", "qlora"):
+        if self.settings.tier in ADAPTER_TIERS:
             save_adapter(model, output_dir)
             self._record_base(output_dir)
             self.tokenizer.save_pretrained(str(output_dir))  # before merging: merged/ gets a copy
@@ -152,8 +142,6 @@ class FinetuneTask(PackedTokensTask):
     def _record_base(self, folder: Path) -> None:
         """adapter_config.json names the folder the base loads from (the de-quantised GGUF, say), and the card
         reads ``base_model`` (the Hub id given, else --model) from ``base_model.json``."""
-        import json
-
         path = folder / "adapter_config.json"
         config = json.loads(path.read_text())
         config["base_model_name_or_path"] = self.base
@@ -164,40 +152,24 @@ class FinetuneTask(PackedTokensTask):
 
     def save_best(self, model, folder: Path) -> None:
         """The adapter (or model) and tokenizer, never the merged copy: the best weights are saved often."""
-        from ..finetune import save_adapter
-
-        if self.settings.tier in ("lora", "qlora"):
+        if self.settings.tier in ADAPTER_TIERS:
             save_adapter(model, folder)
             self._record_base(folder)
         else:
             model.save_pretrained(str(folder))
         self.tokenizer.save_pretrained(str(folder))
 
-    def fingerprint(self) -> dict[str, Any]:
-        """The base (its config's content, not the path it loads from), tier and adapter shape, the tokenizer's
-        content and the training data's content."""
-        import hashlib
-        import json
-
-        from ..data.text import tokenizer_hash
-
-        s = self.settings
-        config = {k: v for k, v in self.model_config.items()
-                  if k not in ("_name_or_path", "transformers_version", "quantization_config", "torch_dtype", "dtype")}
-        base = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    def data_fingerprint(self) -> dict[str, Any]:
+        """The tokenizer's content and the training data's content (the rows or the packed stream)."""
         if self.instruct:
             data = {"train_data": _tensors_hash(self.train_rows.ids, self.train_rows.targets),
                     "validation_data": _tensors_hash(self.val_rows.ids, self.val_rows.targets)}
         else:
             data = {"train_data": self.train_data.content_hash, "validation_data": self.val_data.content_hash}
-        return {"base_config": base, "gguf_file": Path(self.cfg.gguf_file).name, "tier": s.tier, "lora_r": s.lora_r,
-                "lora_alpha": s.lora_alpha, "seq_len": self.cfg.seq_len, "data_format": self.cfg.data_format,
-                "tokenizer": tokenizer_hash(self.tokenizer), **data}
+        return {"tokenizer": tokenizer_hash(self.tokenizer), **data}
 
 
 def _tensors_hash(*tensors: torch.Tensor) -> str:
-    import hashlib
-
     digest = hashlib.sha256()
     for t in tensors:
         digest.update(t.contiguous().numpy().tobytes())

@@ -11,8 +11,14 @@ from typing import Any
 
 import torch
 
-from ..flow.sample import image_grid
+from ..data.images import augment_on_device, check_labels, describe_source, load_image_dataset, to_device_async
 from ..errors import SettingsError
+from ..flow.matching import FlowMatcher
+from ..flow.pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
+from ..flow.sample import image_grid
+from ..flow.samplers import sampler_class
+from ..flow.unet import FlowUNet2DModel
+from ..hub.checks import check_dataset
 from ..integrity import atomic_output
 from ..settings import TrainSettings
 from ..train import Task, TaskPlan
@@ -20,21 +26,14 @@ from ..train.metrics import counted_training_flops
 from .settings import FlowSettings
 
 
-
-
 class FlowMatchingTask(Task):
     unit = "img"
-    card_kind = "flow"
+    card = "flow"
 
     def __init__(self, cfg: FlowSettings):
         self.cfg = cfg
 
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
-        from ..data.images import load_image_dataset
-        from ..flow.matching import FlowMatcher
-        from ..flow.unet import FlowUNet2DModel
-        from ..hub import check_dataset
-
         cfg = self.cfg
         check_dataset(cfg.dataset)
         with accelerator.main_process_first():
@@ -45,8 +44,6 @@ class FlowMatchingTask(Task):
                                      label_column=cfg.label_column if cfg.class_conditional else None,
                                      limit=min(1024, cfg.limit or 1024))
         if train.labels is not None and val.labels is not None:
-            from ..data.images import check_labels, describe_source
-
             check_labels(val.labels, None, describe_source(cfg.dataset, "test"), num_classes=train.num_classes)
         self.data_hashes = {"train_data": train.content_hash, "validation_data": val.content_hash}
         device = accelerator.device
@@ -88,8 +85,6 @@ class FlowMatchingTask(Task):
         return len(self.images)
 
     def train_batch(self, indices, device, generator) -> dict:
-        from ..data.images import augment_on_device, to_device_async
-
         idx = to_device_async(indices, self.images.device)
         x = augment_on_device(self.images[idx], generator=generator)  # (B, 3, H, W) in [-1, 1]
         batch = {"x1": x.contiguous(memory_format=torch.channels_last)}
@@ -127,10 +122,7 @@ class FlowMatchingTask(Task):
         return {"val_loss": total / (n * self.val_images[0].numel())}
 
     def pipeline(self, model):
-        from ..flow.pipeline_flow_match import FlowMatchPipeline
-        from ..flow.scheduling_flow_match import FlowMatchHeunScheduler
-
-        return FlowMatchPipeline(unet=model, scheduler=FlowMatchHeunScheduler())
+        return FlowMatchPipeline(unet=model, scheduler=sampler_class(self.cfg.sampler)())
 
     def on_evaluate(self, model, step: int, output_dir: Path) -> None:
         pipe = self.pipeline(model)
@@ -157,17 +149,11 @@ class FlowMatchingTask(Task):
         return {"sample_grid": grid.relative_to(output_dir).as_posix()} if grid is not None and grid.is_file() else {}
 
     def save_pretrained(self, model, output_dir: Path) -> None:
-        from ..flow.pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
-        from ..flow.scheduling_flow_match import FlowMatchHeunScheduler
-
         model = model.to(memory_format=torch.contiguous_format)
-        pipe = FlowMatchPipeline(unet=model, scheduler=FlowMatchHeunScheduler())  # the measured default
-        save_for_remote_code(pipe, output_dir)
+        save_for_remote_code(self.pipeline(model), output_dir)
         if self.class_names:
             (output_dir / "class_names.txt").write_text("\n".join(self.class_names) + "\n")
         model.to(memory_format=torch.channels_last)
 
-    def fingerprint(self) -> dict[str, Any]:
-        c = self.cfg
-        return {"base_channels": c.base_channels, "class_conditional": c.class_conditional,
-                "time_sampling": c.time_sampling, "cond_drop_prob": c.cond_drop_prob, **self.data_hashes}
+    def data_fingerprint(self) -> dict[str, Any]:
+        return dict(self.data_hashes)

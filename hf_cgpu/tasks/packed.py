@@ -1,13 +1,14 @@
 """What every language-model task shares: training windows cut from a packed token stream
-(``hf_cgpu.data.text.PackedTokens`` + ``WindowOrder``), token counting, and validation over the whole validation
+(``hf_cgpu.data.packing.PackedTokens`` + ``data.windows.WindowOrder``), token counting, and validation over the whole validation
 split: mean loss per token, perplexity and bits per character (comparable across tokenizers)."""
 
 from __future__ import annotations
 
-import math
 
 import torch
 
+from ..data.windows import WindowOrder
+from ..evaluation.text import score_stream
 from ..train import Task
 
 
@@ -22,8 +23,6 @@ class PackedTokensTask(Task):
     data_order = "shifted"
 
     def sample_order(self, seed: int):
-        from ..data.text import WindowOrder
-
         return WindowOrder(self.train_data.n_tokens, self.train_data.seq_len + 1, seed, self.data_order)
 
     def train_batch(self, indices, device, generator) -> dict:
@@ -43,8 +42,6 @@ class PackedTokensTask(Task):
         return self.target_loss(model, block[:, :-1], targets[:, 1:])
 
     def evaluate(self, model, settings, device) -> dict[str, float]:
-        from ..evaluation.text import score_stream
-
         limit = settings.eval_batches * settings.micro_batch_size if settings.eval_batches > 0 else None
         return score_stream(
             lambda x, y: self.target_loss(model, x, y), self.val_data, self.val_data.seq_len,

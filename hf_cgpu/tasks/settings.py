@@ -6,60 +6,29 @@ torch nor transformers: the task modules (``causal_lm``, ``flow_images``, ...) r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+from ..budget.shape import ModelShape, RunShape
 from ..errors import SettingsError
-
-if TYPE_CHECKING:
-    from ..budget.shape import RunShape
-    from ..models.cgpt.configuration_cgpt import CgptConfig
-
-DATA_ORDERS = ("shifted", "random", "fixed")
-"""How a language-model task cuts training windows from its token stream (``hf_cgpu.data.text.WindowOrder``)."""
-TIME_SAMPLINGS = ("uniform", "logit_normal")
-"""Training-time distributions of flow matching (``hf_cgpu.flow.matching.FlowMatcher``)."""
-POSITION_EMBEDDINGS = ("learned", "rotary")
-ACTIVATIONS = ("gelu", "relu2")
-NORMS = ("layernorm", "rmsnorm")
-"""The choices of the GPT's modern options (as ``CgptConfig`` checks them; repeated here to keep torch unimported)."""
+from ..flow.samplers import check_sampler, sampler_names
+from ..models import cgpt
+from ..models.cgpt.options_cgpt import CgptOptions
+from ..options import DATA_ORDERS, TIME_SAMPLINGS, check_choice
+from ..settings import FIXED
 
 
 @dataclass(frozen=True)
-class GPTSettings:
+class GPTSettings(CgptOptions):
     """Model shape and data of a from-scratch GPT run."""
 
-    n_layer: int = 12
-    """Transformer blocks."""
-    n_embd: int = 768
-    """Residual width; must be divisible by n_head."""
-    n_head: int = 12
-    """Attention heads."""
-    mlp_ratio: int = 4
-    """MLP width = mlp_ratio * n_embd."""
-    dropout: float = 0.0
-    """Dropout (0 for single-epoch pretraining)."""
-    bias: bool = False
-    """Biases in linears and LayerNorms."""
+    train_mode: ClassVar[str] = "pretrain"
+
     seq_len: int = 1024
     """Tokens per training sequence; also the model's n_positions."""
     vocab_size: int = 32000
     """Tokenizer vocabulary to train (ignored when --tokenizer is given: its size is used)."""
-    loss_chunk_size: int = 1024
-    """Tokens per chunk of the fp32 loss (0 = materialise all logits)."""
-    position_embedding: str = "learned"
-    """learned (GPT-2's position table) or rotary (RoPE on queries and keys, no table)."""
-    rope_theta: float = 10000.0
-    """Base of the rotary frequencies (position_embedding rotary)."""
-    qk_norm: bool = False
-    """RMSNorm of each head's queries and keys before attention (OLMo 2, modded-nanogpt)."""
-    activation: str = "gelu"
-    """MLP nonlinearity: gelu (GPT-2) or relu2 (ReLU squared, modded-nanogpt)."""
-    norm: str = "layernorm"
-    """Block and final norms: layernorm (GPT-2) or rmsnorm (no bias)."""
-    tie_word_embeddings: bool = True
-    """The LM head shares the token embedding (GPT-2); false gives the head its own matrix."""
-    data_order: str = "shifted"
+    data_order: str = field(default="shifted", metadata=FIXED)
     """How training windows are cut from the token stream: shifted (a new random offset and order every epoch),
     random (nanoGPT: uniform random starts) or fixed (the same blocks every epoch; memorises a small corpus)."""
     dataset: str = "builtin"
@@ -81,55 +50,37 @@ class GPTSettings:
     """Tokens generated per prompt at the end of training."""
 
     def __post_init__(self) -> None:
-        if self.n_embd % self.n_head:
-            raise SettingsError(
-                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"use n_head in {[h for h in range(1, 33) if self.n_embd % h == 0]}"
-            )
+        try:
+            super().__post_init__()
+        except ValueError as err:  # the model's own check, as one line with exit code 2
+            raise SettingsError(str(err)) from None
         if self.seq_len < 2:
             raise SettingsError("seq_len must be at least 2")
-        if self.data_order not in DATA_ORDERS:
-            raise SettingsError(f"data_order={self.data_order!r}; choose one of {', '.join(DATA_ORDERS)}")
-        for name, allowed in (("position_embedding", POSITION_EMBEDDINGS), ("activation", ACTIVATIONS),
-                              ("norm", NORMS)):
-            if getattr(self, name) not in allowed:
-                raise SettingsError(f"{name}={getattr(self, name)!r}; choose one of {', '.join(allowed)}")
-        if self.position_embedding == "rotary" and (self.n_embd // self.n_head) % 2:
-            raise SettingsError(f"rotary positions need an even head size (n_embd / n_head = "
-                                f"{self.n_embd // self.n_head}); change n_head or use --position_embedding learned")
-        if self.rope_theta <= 0:
-            raise SettingsError(f"rope_theta={self.rope_theta} must be > 0, e.g. 10000")
-        if not 0.0 <= self.dropout < 1.0:
-            raise SettingsError(f"dropout={self.dropout} must be in [0, 1); e.g. 0.1 for many epochs of a small corpus")
+        check_choice("data_order", self.data_order, DATA_ORDERS)
 
     def model_config_kwargs(self, vocab_size: int, eos_token_id: int) -> dict[str, Any]:
-        """The ``CgptConfig`` arguments of this run: training builds the config from them, the ledger reads them."""
-        return dict(
-            vocab_size=vocab_size, n_positions=self.seq_len, n_embd=self.n_embd, n_layer=self.n_layer,
-            n_head=self.n_head, mlp_ratio=self.mlp_ratio, dropout=self.dropout, bias=self.bias,
-            loss_chunk_size=self.loss_chunk_size, bos_token_id=eos_token_id, eos_token_id=eos_token_id,
-            position_embedding=self.position_embedding, rope_theta=self.rope_theta, qk_norm=self.qk_norm,
-            activation=self.activation, norm=self.norm, tie_word_embeddings=self.tie_word_embeddings,
-        )
+        """The ``CgptConfig`` arguments of this run: its architecture options, the tokenizer's vocabulary and end of
+        text, the sequence as the position table. Training builds the config from them, the ledger reads them."""
+        return dict(self.options(), vocab_size=vocab_size, n_positions=self.seq_len, bos_token_id=eos_token_id,
+                    eos_token_id=eos_token_id)
 
-    def model_config(self, vocab_size: int, eos_token_id: int) -> CgptConfig:
-        from ..models.cgpt.configuration_cgpt import CgptConfig
-
-        return CgptConfig(**self.model_config_kwargs(vocab_size, eos_token_id))
+    def model_config(self, vocab_size: int, eos_token_id: int) -> cgpt.CgptConfig:
+        """The ``CgptConfig`` of this run (imports transformers)."""
+        return cgpt.CgptConfig(**self.model_config_kwargs(vocab_size, eos_token_id))
 
     def run_shape(self, name: str = "", vocab_size: int | None = None) -> RunShape:
         """What the ledger needs of this GPT: the config training builds, read as ``config.json`` would be (no
         transformers import, so ``hf-cgpu budget`` stays quick; ``vocab_size``: the tokenizer's)."""
-        from ..budget.shape import ModelShape, RunShape
-
         kwargs = self.model_config_kwargs(vocab_size or self.vocab_size, eos_token_id=0)
         shape = ModelShape.from_config({"model_type": "cgpt", **kwargs}, name or "cgpt")
-        return RunShape(shape, self.seq_len, self.loss_chunk_size, pretrain=True)
+        return RunShape(shape, self.seq_len, self.loss_chunk_size, train_mode=self.train_mode)
 
 
 @dataclass(frozen=True)
 class FlowSettings:
     """UNet shape, data and sampling of a flow-matching image run."""
+
+    train_mode: ClassVar[str] = "pretrain"
 
     dataset: str = "uoft-cs/cifar10"
     """Images: a Hub id (online), a directory of parquet files (train.parquet/test.parquet) or an imagefolder."""
@@ -143,14 +94,16 @@ class FlowSettings:
     """UNet base width: 128 -> 6.1M parameters, 160 -> 9.3M, 192 -> 13.3M."""
     class_conditional: bool = True
     """Condition on the class label (with a null class for classifier-free guidance)."""
-    cond_drop_prob: float = 0.1
+    cond_drop_prob: float = field(default=0.1, metadata=FIXED)
     """Probability of replacing the label by the null class in training (CFG needs the unconditional field)."""
-    time_sampling: str = "logit_normal"
+    time_sampling: str = field(default="logit_normal", metadata=FIXED)
     """Training time distribution: uniform or logit_normal (more signal mid-path)."""
     sample_every_epochs: float = 10.0
     """Write a sample grid (EMA weights) and evaluate every this many epochs (0 = every --eval_steps)."""
+    sampler: str = field(default="heun", metadata={"choices": sampler_names})
+    """Sampler of the sample grids and of the saved pipeline (hf_cgpu.flow.samplers), as ``hf-cgpu sample`` takes it."""
     sample_steps: int = 8
-    """Heun steps for the sample grids (2 * steps - 1 network calls; the measured default of ``hf-cgpu sample``)."""
+    """Sampler steps for the sample grids (the default of ``hf-cgpu sample``)."""
     guidance_scale: float = 2.5
     """Classifier-free guidance scale of the sample grids (1 = no guidance)."""
 
@@ -159,11 +112,14 @@ class FlowSettings:
             raise SettingsError(f"time_sampling={self.time_sampling!r}; use uniform or logit_normal")
         if not 0 <= self.cond_drop_prob < 1:
             raise SettingsError("cond_drop_prob must be in [0, 1)")
+        check_sampler(self.sampler, "--sampler")
 
 
 @dataclass(frozen=True)
 class FinetuneSettings:
     """Base model and data of a fine-tuning run."""
+
+    train_mode: ClassVar[str] = "finetune"
 
     model: str = "EleutherAI/pythia-1.4b"
     """Base causal LM: a Hub id (needs network once), a local directory (our own GPT works too) or a .gguf file."""
@@ -174,12 +130,12 @@ class FinetuneSettings:
     empty = --model."""
     dataset: str = "builtin"
     """Text or instruction data: a directory/files of parquet/json/txt, a Hub id, or 'builtin'."""
-    data_format: str = "auto"
+    data_format: str = field(default="auto", metadata=FIXED)
     """auto (instruction columns -> instruct, else text), instruct (messages, instruction/input/output or
     prompt/response rows in the base's chat template, loss on the responses only) or text (plain text, packed)."""
     text_column: str = "text"
     """Column with plain text (data_format text)."""
-    seq_len: int = 1024
+    seq_len: int = field(default=1024, metadata=FIXED)
     """Tokens per training sequence."""
     loss_chunk_size: int = 1024
     """Tokens per chunk of the fp32 loss (the full logits are never materialised)."""
@@ -205,6 +161,8 @@ class FinetuneSettings:
 class ClassifierSettings:
     """Data, shape and augmentation of a classifier run."""
 
+    train_mode: ClassVar[str] = "pretrain"
+
     dataset: str = "uoft-cs/cifar10"
     """Images: a Hub id (online), a directory of parquet files (train.parquet/test.parquet) or an imagefolder."""
     image_column: str = "img"
@@ -217,11 +175,11 @@ class ClassifierSettings:
     """Evaluate on only the first this many test images (0 = the whole test split)."""
     widths: str = "64,128,256,512"
     """Channels of the four stages of the ResNet-9-style net (64,128,256,512 -> 6.57M parameters)."""
-    label_smoothing: float = 0.2
+    label_smoothing: float = field(default=0.2, metadata=FIXED)
     """Label smoothing of the training cross-entropy (evaluation uses none)."""
-    crop_padding: int = 4
+    crop_padding: int = field(default=4, metadata=FIXED)
     """Random crop after reflect-padding by this many pixels (0 = no crop)."""
-    flip: bool = True
+    flip: bool = field(default=True, metadata=FIXED)
     """Random horizontal flips."""
 
     def __post_init__(self) -> None:
@@ -241,25 +199,27 @@ class ClassifierSettings:
 
 @dataclass(frozen=True)
 class Toy2DSettings:
-    """Data, network and evaluation of the toy; with the preset, >= 90% within 0.3 at <= 20 evaluations in < 60 s."""
+    """Data, network and evaluation of the 2D toy (8 Gaussians on a circle)."""
 
-    num_modes: int = 8
+    train_mode: ClassVar[str] = "pretrain"
+
+    num_modes: int = field(default=8, metadata=FIXED)
     """Gaussians on the circle."""
-    radius: float = 2.0
+    radius: float = field(default=2.0, metadata=FIXED)
     """Circle radius."""
-    mode_std: float = 0.08
+    mode_std: float = field(default=0.08, metadata=FIXED)
     """Standard deviation of each Gaussian."""
-    hidden: int = 64
+    hidden: int = field(default=64, metadata=FIXED)
     """MLP width."""
-    depth: int = 3
+    depth: int = field(default=3, metadata=FIXED)
     """Hidden layers of the MLP."""
-    time_embed_dim: int = 32
+    time_embed_dim: int = field(default=32, metadata=FIXED)
     """Sinusoidal features of t fed to the MLP; 0 feeds raw t like the seed."""
-    time_sampling: str = "uniform"
+    time_sampling: str = field(default="uniform", metadata=FIXED)
     """'uniform' or 'logit_normal' (see FlowMatcher)."""
-    logit_mean: float = 0.0
+    logit_mean: float = field(default=0.0, metadata=FIXED)
     """Logit-normal mean (> 0 trains more near the data end)."""
-    logit_std: float = 1.0
+    logit_std: float = field(default=1.0, metadata=FIXED)
     """Logit-normal spread."""
     num_samples: int = 2000
     """Samples drawn for each evaluation row."""
@@ -269,7 +229,7 @@ class Toy2DSettings:
     """A sample counts as on a mode when this close to its centre."""
     threads: int = 1
     """torch CPU threads. 1 on purpose: for matrices this small a second OpenMP thread gains little on an idle
-    machine and, on a shared one, spin-waiting makes a step 10x slower (measured 22 ms vs 359 ms)."""
+    machine and, on a shared one, OpenMP's spin-waiting makes a step many times slower."""
 
     def __post_init__(self) -> None:
         if self.time_sampling not in TIME_SAMPLINGS:
@@ -290,4 +250,4 @@ class Toy2DSettings:
         return budgets
 
 
-__all__ = ["ClassifierSettings", "DATA_ORDERS", "FinetuneSettings", "FlowSettings", "GPTSettings", "TIME_SAMPLINGS", "Toy2DSettings"]
+__all__ = ["ClassifierSettings", "FinetuneSettings", "FlowSettings", "GPTSettings", "Toy2DSettings"]

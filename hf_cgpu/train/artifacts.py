@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from ..integrity import MANIFEST, atomic_output, atomic_write_json, build_manifest, fsync_dir, update_manifest
 from ..integrity import write_manifest
+from ..hub.cards import render_model_card
 from .ema import EMA, ema_weights
 
 STAGING = ".tmp-model"
@@ -78,15 +79,15 @@ def save_run(task, model: torch.nn.Module, ema: EMA | None, use_best: bool, outp
         log(f"saving the model to {output_dir}")
         task.save_pretrained(model, staging)
         results.update(task.on_saved(model, output_dir, log) or {})  # into the caller's results too
-    (staging / "all_results.json").write_text(json.dumps({**results, "settings": settings}, indent=2,
-                                                         ensure_ascii=False))
+    results["settings"] = settings  # into the caller's results too: fit returns what all_results.json holds
+    (staging / "all_results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False))
     (staging / "history.json").write_text(json.dumps(history))
     plot_history(history, staging / "training_curves.png", task.unit, log=lambda msg: None)
     install_model(staging, output_dir, step=results.get("steps"))
     if (output_dir / "training_curves.png").is_file():
         log(f"training curves: {output_dir / 'training_curves.png'}")
-    if task.card_kind:
-        render_card(task.card_kind, output_dir, log)
+    if task.card:
+        render_card(task.card, output_dir, log)
 
 
 def install_model(staging: Path, output_dir: Path, **meta: Any) -> None:
@@ -148,8 +149,6 @@ def plot_history(history: list[dict[str, Any]], path: Path, unit: str, log=print
 
 
 def render_card(kind: str, output_dir: Path, log=print) -> None:
-    from ..hub import render_model_card
-
     try:
         render_model_card(kind, output_dir)
     except Exception as err:  # a card is documentation: never let it fail a finished run

@@ -4,7 +4,7 @@ A checkpoint is written into ``checkpoints/.tmp-step_N`` (accelerate's state, th
 and ``history.json``: the logged metrics, so a resumed run's history and curves cover the whole run), then sealed: a
 ``manifest.json`` lists every file with its size and SHA-256 (``hf_cgpu.integrity``), every file is fsynced, and the
 folder is renamed to ``checkpoints/step_N`` (a rename is atomic on one filesystem). Sealing runs in a background
-thread (hashlib releases the GIL), so training goes on while a 1.5 GB checkpoint is hashed (~1.3 s of one core);
+thread (hashlib releases the GIL), so training goes on while a checkpoint is hashed;
 the next save, and the end of the run, wait for it. A kill leaves at worst a ``.tmp-*`` folder, which is ignored.
 
 Only finite states are sealed: weights, optimizer moments and EMA are checked before anything is written, so a
@@ -16,13 +16,14 @@ the highest step numbers) can never delete the checkpoints of the resumed run in
 explicit older checkpoint sets the newer ones aside as ``.superseded-step_N`` for the same reason.
 
 An adapter run (LoRA, QLoRA) checkpoints only its trainable tensors: the frozen base is rebuilt from ``--model`` at
-resume, so it is not written again at every save (SmolLM2-135M LoRA: 59 MB a checkpoint, 328 MB with the base's
-289 MB in it; a 1.4B base at bf16 would add 2.8 GB to each). ``trainer_state.json`` then records a digest of the
+resume, so it is not written again at every save (a checkpoint holds the adapter and its optimizer state, not the
+base). ``trainer_state.json`` then records a digest of the
 frozen tensors, and a resume onto a base whose weights differ (another fine-tune with the same config) is refused
 instead of silently training on it.
 
 ``Checkpointer`` is the loop's component: it saves, seals, prunes, and resumes a run only into the model, tokenizer,
-data and seed it was written for (``TrainState.fingerprint``), with the same effective batch.
+data and settings it was written for (``TrainState.fingerprint``, ``fingerprint.run_fingerprint``), with the same
+effective batch.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError, IntegrityError, UserError
 from ..integrity import MANIFEST, as_disk_error, build_manifest, fsync_dir, fsync_file, verify_folder, write_manifest
+from .fingerprint import difference
 
 TRAINER_STATE = "trainer_state.json"
 HISTORY = "history.json"
@@ -195,7 +197,7 @@ class TrainState:
     units_seen: int = 0
     """Throughput units (tokens, images) trained on, all processes."""
     fingerprint: dict[str, Any] = field(default_factory=dict)
-    """What must match for a checkpoint to be resumable (``Task.fingerprint`` and the seed)."""
+    """What must match for a checkpoint to be resumable (``fingerprint.run_fingerprint``)."""
     requested: dict[str, int] = field(default_factory=dict)
     """The micro-batch, accumulation and processes the settings asked for (before any OOM retry)."""
     batch_changes: list[dict[str, Any]] = field(default_factory=list)
@@ -449,10 +451,9 @@ class Checkpointer:
         saved = read_trainer_state(found)
         theirs, ours = saved.get("fingerprint", {}), fresh.fingerprint
         if theirs != ours:
-            keys = sorted(set(theirs) | set(ours), key=lambda k: (k not in ours, k))
-            diff = {k: (theirs.get(k), ours.get(k)) for k in keys if theirs.get(k) != ours.get(k)}
-            raise CheckpointError(f"{found} was written for a different model/data ({diff} as checkpoint vs now); "
-                                  "resume with the settings it was made with, or use a fresh --output_dir")
+            raise CheckpointError(f"{found} was written for a different model/data ({difference(theirs, ours)} as "
+                                  "checkpoint vs now); resume with the settings it was made with, or use a fresh "
+                                  "--output_dir")
         self._check_sharding(found)
         state = TrainState.from_dict({**dataclasses.asdict(fresh), **saved, "fingerprint": ours})
         self._apply_batch(state, fresh, found)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 
+from ..paths import cache_dir
+
 RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
 """The logger of dynamo's ``recompiles`` artifact (torch 2.13: ``getArtifactLogger('torch._dynamo.guards', ...)``)."""
 
@@ -25,8 +27,6 @@ RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
 def use_compile_cache(log=print) -> dict[str, str]:
     """Set ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` under hf_cgpu's cache where the user set neither;
     returns the two directories in use and logs them once."""
-    from ..bench import cache_dir
-
     root = cache_dir()
     chosen = {}
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):

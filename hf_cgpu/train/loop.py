@@ -16,6 +16,7 @@ of ``(seed, k)`` only (``schedule``), so a run resumed from a checkpoint at step
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -26,13 +27,15 @@ import torch
 from ..bench import training_peak
 from ..budget import TrainSetup, oom_advice
 from ..errors import OutputDirError, TrainingStopped, UserError
+from ..hub.push import HubPusher
 from ..integrity import as_disk_error
 from ..settings import TrainSettings, to_dict
-from ..tiers import CUDA_GRAPH_MODES, validate_tier
+from ..options import CUDA_GRAPH_MODES
 from .artifacts import final_results, save_run
 from .checkpoint import Checkpointer, TrainState, list_checkpoints
 from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
 from .ema import ema_weights
+from .fingerprint import run_fingerprint
 from .metrics import Metrics, peak_memory
 from .outdir import LOCK_NAME
 from .parallel import end_processes, full_model, is_sharded, peak_memory_per_process
@@ -53,7 +56,8 @@ def fit(task: Task, settings: TrainSettings) -> dict[str, Any]:
     out = Path(settings.output_dir)
     created = not out.exists()
     try:
-        return _run(task, settings)
+        with task.running():
+            return _run(task, settings)
     except BaseException:
         if created:
             remove_if_empty(out)
@@ -67,7 +71,8 @@ def remove_if_empty(folder: Path) -> None:
 
 
 def _run(task: Task, settings: TrainSettings) -> dict[str, Any]:
-    validate_tier(settings.tier, settings.recompute, train_mode=task.train_mode)  # before any data is loaded
+    if settings.train_mode != task.train_mode:  # settings made without the task: validated again for it
+        settings = dataclasses.replace(settings, train_mode=task.train_mode)
     started = time.perf_counter()  # start-up (data, model, compile, first step) is timed from here
     pusher = hub_pusher(settings)  # before any data or model: a push that cannot work fails now
     run = prepare(task, settings)
@@ -90,7 +95,7 @@ def _run(task: Task, settings: TrainSettings) -> dict[str, Any]:
         if run.lock is not None:
             run.lock.release()
     if pusher is not None:
-        pusher.finish(task.card_kind)
+        pusher.finish(task.card)
     return results
 
 
@@ -99,8 +104,6 @@ def hub_pusher(s: TrainSettings):
     if not s.push_to_hub:
         return None
     from accelerate import PartialState
-
-    from ..hub import HubPusher
 
     if not PartialState().is_main_process:
         return None
@@ -118,7 +121,9 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
                                 metrics.write, model=run.model, optimizer=optimizer, metrics=metrics)
     if pusher is not None:
         checkpointer.on_sealed = pusher.checkpoint  # a checkpoint goes up once it is sealed, never half-written
-    fresh = TrainState.start(s, {**task.fingerprint(), "seed": s.seed}, acc.num_processes)
+    settings_of_run = [x for x in (task.cfg, s) if x is not None]
+    fingerprint = run_fingerprint(run.model_config, task.data_fingerprint(), *settings_of_run)
+    fresh = TrainState.start(s, fingerprint, acc.num_processes)
     state = checkpointer.resume(s.resume_from_checkpoint, fresh)
     order = task.sample_order(s.seed)
     stepper = Stepper(task, run.model, acc, order, s.seed, s.max_grad_norm,
@@ -244,6 +249,7 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
         **metrics.summary(), "skipped_steps": state.skipped_steps, "micro_batch_size": state.micro_batch_size,
         "gradient_accumulation_steps": state.gradient_accumulation_steps, "processes": state.processes,
         "batch_changes": state.batch_changes, "mixed_precision": acc.mixed_precision,
+        **({"card": task.card} if task.card else {}),
         **({"schedule_steps": state.last_step(s)} if s.fit_schedule_to_time else {})})
     if acc.num_processes > 1:
         results["processes_peak_memory"] = peak_memory_per_process(acc, peak_memory(acc.device))

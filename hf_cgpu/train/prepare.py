@@ -1,6 +1,6 @@
 """Everything before the first step: the Accelerator (bf16 autocast on GPU, fp32 on CPU), the output folder claimed
 for this run (writable, locked, no earlier run in it: ``outdir``), the task's setup (its data errors are one line),
-autofit (a new settings object), the memory tiers in their fixed order (``hf_cgpu.tiers``), AdamW, accelerate's
+autofit (a new settings object), the memory tiers in their fixed order (``hf_cgpu.tiers``), the optimizer (``hf_cgpu.optim``), accelerate's
 prepare, EMA, and room on disk for two checkpoints. The result is a ``Run``; the settings it holds are the ones the
 run trains with, its lock is held until ``fit`` returns."""
 
@@ -16,10 +16,14 @@ from accelerate.utils import set_seed
 
 from ..budget import autofit_settings, flops_per_token
 from ..budget.ladder import GRAPHS_RECOMPUTE_NOTE
+from ..optim import build_optimizer
+from ..options import CUDA_GRAPH_MODES
+from ..paths import cache_dir
 from ..settings import TrainSettings
-from ..tiers import CUDA_GRAPH_MODES, apply_tiers, build_optimizer, validate_tier
+from ..tiers import apply_tiers
 from .compiled import RecompileWatch, use_compile_cache
 from .ema import EMA
+from .fingerprint import saved_config
 from .outdir import RunLock, check_free_space, checkpoint_bytes, claim
 from .parallel import kind, make_accelerator, template_of
 from .task import Task, TaskPlan
@@ -46,6 +50,8 @@ class Run:
     template: torch.nn.Module | None = None
     """FSDP2: a plain CPU copy of the model on the main process, the whole weights are gathered into it
     (``parallel.full_model``); None otherwise."""
+    model_config: dict | None = None
+    """The model's config as it is saved, taken before the tiers touch it (the resume fingerprint's model part)."""
 
     @property
     def flops_per_unit(self) -> float:
@@ -66,8 +72,6 @@ _ANNOUNCED: set[str] = set()
 def announce_cache(log=print) -> None:
     """Say once per process where hf_cgpu's caches are and how large they are (packed tokens, decoded images,
     features, the bench), so the disk they take is never a surprise."""
-    from ..bench import cache_dir
-
     root = cache_dir()
     if str(root) in _ANNOUNCED or not root.is_dir():
         return
@@ -111,11 +115,11 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
                           f"{s.gradient_accumulation_steps} x {accelerator.num_processes} processes")
     set_seed(s.seed)
     plan = task.setup(s, accelerator)
+    model_config = saved_config(plan.model)
     if s.autofit:
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         s = autofit_settings(s, plan.shape, memory, accelerator.print, processes=accelerator.num_processes,
                              parallel=kind(accelerator))
-    validate_tier(s.tier, s.recompute, train_mode=task.train_mode)
     announce_cache(accelerator.print)
     cpu_backend = os.environ.get(COMPILE_ON_CPU, "")
     compile = s.compile and (device.type == "cuda" or bool(cpu_backend))
@@ -129,24 +133,16 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     if compile:
         use_compile_cache(accelerator.print)  # before the first compile: a second run finds its kernels
         watch = RecompileWatch(accelerator.print).install()
-    model = apply_tiers(
-        plan.model, s.tier, recompute=s.recompute, recompute_policy=s.recompute_policy, compile=compile,
-        lora_r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=s.lora_dropout,
-        target_modules=[m for m in s.lora_target_modules.split(",") if m] or None,
-        compile_backend=cpu_backend if device.type != "cuda" and cpu_backend else "inductor",
-        compile_mode=None if s.compile_mode == "default" else s.compile_mode,
-    )
+    backend = cpu_backend if device.type != "cuda" and cpu_backend else "inductor"
+    model = apply_tiers(plan.model, s, compile=compile, backend=backend)
     template = template_of(accelerator, model)  # on the CPU, before prepare shards the parameters in place
     if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "hf_device_map", None):
         model = model.to(device)  # before the optimizer, so AdamW can be fused on CUDA
-    optimizer = build_optimizer(model, s.tier, lr=s.learning_rate, weight_decay=s.weight_decay,
-                                betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps, paged=s.paged_optimizer,
-                                optimizer=s.optimizer, muon_lr=s.muon_learning_rate, muon_momentum=s.muon_momentum,
-                                muon_weight_decay=s.muon_weight_decay)
+    optimizer = build_optimizer(model, s)
     model, optimizer = accelerator.prepare(model, optimizer)
     ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
     if ema is not None and (note := ema.warmup_note(s.max_steps)):
         accelerator.print(note)
     if accelerator.is_main_process:
         check_free_space(out_dir, checkpoint_bytes(accelerator.unwrap_model(model), s.tier, ema is not None))
-    return Run(s, accelerator, plan, model, optimizer, ema, out_dir, lock, watch, template)
+    return Run(s, accelerator, plan, model, optimizer, ema, out_dir, lock, watch, template, model_config)

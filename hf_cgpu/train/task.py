@@ -5,6 +5,8 @@ A task declares what it needs as values (the plan, the class attributes) and nev
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -42,14 +44,18 @@ class Task:
 
     unit: ClassVar[str] = "sample"
     """What throughput counts: "tok", "img"."""
-    train_mode: ClassVar[str] = "pretrain"
-    """Or "finetune": adapter tiers (lora, qlora) only make sense on a pretrained base."""
-    card_kind: str | None = None
-    """Model card template rendered into the output directory (gpt, flow, lora)."""
+    card: ClassVar[str | None] = None
+    """The kind of model card rendered for the saved model (``hf_cgpu.hub.cards.CARDS``: gpt, flow, lora); None:
+    none."""
     best_metric: ClassVar[str | None] = None
     """Evaluation figure (lower is better) that picks the best weights, e.g. val_loss."""
     cfg: Any = None
     """The task's settings dataclass, recorded in all_results.json."""
+
+    @property
+    def train_mode(self) -> str:
+        """pretrain or finetune, as the task's settings class declares it (the adapter tiers need a trained base)."""
+        return getattr(self.cfg, "train_mode", "pretrain")
 
     def setup(self, settings: TrainSettings, accelerator: Accelerator) -> TaskPlan:
         """Build the model and the data. Runs before any tier, compile or prepare."""
@@ -98,6 +104,12 @@ class Task:
         """Load weights that ``save_pretrained`` wrote to ``folder`` back into ``model`` (for the best weights)."""
         load_saved_weights(model, folder)
 
-    def fingerprint(self) -> dict[str, Any]:
-        """What must match for a checkpoint to be resumable (model shape, vocab, ...)."""
+    def data_fingerprint(self) -> dict[str, Any]:
+        """Content hashes of what the task reads (its tokenizer, training and validation data), by name: a resume must
+        read the same (``train.fingerprint``; the model's config and the fixed settings are compared without the
+        task's help)."""
         return {}
+
+    def running(self) -> contextlib.AbstractContextManager:
+        """Entered around the whole run (setup to the saved model): process state the task needs and gives back."""
+        return contextlib.nullcontext()

@@ -1,14 +1,13 @@
 """Configuration of the hf_cgpu GPT (model_type ``cgpt``).
 
-Kept free of any hf_cgpu import: ``save_pretrained`` copies this file next to the weights so that
-``AutoConfig.from_pretrained(dir, trust_remote_code=True)`` works where hf_cgpu is not installed.
+Kept free of any hf_cgpu import but its sibling ``options_cgpt``: ``save_pretrained`` copies this file and the files
+it imports relatively next to the weights, so ``AutoConfig.from_pretrained(dir, trust_remote_code=True)`` works
+where hf_cgpu is not installed.
 """
 
 from transformers import PretrainedConfig
 
-POSITION_EMBEDDINGS = ("learned", "rotary")
-ACTIVATIONS = ("gelu", "relu2")
-NORMS = ("layernorm", "rmsnorm")
+from .options_cgpt import check_options
 
 
 class CgptConfig(PretrainedConfig):
@@ -28,7 +27,7 @@ class CgptConfig(PretrainedConfig):
         layer_norm_epsilon: LayerNorm epsilon.
         initializer_range: std of the normal init; residual projections use ``std / sqrt(2 * n_layer)``.
         loss_chunk_size: tokens per chunk when the loss is computed from hidden states without building all fp32
-            logits at once (0 = build full logits). Saves ~``B*T*V*4`` bytes (1 GB at 124M, micro-batch 8).
+            logits at once (0 = build full logits). Saves ~``B*T*V*4`` bytes.
         position_embedding: "learned" (GPT-2's position table ``wpe``) or "rotary" (RoPE on queries and keys, no
             table; ``n_positions`` still bounds the sequence length).
         rope_theta: base of the rotary frequencies (position_embedding "rotary").
@@ -71,20 +70,7 @@ class CgptConfig(PretrainedConfig):
         norm: str = "layernorm",
         **kwargs,
     ):
-        if n_embd % n_head != 0:
-            raise ValueError(
-                f"n_embd={n_embd} is not divisible by n_head={n_head}; pick n_head among "
-                f"{[h for h in range(1, 65) if n_embd % h == 0]}"
-            )
-        for name, value, allowed in (
-            ("position_embedding", position_embedding, POSITION_EMBEDDINGS),
-            ("activation", activation, ACTIVATIONS),
-            ("norm", norm, NORMS),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r}; choose one of {', '.join(allowed)}")
-        if position_embedding == "rotary" and (n_embd // n_head) % 2:
-            raise ValueError(f"rotary positions need an even head size, got {n_embd // n_head}; change n_head")
+        check_options(n_embd, n_head, position_embedding, activation, norm, rope_theta, dropout)
         self.vocab_size = vocab_size
         self.n_positions = n_positions
         self.n_embd = n_embd
@@ -110,5 +96,7 @@ class CgptConfig(PretrainedConfig):
             **kwargs,
         )
 
+
+CgptConfig.register_for_auto_class()  # save_pretrained writes auto_map and copies the files for trust_remote_code
 
 __all__ = ["CgptConfig"]

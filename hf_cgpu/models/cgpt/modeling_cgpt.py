@@ -519,5 +519,7 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
         )
 
 
+CgptForCausalLM.register_for_auto_class("AutoModelForCausalLM")  # saved folders load with trust_remote_code
+
 __all__ = ["CgptForCausalLM", "CgptModel", "CgptPreTrainedModel", "CgptRotaryTable", "apply_rotary",
            "chunked_cross_entropy", "rotary_cos_sin"]

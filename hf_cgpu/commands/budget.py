@@ -14,28 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import MissingPathError, SettingsError
-from ..tiers import validate_tier
-from .ladder import RUNGS, autofit, next_rung
-from .memory import (
-    BF16,
-    FRAGMENTATION_FRACTION,
-    GiB,
-    SEED_ACT_BYTES_PER_D,
-    SEED_RECOMPUTE_BYTES_PER_D,
-    SEED_RESERVED_BYTES,
-    SEED_STATE_BYTES_PER_PARAM,
-    Ledger,
-    fmt_gib,
-    ledger,
-    lora_trainable_params,
-    model_state_bytes,
-    parse_memory,
-    seed_activation_bytes,
-    seed_model_state_bytes,
-)
-from .shape import REFERENCE_CONFIGS, ModelShape, RunShape, TrainSetup, fmt_count
-from .time import (
+from ..budget.ladder import RUNGS, autofit, next_rung
+from ..budget.memory import FRAGMENTATION_FRACTION, GiB, Ledger, fmt_gib, ledger, model_state_bytes, parse_memory
+from ..budget.shape import REFERENCE_CONFIGS, ModelShape, RunShape, TrainSetup, fmt_count
+from ..budget.time import (
     ASSUMED_PEAK_TFLOPS,
     DEFAULT_MFU,
     attention_flops_per_token,
@@ -44,6 +26,10 @@ from .time import (
     peak_tflops,
     training_hours,
 )
+from ..errors import MissingPathError, SettingsError
+from ..gguf import gguf_location
+from ..settings import TrainSettings, list_presets, load_preset, parse_settings
+from ..tasks.settings import GPTSettings
 
 DEFAULT_PRESET = "124m"
 DEFAULT_MEMORY_CAP = "16GB"
@@ -54,7 +40,7 @@ ALIASES = {"--accumulation": "--gradient_accumulation_steps", "--lora_rank": "--
 
 @dataclass(frozen=True)
 class BudgetSettings:
-    """What the ledger asks besides the run (sizes: GB is read as GiB, like the seed; --memory_cap defaults to 16GB)."""
+    """What the ledger asks besides the run (GB is read as GiB: a "16 GB" card has 16 GiB; --memory_cap: 16GB)."""
 
     config: str = ""
     """A local config.json of a transformers causal LM (or its directory), instead of --preset."""
@@ -70,8 +56,6 @@ class BudgetSettings:
     """--autofit: smallest micro-batch of the first rung."""
     mfu: float = DEFAULT_MFU
     """Fraction of the bf16 peak sustained, for the hours."""
-    stock_peft: bool = False
-    """Count stock peft's LoRA/QLoRA (no autocast / kbit upcast, full logits), the benchmark's peer."""
     num_processes: int = 1
     """GPUs (one process each) the run is launched on: the ledger is per GPU, the micro-batch per process."""
     fsdp: bool = False
@@ -92,16 +76,11 @@ class BudgetSettings:
 
 
 def gpt_preset_names() -> list[str]:
-    from ..settings import list_presets
-
     return list_presets("gpt")
 
 
 def gpt_run_shape(preset: str, **overrides: Any) -> RunShape:
     """The run shape of a GPT preset: its ``GPTSettings`` (with ``overrides``) -> the ``CgptConfig`` training builds."""
-    from ..settings import load_preset
-    from ..tasks.settings import GPTSettings
-
     names = {f.name for f in dataclasses.fields(GPTSettings)}
     values = {k: v for k, v in load_preset(preset, "gpt").items() if k in names}
     return GPTSettings(**{**values, **overrides}).run_shape(name=preset)
@@ -132,8 +111,6 @@ def resolve_model(spec: str, gguf_file: str = "") -> ModelShape:
     if p.is_file() or (p.is_dir() and (p / "config.json").is_file()):
         return ModelShape.from_config_file(p)
     if p.is_dir():
-        from ..gguf import gguf_location
-
         gguf_location(spec)  # a folder of GGUF files: names the --gguf_file to add
         raise MissingPathError(f"folder {spec!r} holds no config.json: pass a model's folder or its config.json")
     if p.suffix == ".json" or spec.startswith((".", "/")):
@@ -182,9 +159,6 @@ GPT_SHAPE_FLAGS = frozenset(f"--{n}" for n in ("n_layer", "n_embd", "n_head", "m
 
 def describe_run(argv: Sequence[str] | None = None):
     """Parse a training command line: (RunShape, TrainSettings, BudgetSettings)."""
-    from ..settings import TrainSettings, parse_settings
-    from ..tasks.settings import GPTSettings
-
     args, reference = _source(_rewrite(argv or []))
     chosen = any(a in ("--config", "--model", "--preset") or a.startswith(("--config=", "--model=", "--preset="))
                  for a in args)
@@ -247,7 +221,7 @@ def format_ledger(led: Ledger) -> str:
 
 
 def format_model_states(led: Ledger, label_w: int) -> str:
-    """The subtotal the seed's table quotes: weights + all gradients + optimizer state (+ master), per parameter."""
+    """The model states: weights + all gradients + optimizer state (+ master), per parameter."""
     st = model_state_bytes(led.shape, led.setup)
     total = st.weights + st.gradients + st.optimizer + st.master
     per_param = total / led.shape.n_params
@@ -255,20 +229,6 @@ def format_model_states(led: Ledger, label_w: int) -> str:
     where = f"; / {sharded} FSDP2 processes: {fmt_gib(total / sharded)} per GPU" if sharded > 1 else ""
     return (f"  {'= model states':<{label_w}}{total / GiB:>8.2f}   {per_param:.1f} B/param: weights + gradients + "
             f"optimizer state (the seed's AdamW rule: 16 B/param, 5.2 GB at 350M){where}")
-
-
-def format_seed_comparison(shape: ModelShape, setup: TrainSetup, led: Ledger) -> str:
-    """One line: what the seed's rules would say for the same run, and what this ledger adds."""
-    act = seed_activation_bytes(shape.n_layer, shape.d_model, setup.seq_len, setup.micro_batch_size, setup.recompute)
-    per_d = SEED_RECOMPUTE_BYTES_PER_D if setup.recompute else SEED_ACT_BYTES_PER_D
-    if setup.adapters:  # the seed's LoRA exercise: bf16 base 2 B/param, adapters at 16 B/param
-        n_lora = lora_trainable_params(shape, setup.lora_r, setup.lora_target_modules)
-        states, rule = BF16 * shape.n_params + SEED_STATE_BYTES_PER_PARAM * n_lora, "2 B/param base + 16 B/adapter"
-    else:
-        states, rule = seed_model_state_bytes(shape.n_params), "16 B/param"
-    seed = states + act + SEED_RESERVED_BYTES
-    return (f"  seed's rule ({rule} + {per_d} d/token/layer + 1.2 GiB): {fmt_gib(seed)} on the card; this ledger\n"
-            f"  adds the logits, autocast copies, per-dtype activations and the recomputed block (budget.memory)")
 
 
 def format_time(shape: ModelShape, setup: TrainSetup, peak: float, peak_source: str, mfu: float,
@@ -318,11 +278,8 @@ def run(argv: Sequence[str] | None = None) -> str:
     if shape.max_positions and run_shape.seq_len > shape.max_positions:
         raise SettingsError(f"--seq_len {run_shape.seq_len} is longer than the model's {shape.max_positions} "
                             f"positions; training would refuse it: use --seq_len {shape.max_positions} or less")
-    if run_shape.pretrain:  # a from-scratch GPT: the tiers training takes, no adapter rung
-        validate_tier(train.tier, train.recompute, "pretrain")
     cap = parse_memory(train.memory_cap or DEFAULT_MEMORY_CAP)
-    peer = {"stock_peft": True, "loss_chunk_size": 0} if opts.stock_peft else {}  # stock: the model's full logits
-    setup = run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp, **peer)
+    setup = run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp)  # a GPT preset: no adapter tier
     out = [f"hf-cgpu budget: {shape.describe()}", f"  {setup.describe()}", ""]
     if train.autofit:
         tokens = opts.effective_batch_tokens or None
@@ -348,7 +305,6 @@ def run(argv: Sequence[str] | None = None) -> str:
             out.append(f"  next rung (seed's order): {label}: {fmt_gib(nled.total)}, {verdict}; --autofit for a plan")
         else:
             out.append("  no rung left on the ladder: pick a smaller model")
-    out.append(format_seed_comparison(shape, setup, led))
     out.append("")
     peak, source = peak_tflops(train.peak_tflops, assumed=ASSUMED_PEAK_TFLOPS)
     out.append(format_time(shape, setup, peak, source, opts.mfu, train))

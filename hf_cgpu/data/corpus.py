@@ -1,0 +1,252 @@
+"""Text corpora: a folder or files of parquet/json/jsonl/txt, a Hub dataset, or the corpus every CPython carries, as
+``DatasetDict(train=..., validation=...)`` of one text column (a validation split carved from train when there is
+none)."""
+
+from __future__ import annotations
+
+import codecs
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+
+from ..errors import DataError, MissingPathError
+from .files import check_files, explain_load_error
+
+BUILTIN = "builtin"
+
+TEXT_FILE_FORMATS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}
+"""File extension -> the ``datasets`` builder that reads it: the text file formats a corpus folder may hold. Text files
+are read by paragraph (blank-line separated documents)."""
+_SPLIT_NAMES = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "val", "dev"),
+    "test": ("test",),
+}
+
+
+def load_text_dataset(
+    source: str | None,
+    text_column: str = "text",
+    validation_fraction: float = 0.005,
+    seed: int = 0,
+    limit: int | None = None,
+) -> datasets.DatasetDict:
+    """Load a text corpus as ``DatasetDict(train=..., validation=...)`` holding only ``text_column``.
+
+    ``source``: None or ``"builtin"`` (Python's own ``pydoc_data`` reference prose, one document per topic, so a
+    fresh install with no network still has a corpus); a directory of parquet/json/jsonl/txt files (files named
+    ``train*`` / ``validation*`` (or ``valid``, ``val``, ``dev``) give the splits, ``test*`` files are ignored,
+    otherwise every file is training data); a file path or comma-separated file paths; or a Hub dataset id
+    (needs network). Text files are UTF-8, one document per blank-line separated paragraph; a file that is not
+    UTF-8 is refused naming the file rather than decoded with replacement characters, which would silently
+    teach the model mojibake.
+
+    A missing validation split is carved from train with ``seed`` (``carve_validation``: the fraction, but at
+    least 20k characters so a small corpus still gives a few evaluation blocks). Empty and
+    whitespace-only documents are dropped. ``limit`` keeps the first ``limit`` documents of each split, for quick
+    runs and tests, before the validation split is carved.
+    """
+    if not 0.0 < validation_fraction < 1.0:
+        raise DataError(f"validation_fraction={validation_fraction} must be in (0, 1); e.g. 0.005")
+    splits = load_splits(source, text_column)
+    name = source or BUILTIN
+    for split, ds in splits.items():
+        if text_column not in ds.column_names:
+            raise DataError(
+                f"dataset {name!r} ({split}) has no column {text_column!r} (columns: "
+                f"{', '.join(ds.column_names)}); set --text_column to the column holding the text"
+            )
+        dtype = ds.features[text_column]
+        if not (isinstance(dtype, datasets.Value) and dtype.dtype in ("string", "large_string")):
+            raise DataError(
+                f"column {text_column!r} of dataset {name!r} holds {dtype}, not text; set --text_column to a "
+                f"string column (columns: {', '.join(ds.column_names)})"
+            )
+    splits = {k: v.select_columns([text_column]) for k, v in splits.items()}
+    if limit is not None:
+        splits = {k: v.select(range(min(limit, len(v)))) for k, v in splits.items()}
+    splits = {k: _drop_empty(v, text_column) for k, v in splits.items()}
+    train = splits["train"]
+    if "validation" in splits:
+        validation = splits["validation"]
+    else:
+        train, validation = carve_validation(train, text_column, validation_fraction, seed, name)
+    if len(train) == 0 or len(validation) == 0:
+        empty = "train" if len(train) == 0 else "validation"
+        raise DataError(f"dataset {name!r}: its {empty} split holds no non-empty document (rows: "
+                        f"{len(splits.get(empty, train))}); fill it, or remove its files (a validation split is then "
+                        "carved from train)")
+    return datasets.DatasetDict(train=train, validation=validation)
+
+
+MIN_VALIDATION_CHARS = 20_000
+
+
+def carve_validation(
+    ds: datasets.Dataset, text_column: str, validation_fraction: float, seed: int, name: str = "dataset"
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Split off a validation set of random documents (fixed ``seed``): at least ``validation_fraction`` of the
+    documents and at least ``MIN_VALIDATION_CHARS`` characters, so that a small corpus (the builtin one has 79
+    documents, some of 200 characters) still yields a few evaluation blocks; never more than half the corpus."""
+    n = len(ds)
+    if n < 2:
+        raise DataError(
+            f"dataset {name!r} has {n} non-empty document(s); need at least 2 to carve a validation split "
+            f"(add data, raise --limit, or provide a validation file)"
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = max(1, math.ceil(validation_fraction * n))
+    window = order[: max(n_val, min(n // 2, 4096))]  # enough documents to reach the character floor
+    lengths = pc.utf8_length(ds.select(window).with_format("arrow")[text_column]).to_numpy(zero_copy_only=False)
+    reached = np.flatnonzero(np.cumsum(lengths) >= MIN_VALIDATION_CHARS)
+    n_val = max(n_val, int(reached[0]) + 1 if len(reached) else len(window))
+    n_val = min(n_val, n - 1)
+    return ds.select(np.sort(order[n_val:])), ds.select(np.sort(order[:n_val]))
+
+
+def builtin_corpus() -> list[str]:
+    """Python's ``pydoc_data.topics.topics``: ~465k characters of English prose present in every CPython."""
+    from pydoc_data.topics import topics
+
+    return [topics[key] for key in sorted(topics)]
+
+
+def load_splits(source: str | None, text_column: str) -> dict[str, datasets.Dataset]:
+    """Return the splits the source has (``train`` always, ``validation`` when present)."""
+    if not source or source == BUILTIN:
+        return {"train": datasets.Dataset.from_dict({text_column: builtin_corpus()})}
+    paths = [Path(p.strip()).expanduser() for p in source.split(",") if p.strip()]
+    if len(paths) == 1 and paths[0].is_dir():
+        files = sorted(p for p in paths[0].rglob("*") if p.is_file() and p.suffix.lower() in TEXT_FILE_FORMATS)
+        files = [f for f in files if not any(part.startswith(".") for part in f.relative_to(paths[0]).parts)]
+        if not files:
+            raise MissingPathError(
+                f"no {'/'.join(sorted(TEXT_FILE_FORMATS))} files in directory {paths[0]}; point --dataset at a directory "
+                f"or files with text"
+            )
+        return _load_files(files, text_column, root=paths[0])
+    if paths and all(p.is_file() for p in paths):
+        return _load_files(paths, text_column)
+    missing = [str(p) for p in paths if not p.exists()]
+    if len(paths) > 1 and not missing:
+        raise DataError(f"{source!r} mixes directories and files; pass one directory, or files separated by commas")
+    if len(paths) > 1 or source.startswith((".", "/", "~")) or Path(source).suffix.lower() in TEXT_FILE_FORMATS:
+        raise MissingPathError(f"dataset path(s) not found: {', '.join(missing)}; check --dataset")
+    return _load_hub(source)
+
+
+def _split_of(path: Path, root: Path | None = None) -> str | None:
+    """Split named by a file's name the way the Hub names them (``train-00000-of-00001.parquet``), or by a folder
+    under the dataset directory ``root`` (``data/train/part-0.parquet``)."""
+    folders = [p.lower() for p in path.relative_to(root).parent.parts] if root is not None else []
+    for split, names in _SPLIT_NAMES.items():
+        if any(re.match(rf"{n}([-_.\d]|$)", path.name.lower()) for n in names):
+            return split
+    for folder in reversed(folders):
+        for split, names in _SPLIT_NAMES.items():
+            if folder in names:
+                return split
+    return None
+
+
+def _load_files(files: Sequence[Path], text_column: str, root: Path | None = None) -> dict[str, datasets.Dataset]:
+    builders = {TEXT_FILE_FORMATS.get(f.suffix.lower()) for f in files}
+    if None in builders:
+        bad = [str(f) for f in files if f.suffix.lower() not in TEXT_FILE_FORMATS]
+        raise DataError(f"unsupported file type: {', '.join(bad)}; use {'/'.join(sorted(TEXT_FILE_FORMATS))} files")
+    if len(builders) > 1:
+        raise DataError(
+            f"files of several types ({', '.join(sorted({f.suffix for f in files}))}); point --dataset at files "
+            f"of one type"
+        )
+    builder = builders.pop()
+    if builder in ("text", "json"):
+        for f in files:
+            _check_utf8(f)
+    by_split: dict[str, list[str]] = {}
+    for f in files:
+        by_split.setdefault(_split_of(f, root) or "train", []).append(str(f))
+    by_split.pop("test", None)
+    if "train" not in by_split:
+        raise DataError(
+            f"no training files among {', '.join(map(str, files))}; name them train*.{builder} or pass them "
+            f"explicitly"
+        )
+    for split, names in by_split.items():
+        check_files(names, split)  # 0-byte files, unreadable or 0-row parquet: one line naming the file
+    kwargs: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
+    try:
+        loaded = datasets.load_dataset(builder, data_files=by_split, **kwargs)
+    except (Exception, StopIteration) as err:  # datasets wraps the cause (a bad jsonl line...) in a generic error
+        raise explain_load_error(err, [f for names in by_split.values() for f in names]) from err
+    out = dict(loaded.items())
+    if builder == "text" and text_column != "text":
+        out = {k: v.rename_column("text", text_column) for k, v in out.items()}
+    return out
+
+
+def _load_hub(repo_id: str) -> dict[str, datasets.Dataset]:
+    """Load a Hub dataset (network). Its validation split may be called validation, valid or dev."""
+    try:
+        loaded = datasets.load_dataset(repo_id)
+    except Exception as e:  # network, auth, unknown id: one line naming what to do
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(
+            f"{repo_id!r} is no local path, and loading it from the Hub failed ({type(e).__name__}: {first}); "
+            f"pass an existing directory or file, or --dataset builtin"
+        ) from e
+    if isinstance(loaded, datasets.Dataset):
+        return {"train": loaded}
+    out: dict[str, datasets.Dataset] = {}
+    for split, ds in loaded.items():
+        canonical = next((s for s, names in _SPLIT_NAMES.items() if split.lower() in names), None)
+        if canonical in ("train", "validation") and canonical not in out:
+            out[canonical] = ds
+    if "train" not in out:
+        raise DataError(f"dataset {repo_id!r} has no train split (splits: {', '.join(loaded)}); pick another")
+    return out
+
+
+def _check_utf8(path: Path, chunk_bytes: int = 1 << 20) -> None:
+    """Refuse a file that is not UTF-8, naming the file and byte offset (streamed: constant memory)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path} is not UTF-8 (byte {offset + e.start}); convert it, e.g. "
+                    f"`iconv -f GB18030 -t UTF-8 {path.name} > {path.stem}.utf8{path.suffix}`"
+                ) from None
+            offset += len(chunk)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise DataError(f"{path} is not UTF-8 (truncated character at its end); convert or repair it") from None
+
+
+def _is_nonempty(batch: dict[str, list], text_column: str) -> list[bool]:
+    return [bool(t) and not t.isspace() for t in batch[text_column]]
+
+
+def _drop_empty(ds: datasets.Dataset, text_column: str) -> datasets.Dataset:
+    """Drop empty documents: they would only add a lone EOS to the packed stream."""
+    return ds.filter(
+        _is_nonempty,
+        batched=True,
+        batch_size=10_000,
+        fn_kwargs={"text_column": text_column},
+        desc="dropping empty documents",
+    )
+
+
+__all__ = ["BUILTIN", "MIN_VALIDATION_CHARS", "TEXT_FILE_FORMATS", "builtin_corpus", "carve_validation", "load_splits",
+           "load_text_dataset"]

@@ -1,0 +1,62 @@
+"""What a checkpoint must share with the run that resumes it, derived rather than listed: every field of the model's
+saved config, the content hashes of the tokenizer and the data, and every setting marked as changing the math of the
+steps after it (``settings.FIXED``). A resume that differs in any of them is refused in one line naming the field and
+both values, so a checkpoint never loads into a model it was not written for (LayerNorm without bias and RMSNorm both
+save only ``.weight``: nothing else would tell them apart)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..settings import fixed_settings
+
+CONFIG_NOISE = frozenset({"transformers_version", "architectures", "auto_map", "_name_or_path", "dtype", "torch_dtype",
+                          "use_cache", "quantization_config", "_commit_hash", "_diffusers_version", "_class_name",
+                          "_use_default_values"})
+"""Config keys that say nothing about the network: versions, class names, paths, dtypes and quantization (the tier
+decides those), the KV cache switch (recompute turns it off)."""
+
+
+def saved_config(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's config as ``save_pretrained`` writes it (transformers' ``to_dict``, diffusers' frozen dict), without
+    ``CONFIG_NOISE`` and private keys; a model without a config is described by its parameters' names and shapes."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "to_dict"):
+        raw = config.to_dict()
+    elif dataclasses.is_dataclass(config):
+        raw = dataclasses.asdict(config)
+    elif isinstance(config, Mapping):
+        raw = dict(config)
+    else:
+        return {f"param.{name}": list(t.shape) for name, t in model.state_dict().items()}
+    return {k: v for k, v in raw.items() if k not in CONFIG_NOISE and not k.startswith("_")}
+
+
+def run_fingerprint(model_config: Mapping[str, Any] | None, data: Mapping[str, Any], *settings: Any) -> dict[str, Any]:
+    """One flat dict: ``model.<field>`` for every field of the saved config, the task's data hashes, and the fixed
+    settings of ``settings`` (JSON-ready: what trainer_state.json keeps)."""
+    out = {f"model.{k}": v for k, v in (model_config or {}).items()}
+    out.update(data)
+    out.update(fixed_settings(*settings))
+    return json.loads(json.dumps(out, sort_keys=True, default=str))  # as trainer_state.json gives it back
+
+
+def difference(theirs: Mapping[str, Any], ours: Mapping[str, Any], shown: int = 3) -> str:
+    """The first ``shown`` differing entries as ``{key: (checkpoint's, this run's)}``, the count of the rest, and the flag
+    to set for the first one that is a setting or a model option."""
+    keys = sorted(set(theirs) | set(ours), key=lambda k: (k not in ours, k))
+    diff = {k: (theirs.get(k), ours.get(k)) for k in keys if theirs.get(k) != ours.get(k)}
+    text = str(dict(list(diff.items())[:shown])) + (f" and {len(diff) - shown} more" if len(diff) > shown else "")
+    first = next(iter(diff), "")
+    name = first.removeprefix("model.")
+    if first and theirs.get(first) is not None and name not in ("tokenizer", "train_data", "validation_data"):
+        text += f" (--{name} {theirs[first]})"
+    return text
+
+
+__all__ = ["CONFIG_NOISE", "difference", "run_fingerprint", "saved_config"]
