@@ -9,8 +9,12 @@ from pathlib import Path
 
 import torch
 
-from .errors import SettingsError
+from .data.tokenizer import check_vocab
+from .errors import MissingPathError, SettingsError, UserError, require_model
+from .finetune import TOKENIZER_FILES, load_adapter, resolve_base
 from .hub.checks import check_hub_model
+from .models import cgpt
+from .settings import build_parser
 
 
 def continue_texts(
@@ -93,8 +97,6 @@ class GenerateSettings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .settings import build_parser
-
     parser = build_parser((GenerateSettings,), description="Continue text with a saved model: a run's output_dir "
                           "(or its best/ or merged/ folder), any causal LM folder or a Hub id.", prog="hf-cgpu generate")
     parser.add_argument("model_dir", help="a trained run's output_dir, its best/ or merged/ folder, or a Hub id")
@@ -123,9 +125,6 @@ def main(argv: list[str] | None = None) -> int:
 def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None):
     """(tokenizer, model) of a causal LM folder, a LoRA/QLoRA run's adapter folder (its base + the adapter, through
     peft) or a Hub id; what is not one ends in a one-line ``UserError``."""
-    from .errors import MissingPathError, UserError, require_model
-    from .finetune import TOKENIZER_FILES
-
     require_model(model_dir)
     path = Path(model_dir).expanduser()
     base = None
@@ -146,15 +145,13 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch
         check_hub_model(model_dir)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import hf_cgpu.models.cgpt  # noqa: F401  (registers the cgpt model type)
+    cgpt.register()  # the cgpt model type in the Auto classes, whatever was imported first
 
     try:
         if base is None:
             tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
         else:
-            from .finetune import load_adapter
-
             # the run saves the tokenizer it trained with beside the adapter; else the base's
             tok = AutoTokenizer.from_pretrained(str(path) if own_tokenizer else base,
                                                 trust_remote_code=trust_remote_code)
@@ -164,7 +161,6 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise UserError(f"cannot load {model_dir!r} as a causal LM ({first[:160]}); pass a trained run's output_dir "
                         "or a causal LM Hub id (network needed)") from e
-    from .data.tokenizer import check_vocab
 
     check_vocab(tok, model.config.vocab_size)
     return tok, model
@@ -177,8 +173,6 @@ def adapter_base(path: Path) -> str:
     unquantised base, also for a QLoRA run (trained against its 4-bit copy), as ``PeftModel.from_pretrained`` does."""
     import json
 
-    from .errors import MissingPathError
-
     try:
         base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -187,8 +181,6 @@ def adapter_base(path: Path) -> str:
     if base and not Path(base).exists() and recorded.is_file():
         gguf = json.loads(recorded.read_text()).get("gguf_file") or ""
         if gguf and Path(gguf).is_file():
-            from .finetune import resolve_base
-
             base, _ = resolve_base(gguf)
     if not base:
         raise SettingsError(f"{path / 'adapter_config.json'} names no base model (base_model_name_or_path): set it "

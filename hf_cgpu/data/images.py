@@ -33,7 +33,9 @@ import torch
 from PIL import Image
 
 from ..errors import DataError
+from ..integrity import atomic_output
 from ..paths import image_cache
+from .files import check_files, explain_load_error
 
 CACHE_VERSION = 2  # 2: labels checked, content hash in the metadata
 _16BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
@@ -145,8 +147,6 @@ def _local_files(source: str | Sequence[str], split: str) -> list[Path] | None:
 def _open_dataset(source: str | Sequence[str], split: str):
     """A ``datasets.Dataset`` for one split of a local folder/file(s) or a Hub id."""
     from datasets import load_dataset
-
-    from .files import check_files, explain_load_error
 
     files = _local_files(source, split)
     if files:
@@ -365,7 +365,6 @@ def _write_cache(path: Path, data: ImageDataset) -> None:
     tensors = {"images": data.images.contiguous()}
     if data.labels is not None:
         tensors["labels"] = data.labels
-    from ..integrity import atomic_output
 
     with atomic_output(path) as tmp:
         save_file(tensors, str(tmp), metadata={"class_names": json.dumps(data.class_names),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from ..errors import MissingPathError
 
 WEIGHTS_NAME = "classifier.safetensors"
 CONFIG_NAME = "classifier_config.json"
@@ -121,8 +122,6 @@ def save_classifier(model: CifarResNet, folder: str | Path) -> None:
 def load_classifier(folder: str | Path, device: torch.device | str = "cpu") -> CifarResNet:
     """The classifier saved in ``folder``, in eval mode on ``device``; a one-line FileNotFoundError if absent."""
     from safetensors.torch import load_model
-
-    from ..errors import MissingPathError
 
     folder = Path(folder)
     if not (folder / WEIGHTS_NAME).is_file() or not (folder / CONFIG_NAME).is_file():

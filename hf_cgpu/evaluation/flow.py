@@ -29,11 +29,17 @@ from pathlib import Path
 
 import torch
 
+from ..data.images import cache_file, load_image_dataset
+from ..errors import run_main
+from ..flow.pipeline_flow_match import FlowMatchPipeline
+from ..flow.sample import image_grid
 from ..flow.samplers import SAMPLERS, check_sampler, sampler_class, sampler_names, steps_within
 from ..paths import feature_cache, image_cache
 from ..settings import SettingsError, build_parser
-from .images import (class_statistics, feature_statistics, frechet_distance, inception_fid, kth_neighbour_radii,
-                     precision_recall)
+from ..train.checkpoint import list_checkpoints, read_trainer_state
+from .classifier import file_hash, load_classifier
+from .images import (class_statistics, feature_statistics, frechet_distance, image_features, inception_fid,
+                     kth_neighbour_radii, precision_recall)
 
 
 @dataclass
@@ -170,8 +176,6 @@ def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inferenc
     """
     from tqdm.auto import tqdm
 
-    from ..flow.pipeline_flow_match import FlowMatchPipeline
-
     sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=sampler_class(scheduler).from_config(pipe.scheduler.config))
     sampler.set_progress_bar_config(disable=True)
     device = pipe.unet.device
@@ -212,8 +216,6 @@ def evaluate_pipeline(pipe, classifier, real: dict, num_images: int = 10000, sch
     Returns fd, precision, recall, class_histogram, class_share_max/min/uniform, label_accuracy (None when
     unconditional), nfe_per_image, images_per_s, seconds, grid (the PNG path) and the settings used.
     """
-    from .images import image_features
-
     gen = generate_images(pipe, num_images, scheduler, num_inference_steps, guidance_scale, batch_size, seed,
                           mixed_precision, progress)
     feats, logits = image_features(classifier, gen["images"], batch_size=batch_size)
@@ -239,8 +241,6 @@ def evaluate_pipeline(pipe, classifier, real: dict, num_images: int = 10000, sch
 
 def save_grid(images_uint8: torch.Tensor, path: str | Path, num_classes: int | None) -> Path:
     """(N, 3, H, W) uint8 -> PNG; with balanced labels and K columns each column is one class."""
-    from ..flow.sample import image_grid
-
     n = len(images_uint8)
     cols = num_classes or max(1, int(math.sqrt(n)))
     path = Path(path)
@@ -256,8 +256,6 @@ def _looks_local(source: str) -> bool:
 
 def load_real_images(s: ImageEvalSettings):
     """The real split as an ImageDataset (uint8), with one-line errors for a wrong path, split or column."""
-    from ..data.images import load_image_dataset
-
     if _looks_local(s.dataset) and not Path(s.dataset).expanduser().exists():
         raise SettingsError(f"dataset {s.dataset} not found; pass --dataset a folder holding {s.split}.parquet "
                             "(e.g. ../shared/data/cifar10) or a Hub id such as uoft-cs/cifar10")
@@ -279,10 +277,6 @@ def real_reference(classifier, classifier_dir: str | Path, s: ImageEvalSettings,
     sizes and mtimes, split, columns, limit), so new weights or edited data recompute it.
     """
     from safetensors.torch import load_file, save_file
-
-    from ..data.images import cache_file
-    from .classifier import file_hash
-    from .images import image_features
 
     source = str(Path(s.dataset).expanduser()) if _looks_local(s.dataset) else s.dataset
     data_key = cache_file(source, s.split, s.image_column, s.label_column, 32, s.real_limit or None,
@@ -317,8 +311,6 @@ def weight_variants(run_dir: Path) -> tuple[dict[str, Path | None], list[str]]:
     A loop run (all_results.json) with ema_decay > 0 saved its EMA weights; its last checkpoint's model.safetensors
     holds the live weights of the same step. Without all_results.json (another script) the weights are "saved".
     """
-    from ..train.checkpoint import list_checkpoints, read_trainer_state
-
     results = run_dir / "all_results.json"
     if not results.is_file():
         return {"saved": None}, []
@@ -340,8 +332,6 @@ def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device)
     from safetensors.torch import load_file
 
     from diffusers.utils import logging as diffusers_logging
-
-    from ..flow.pipeline_flow_match import FlowMatchPipeline
 
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
     pipe = FlowMatchPipeline.from_pretrained(run_dir)
@@ -417,8 +407,6 @@ def parse(argv: list[str]) -> tuple[Path, ImageEvalSettings]:
 
 
 def _main(argv: list[str] | None) -> int:
-    from .classifier import load_classifier
-
     run_dir, s = parse(list(argv or []))
     if not (run_dir / "model_index.json").is_file():
         raise SettingsError(f"{run_dir} holds no model_index.json; pass the output_dir of recipes/train_flow.py")
@@ -489,6 +477,4 @@ def _main(argv: list[str] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hf-cgpu eval`` for pipeline folders; bad input ends in one line and exit code 2."""
-    from ..errors import run_main
-
     return run_main(_main, argv)

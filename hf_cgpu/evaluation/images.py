@@ -21,13 +21,12 @@ import importlib.util
 from pathlib import Path
 
 import torch
+from .classifier import classify
 
 
 def image_features(classifier, images: torch.Tensor, batch_size: int = 500,
                    value_range: tuple[float, float] = (-1.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
     """(features (N, D), logits (N, K)) float32 on the CPU; see ``to_classifier_input`` for the input range."""
-    from .classifier import classify
-
     return classify(classifier, images, batch_size=batch_size, value_range=value_range)
 
 

@@ -19,8 +19,14 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ArgumentParser
+from ..data.corpus import BUILTIN, load_text_dataset
+from ..data.instruct import build_rows, instruction_splits
+from ..data.packing import pack_dataset
+from ..data.windows import eval_windows
+from ..errors import ArgumentParser, run_main
+from ..generate import load_causal_lm
 from ..models.causal_lm_loss import causal_lm_loss_from_hidden, unwrap_model
+from ..settings import SettingsError
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, shifted targets) -> mean loss
 
@@ -41,8 +47,6 @@ def score_stream(
     data knows its characters) and ``{prefix}tokens`` (tokens scored). ``max_windows`` caps the work (the bpc then
     uses the characters in proportion to the tokens scored). Deterministic: no sampling anywhere.
     """
-    from ..data.windows import eval_windows
-
     plan = eval_windows(data.n_tokens, seq_len)
     if max_windows is not None:
         plan = plan[:max_windows]
@@ -146,12 +150,6 @@ def evaluate_language_model(
     a text stream (``score_stream``), or instruction rows (messages, instruction/output or prompt/response columns,
     ``data_format`` auto or instruct) on their responses only, as the fine-tuning run scores them (``score_rows``;
     ``max_windows`` then counts examples)."""
-    from ..data.instruct import build_rows, instruction_splits
-    from ..data.corpus import BUILTIN, load_text_dataset
-    from ..data.packing import pack_dataset
-    from ..generate import load_causal_lm
-    from ..settings import SettingsError
-
     if split not in ("train", "validation"):
         raise SettingsError(f"--split {split!r}: choose train or validation")
     if batch_size < 1 or max_windows < 0 or seq_len < 0:
@@ -192,8 +190,6 @@ def evaluate_language_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..errors import run_main
-
     return run_main(_main, argv)
 
 

@@ -46,6 +46,7 @@ from safetensors import safe_open
 from ..errors import CheckpointError, IntegrityError, UserError
 from ..integrity import MANIFEST, as_disk_error, build_manifest, fsync_dir, fsync_file, verify_folder, write_manifest
 from .fingerprint import difference
+from .parallel import gather_list, is_sharded, local
 
 TRAINER_STATE = "trainer_state.json"
 HISTORY = "history.json"
@@ -167,7 +168,6 @@ def nonfinite_tensors(model: torch.nn.Module | None, optimizer=None, ema=None) -
                       if torch.is_tensor(t)]
     if ema is not None:
         named += [(f"EMA {n}", t) for n, t in ema.shadow.items()]
-    from .parallel import local
 
     named = [(n, local(t)) for n, t in named]  # this rank's shards under FSDP2
     named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
@@ -344,7 +344,6 @@ class Checkpointer:
         ones."""
         acc = self.accelerator
         self._sealer.wait()
-        from .parallel import gather_list
 
         bad = gather_list(acc, nonfinite_tensors(self.model, self.optimizer, self.ema))  # every rank's shards
         if bad:
@@ -495,8 +494,6 @@ class Checkpointer:
     def _check_sharding(self, found: Path) -> None:
         """accelerate writes FSDP checkpoints in its own layout (``pytorch_model_fsdp*``), which only an FSDP run
         reads back; refuse the other way round in one line."""
-        from .parallel import is_sharded
-
         written_fsdp = any(found.glob("pytorch_model_fsdp*"))
         if written_fsdp != is_sharded(self.accelerator):
             was, now = ("with FSDP2", "without FSDP") if written_fsdp else ("without FSDP", "with FSDP2")
@@ -534,8 +531,6 @@ class Checkpointer:
 
 def _is_adapter(accelerator, model) -> bool:
     """An adapter model (peft) on one process or DDP; FSDP2 writes its own sharded layout, left whole."""
-    from .parallel import is_sharded
-
     return hasattr(accelerator.unwrap_model(model), "peft_config") and not is_sharded(accelerator)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from .parallel import full_tensor
 
 
 class EMA:
@@ -66,8 +67,6 @@ class EMA:
     def save(self, path: Path | None) -> None:
         """Write whole tensors to ``path``; with sharded weights every process must call it (the gather is a
         collective), those that do not write with ``path`` None."""
-        from .parallel import full_tensor
-
         tensors = {n: full_tensor(t) for n, t in self.shadow.items()}
         if path is not None:
             save_file({n: t.contiguous() for n, t in tensors.items()}, str(path))

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from .compiled import first_step_line
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:
@@ -157,7 +158,6 @@ class Metrics:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        from .compiled import first_step_line
 
         self.first_step_seconds = time.perf_counter() - self.run_started
         self.write(first_step_line(self.first_step_seconds, self.recompiles is not None))
