@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import SettingsError
+from .registry import Registry
 from .settings import TrainSettings, parse_settings
 from .tasks.settings import ClassifierSettings, FinetuneSettings, FlowSettings, GPTSettings, Toy2DSettings
 
@@ -83,21 +84,8 @@ class Recipe:
         return f"{self.summary[0].upper()}{self.summary[1:]}{where}."
 
 
-RECIPES: dict[str, Recipe] = {}
+RECIPES: Registry[Recipe] = Registry("recipe")
 """Every training command by name, in registration order."""
-
-
-def register_recipe(recipe: Recipe, replace: bool = False) -> Recipe:
-    """Add ``recipe`` to ``RECIPES`` (``replace`` to redefine a name); returns it."""
-    if recipe.name in RECIPES and not replace:
-        raise ValueError(f"a recipe named {recipe.name!r} is registered already; pass replace=True to redefine it")
-    RECIPES[recipe.name] = recipe
-    return recipe
-
-
-def unregister_recipe(name: str) -> None:
-    """Remove ``name`` from ``RECIPES`` (tests that registered a toy one)."""
-    RECIPES.pop(name, None)
 
 
 for _recipe in (
@@ -114,7 +102,7 @@ for _recipe in (
     Recipe("flow2d", "the 2D flow-matching toy on CPU: a table and a scatter plot", Toy2DSettings,
            "hf_cgpu.tasks.flow_toy2d:Toy2DTask", presets="flow2d", default_preset="toy", script="flow2d.py"),
 ):
-    register_recipe(_recipe)
+    RECIPES.add(_recipe.name, _recipe)
 
 
 def run(recipe: Recipe, cfg: Any, train: Any) -> dict[str, Any]:
@@ -192,7 +180,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     """``hf-cgpu train NAME ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        lines = [f"  {r.name:<11} {r.summary}" + (f" (recipes/{r.script})" if r.script else "") for r in RECIPES.values()]
+        lines = [f"  {r.name:<11} {r.summary}" + (f" (recipes/{r.script})" if r.script else "")
+                 for r in RECIPES.values()]
         print("usage: hf-cgpu train NAME [--preset P] [--FLAG VALUE ...]\n\ntrain a model with the one loop:\n"
               + "\n".join(lines) + "\n\n`hf-cgpu train NAME --help` lists every setting with its docs and default.")
         return 0
@@ -207,5 +196,4 @@ def flow2d_main(argv: Sequence[str] | None = None) -> int:
     return run_recipe(RECIPES["flow2d"], list(sys.argv[1:] if argv is None else argv), prog="hf-cgpu flow2d")
 
 
-__all__ = ["LaunchSettings", "RECIPES", "Recipe", "flow2d_main", "parse", "register_recipe", "run", "run_recipe",
-           "train_main", "unregister_recipe"]
+__all__ = ["LaunchSettings", "RECIPES", "Recipe", "flow2d_main", "parse", "run", "run_recipe", "train_main"]

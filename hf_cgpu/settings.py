@@ -186,7 +186,8 @@ class TrainSettings:
         check_choice("compile_mode", self.compile_mode, COMPILE_MODES)
         check_choice("recompute_policy", self.recompute_policy, RECOMPUTE_POLICIES)
         if self.mixed_precision not in MIXED_PRECISIONS:
-            raise SettingsError(f"mixed_precision={self.mixed_precision!r}; use auto, bf16 or no (fp16 needs loss scaling)")
+            raise SettingsError(f"mixed_precision={self.mixed_precision!r}; use auto, bf16 or no (fp16 needs loss "
+                                "scaling)")
         self._check_optimizer()
         for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import save_file
 
 from hf_cgpu.cli import main as cli_main
-from hf_cgpu.flow.samplers import evaluations_per_image, register_sampler, steps_within, unregister_sampler
+from hf_cgpu.flow.samplers import SAMPLERS, evaluations_per_image, steps_within
 from hf_cgpu.flow.scheduling_flow_match import FlowMatchEulerScheduler
-from hf_cgpu.hub.cards import CardSpec, read_config, register_card, unregister_card
-from hf_cgpu.optim import OptimizerSpec, register_optimizer, unregister_optimizer
-from hf_cgpu.recipes import Recipe, register_recipe, unregister_recipe
+from hf_cgpu.hub.cards import CARDS, CardSpec, read_config
+from hf_cgpu.optim import OPTIMIZERS, OptimizerSpec
+from hf_cgpu.recipes import RECIPES, Recipe
 from hf_cgpu.settings import FIXED
 from hf_cgpu.train import Task, TaskPlan
 
@@ -54,11 +54,11 @@ def toysgd_state_bytes(tensors, tier):
 
 @pytest.fixture
 def toysgd():
-    register_optimizer(OptimizerSpec("toysgd", "a toy SGD with momentum", build=build_toysgd,
-                                     state_bytes=toysgd_state_bytes, settings=ToySGDSettings))
+    OPTIMIZERS.add("toysgd", OptimizerSpec("toysgd", "a toy SGD with momentum", build=build_toysgd,
+                                           state_bytes=toysgd_state_bytes, settings=ToySGDSettings))
     BUILT.clear()
     yield
-    unregister_optimizer("toysgd")
+    OPTIMIZERS.remove("toysgd")
 
 
 def test_a_toy_optimizer_registered_from_a_test_file(toysgd, tmp_path, capsys):
@@ -102,9 +102,9 @@ class DoubleEuler(FlowMatchEulerScheduler):
 
 @pytest.fixture
 def double_euler():
-    register_sampler("double-euler", DoubleEuler)
+    SAMPLERS.add("double-euler", DoubleEuler)
     yield
-    unregister_sampler("double-euler")
+    SAMPLERS.remove("double-euler")
 
 
 def test_a_toy_sampler_registered_from_a_test_file(double_euler, synthetic_data, tmp_path, capsys):
@@ -184,12 +184,13 @@ A toy regression. {{ summary }}
 def toy_task(tmp_path):
     template = tmp_path / "toy-regression.md"
     template.write_text(TEMPLATE)
-    register_card(CardSpec("toy-regression", str(template), "pytorch", "tabular-regression", "toy.json",
-                           read_config("toy.json"), ("toy.safetensors",), (("val_loss", "mse", "validation MSE"),)))
-    register_recipe(Recipe("toyreg", "fit a toy linear regression", ToyRegressionSettings, ToyRegressionTask))
+    CARDS.add("toy-regression", CardSpec("toy-regression", str(template), "pytorch", "tabular-regression", "toy.json",
+                                         read_config("toy.json"), ("toy.safetensors",),
+                                         (("val_loss", "mse", "validation MSE"),)))
+    RECIPES.add("toyreg", Recipe("toyreg", "fit a toy linear regression", ToyRegressionSettings, ToyRegressionTask))
     yield
-    unregister_recipe("toyreg")
-    unregister_card("toy-regression")
+    RECIPES.remove("toyreg")
+    CARDS.remove("toy-regression")
 
 
 def test_a_toy_task_registered_from_a_test_file(toy_task, tmp_path, capsys):

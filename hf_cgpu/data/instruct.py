@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
+from ..registry import Registry
 from .corpus import load_splits
 
 IGNORE = -100
@@ -55,19 +56,12 @@ class InstructionFormat:
     """A row as ``[{"role", "content"}, ...]`` (user turns and the assistant's answers)."""
 
 
-INSTRUCTION_FORMATS: dict[str, InstructionFormat] = {}
+INSTRUCTION_FORMATS: Registry[InstructionFormat] = Registry("instruction format", DataError)
 """Every instruction layout, by name, in the order ``detect_format`` tries them."""
-
-
-def register_instruction_format(fmt: InstructionFormat) -> InstructionFormat:
-    INSTRUCTION_FORMATS[fmt.name] = fmt
-    return fmt
-
-
 for _fmt in (InstructionFormat("messages", frozenset({"messages"}), _messages),
              InstructionFormat("instruction", frozenset({"instruction", "output"}), _instruction),
              InstructionFormat("prompt", frozenset({"prompt", "response"}), _prompt)):
-    register_instruction_format(_fmt)
+    INSTRUCTION_FORMATS.add(_fmt.name, _fmt)
 
 
 def detect_format(columns: list[str]) -> str | None:

@@ -14,25 +14,12 @@ import importlib
 from functools import lru_cache
 
 from ..errors import SettingsError
+from ..registry import Registry
 
-SAMPLERS: dict[str, type | str] = {
-    "euler": "hf_cgpu.flow.scheduling_flow_match:FlowMatchEulerScheduler",
-    "heun": "hf_cgpu.flow.scheduling_flow_match:FlowMatchHeunScheduler",
-}
-"""Every sampler the commands and settings accept, by name."""
-
-
-def register_sampler(name: str, scheduler: type | str, replace: bool = False) -> None:
-    """Add ``scheduler`` (a class, or ``"module:Class"``) under ``name``."""
-    if name in SAMPLERS and not replace:
-        raise ValueError(f"a sampler named {name!r} is registered already; pass replace=True to redefine it")
-    SAMPLERS[name] = scheduler
-    _calls.cache_clear()
-
-
-def unregister_sampler(name: str) -> None:
-    SAMPLERS.pop(name, None)
-    _calls.cache_clear()
+SAMPLERS: Registry[type | str] = Registry("sampler")
+"""Every sampler the commands and settings accept: name -> the scheduler class, or the ``"module:Class"`` holding it."""
+SAMPLERS.add("euler", "hf_cgpu.flow.scheduling_flow_match:FlowMatchEulerScheduler")
+SAMPLERS.add("heun", "hf_cgpu.flow.scheduling_flow_match:FlowMatchHeunScheduler")
 
 
 def sampler_names() -> list[str]:
@@ -56,8 +43,8 @@ def sampler_class(name: str) -> type:
 
 
 @lru_cache(maxsize=None)
-def _calls(name: str, steps: int) -> int:
-    scheduler = sampler_class(name)()
+def _calls(scheduler_class: type, steps: int) -> int:
+    scheduler = scheduler_class()
     scheduler.set_timesteps(steps)
     return len(scheduler.timesteps)
 
@@ -65,7 +52,7 @@ def _calls(name: str, steps: int) -> int:
 def evaluations_per_image(name: str, steps: int, guidance_scale: float = 1.0) -> int:
     """Network evaluations of one image: the model calls of ``steps`` steps of the sampler, each doubled by
     classifier-free guidance (scale != 1: a conditional and an unconditional row)."""
-    return _calls(name, steps) * (2 if guidance_scale != 1 else 1)
+    return _calls(sampler_class(name), steps) * (2 if guidance_scale != 1 else 1)
 
 
 def steps_within(evaluations: int, name: str, guidance_scale: float = 1.0) -> int:
@@ -76,5 +63,4 @@ def steps_within(evaluations: int, name: str, guidance_scale: float = 1.0) -> in
     return steps
 
 
-__all__ = ["SAMPLERS", "check_sampler", "sampler_names", "evaluations_per_image", "register_sampler", "sampler_class", "steps_within",
-           "unregister_sampler"]
+__all__ = ["SAMPLERS", "check_sampler", "evaluations_per_image", "sampler_class", "sampler_names", "steps_within"]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..integrity import atomic_output
+from ..registry import Registry
 from .checks import HubError
 
 if TYPE_CHECKING:
@@ -70,29 +71,13 @@ class CardSpec:
         return path if path.is_absolute() or path.parent != Path(".") else template_dir() / self.template
 
 
-CARDS: dict[str, CardSpec] = {}
-"""Every kind of card, by name, in the order ``detect_kind`` tries them."""
-
-
-def register_card(spec: CardSpec, replace: bool = False, first: bool = False) -> CardSpec:
-    """Add ``spec`` to ``CARDS`` (``first``: tried before the others by ``detect_kind``); returns it."""
-    if spec.name in CARDS and not replace:
-        raise ValueError(f"a card named {spec.name!r} is registered already; pass replace=True to redefine it")
-    rest = {k: v for k, v in CARDS.items() if k != spec.name}
-    CARDS.clear()
-    CARDS.update({spec.name: spec, **rest} if first else {**rest, spec.name: spec})
-    return spec
-
-
-def unregister_card(name: str) -> None:
-    CARDS.pop(name, None)
+CARDS: Registry[CardSpec] = Registry("card", HubError)
+"""Every kind of card, by name, in the order ``detect_kind`` tries them (``CARDS.add(name, spec, first=True)`` to be
+tried first)."""
 
 
 def card_spec(kind: str) -> CardSpec:
-    try:
-        return CARDS[kind]
-    except KeyError:
-        raise HubError(f"unknown model card kind {kind!r}; choose one of {', '.join(CARDS)}") from None
+    return CARDS.lookup(kind)
 
 
 CONFIG_NOISE = {"architectures", "auto_map", "transformers_version", "_name_or_path", "dtype", "torch_dtype"}
@@ -111,7 +96,7 @@ for _spec in (
     CardSpec("gpt", "gpt.md", "transformers", "text-generation", "config.json", read_config("config.json"),
              ("model*.safetensors",), LM_METRICS),
 ):
-    register_card(_spec)
+    CARDS.add(_spec.name, _spec)
 
 
 def detect_kind(output_dir: str | os.PathLike) -> str:
@@ -413,4 +398,4 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
 
 
 __all__ = ["CARDS", "CardSpec", "card_spec", "count_parameters", "detect_kind", "public_value", "read_json",
-           "register_card", "render_model_card", "template_dir", "unregister_card"]
+           "render_model_card", "template_dir"]

@@ -7,8 +7,8 @@ frozen dataclass whose fields become flags, parsed only when the optimizer is ch
 ``--help`` and ``hf-cgpu budget`` stay quick; ``build`` may name its function as ``"module:function"`` to load torch
 code only when a run starts.
 
-    from hf_cgpu.optim import OptimizerSpec, register_optimizer
-    register_optimizer(OptimizerSpec("sgd", "SGD with momentum", build=my_build, state_bytes=my_bytes))
+    from hf_cgpu.optim import OPTIMIZERS, OptimizerSpec
+    OPTIMIZERS.add("sgd", OptimizerSpec("sgd", "SGD with momentum", build=my_build, state_bytes=my_bytes))
 
 ``docs/extending.md`` walks through adding one.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SettingsError
-from ..options import TIERS
+from ..registry import Registry
 from .adamw import ADAMW
 from .muon import MUON
 from .spec import OptimizerSpec
@@ -26,32 +26,15 @@ from .spec import OptimizerSpec
 if TYPE_CHECKING:
     import torch
 
-OPTIMIZERS: dict[str, OptimizerSpec] = {}
-"""Every optimizer the settings accept, by name, in registration order (the first is the default)."""
-
-
-def register_optimizer(spec: OptimizerSpec, replace: bool = False) -> OptimizerSpec:
-    """Add ``spec`` to ``OPTIMIZERS`` (``replace`` to redefine a name); returns it."""
-    if spec.name in OPTIMIZERS and not replace:
-        raise ValueError(f"an optimizer named {spec.name!r} is registered already; pass replace=True to redefine it")
-    unknown = set(spec.tiers) - set(TIERS)
-    if unknown:
-        raise ValueError(f"optimizer {spec.name!r} names unknown tiers {sorted(unknown)}; choose from {', '.join(TIERS)}")
-    OPTIMIZERS[spec.name] = spec
-    return spec
-
-
-def unregister_optimizer(name: str) -> None:
-    """Remove ``name`` from ``OPTIMIZERS`` (tests that registered a toy one)."""
-    OPTIMIZERS.pop(name, None)
+OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")
+"""Every optimizer the settings accept, by name, in registration order."""
+for _spec in (ADAMW, MUON):
+    OPTIMIZERS.add(_spec.name, _spec)
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:
     """The spec of ``name``, or one line naming the registered ones."""
-    try:
-        return OPTIMIZERS[name]
-    except KeyError:
-        raise SettingsError(f"optimizer={name!r}; choose one of {', '.join(OPTIMIZERS)}") from None
+    return OPTIMIZERS.lookup(name)
 
 
 def optimizer_settings() -> dict[str, type | None]:
@@ -91,9 +74,5 @@ def build_optimizer(model: torch.nn.Module, settings: Any, fused: bool | None = 
         fused = all(p.is_cuda for _, p in named)
     return spec.builder()(model, named, settings, fused)
 
-
-for _spec in (ADAMW, MUON):
-    register_optimizer(_spec)
-
 __all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "optimizer_choices", "optimizer_settings",
-           "optimizer_spec", "register_optimizer", "trainable_parameters", "unregister_optimizer"]
+           "optimizer_spec", "trainable_parameters"]

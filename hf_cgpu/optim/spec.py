@@ -35,6 +35,10 @@ class OptimizerSpec:
     """How the ledger names it in a run's description (empty: ``name``)."""
 
     def __post_init__(self) -> None:
+        unknown = set(self.tiers) - set(TIERS)
+        if unknown:
+            raise ValueError(f"optimizer {self.name!r} names unknown tiers {sorted(unknown)}; choose from "
+                             f"{', '.join(TIERS)}")
         if not self.label:
             object.__setattr__(self, "label", self.name)
 

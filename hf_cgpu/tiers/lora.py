@@ -55,7 +55,8 @@ def apply_lora(
     """Wrap `model` in a peft LoRA model: frozen base in its own dtype, fp32 trainable adapters.
 
     Deliberately not `prepare_model_for_kbit_training`: that upcasts every non-4-bit weight to fp32
-    (embeddings, head, norms), which doubles those weights and turns the residual stream fp32. Input grads for checkpointing are enabled by `apply_recompute`.
+    (embeddings, head, norms), which doubles those weights and turns the residual stream fp32. Input grads for
+    checkpointing are enabled by `apply_recompute`.
     """
     from peft import LoraConfig, get_peft_model
     from transformers import PreTrainedModel
