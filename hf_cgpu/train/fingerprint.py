@@ -49,7 +49,7 @@ def run_fingerprint(model_config: Mapping[str, Any] | None, data: Mapping[str, A
 def difference(theirs: Mapping[str, Any], ours: Mapping[str, Any], shown: int = 3) -> str:
     """The first ``shown`` differing entries as ``{key: (checkpoint's, this run's)}``, the count of the rest, and the
     flag to set for the first one that is a setting or a model option."""
-    keys = sorted(set(theirs) | set(ours), key=lambda k: (k not in ours, k))
+    keys = sorted(set(theirs) | set(ours), key=lambda k: (k not in ours or k not in theirs, k))  # changed ones first
     diff = {k: (theirs.get(k), ours.get(k)) for k in keys if theirs.get(k) != ours.get(k)}
     text = str(dict(list(diff.items())[:shown])) + (f" and {len(diff) - shown} more" if len(diff) > shown else "")
     first = next(iter(diff), "")
