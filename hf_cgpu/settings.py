@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
 import sys
 import textwrap
 import typing
@@ -269,8 +270,9 @@ class TrainSettings:
 
 
 def check_types(settings: Any) -> None:
-    """One line for a field given a value of the wrong kind in code (the command line converts them): a bool that is
-    not True or False, a number that is not one (a string "yes" would otherwise be truthy, "8" compare as text)."""
+    """One line for a field given a value of the wrong kind (the command line converts them, code may not): a bool
+    that is not True or False, a number that is not one (a string "yes" would otherwise be truthy, "8" compare as
+    text), a float that is nan or infinite (``--learning_rate nan`` would train nothing, silently)."""
     hints = _hints(type(settings))
     for f in dataclasses.fields(settings):
         value, kind = getattr(settings, f.name), hints.get(f.name)
@@ -278,6 +280,8 @@ def check_types(settings: Any) -> None:
             raise SettingsError(f"{f.name} must be True or False, got {value!r}")
         if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise SettingsError(f"{f.name} must be a number, got {value!r}")
+        if kind is float and not math.isfinite(value):
+            raise SettingsError(f"--{f.name} must be a finite number, got {value!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -491,6 +495,7 @@ def parse_settings(
             given = {g.name: values[g.name] for g in (cli_fields(cls) if cls else []) if g.name in values}
             if choice == chosen and cls is not None:
                 values[f.name] = cls(**given)
+                check_types(values[f.name])
             elif given.keys() & typed:  # a preset's settings of another choice are left with it
                 flag = next(k for k in given if k in typed)
                 raise SettingsError(f"--{flag} is a setting of --{f.metadata['options_of']} {choice}; add "
@@ -499,6 +504,7 @@ def parse_settings(
     for cls in classes:
         names = {f.name for f in dataclasses.fields(cls)}
         out.append(cls(**{k: v for k, v in values.items() if k in names}))
+        check_types(out[-1])
     return tuple(out)
 
 

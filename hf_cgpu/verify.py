@@ -1,11 +1,12 @@
 """``hf-cgpu verify DIR``: check a model, best-weights or checkpoint folder (or a whole output folder) against the
 checksum manifests hf_cgpu wrote, file by file.
 
-    hf-cgpu verify runs/gpt              # the final model, best/ and every checkpoint in checkpoints/
+    hf-cgpu verify runs/gpt              # the final model, best/, tokenizer/ and every checkpoint
     hf-cgpu verify runs/gpt/checkpoints/step_0001000
 
 One line per folder (``ok`` or ``BAD`` with the file that differs); exit 0 when every folder verifies, else the usual
-one-line error and exit 2.
+one-line error and exit 2. A model, best/ or tokenizer/ folder without its manifest is BAD ("unsealed"): its files
+cannot be checked (a save cut off before its manifest, or files put there by hand).
 """
 
 from __future__ import annotations
@@ -17,25 +18,27 @@ from .errors import ArgumentParser, IntegrityError, MissingPathError
 from .integrity import MANIFEST, verify_folder
 from .train.checkpoint import checkpoint_root, list_checkpoints
 from .train.checkpoint import verify as verify_checkpoint
+from .train.outdir import MODEL_FILES
 
 
 def folders_to_check(d: Path) -> list[Path]:
-    """``d`` itself when it has a manifest, its ``best/``, and its sealed checkpoints (or, for a checkpoints/
-    folder, the checkpoints in it)."""
-    out = [d] if (d / MANIFEST).is_file() else []
-    if (d / "best" / MANIFEST).is_file():
-        out.append(d / "best")
+    """``d`` itself when it has a manifest or holds a model's files, its ``best/`` and ``tokenizer/``, and its
+    sealed checkpoints (or, for a checkpoints/ folder, the checkpoints in it)."""
     if d.name == "checkpoints":
-        out += list_checkpoints(d.parent)
-    else:
-        out += list_checkpoints(d)
-    return out
+        return list_checkpoints(d.parent)
+    out = [d] if (d / MANIFEST).is_file() or any((d / name).is_file() for name in MODEL_FILES) else []
+    out += [d / sub for sub in ("best", "tokenizer") if (d / sub).is_dir()]
+    return out + list_checkpoints(d)
 
 
 def check(folder: Path, hashes: bool = True) -> str:
     """A one-line description of a folder that verifies; raises IntegrityError otherwise."""
     if folder.parent.name == "checkpoints" and hashes:
         verify_checkpoint(folder)
+    if not (folder / MANIFEST).is_file():
+        raise IntegrityError(f"{folder}: unsealed, no {MANIFEST}: its files cannot be checked (a save cut off before "
+                             "its manifest, or files put there by hand); resume the run that wrote it "
+                             "(--resume_from_checkpoint latest) to save it again")
     manifest = verify_folder(folder, check_hashes=hashes)
     step = manifest.meta.get("step")
     return (f"{manifest.kind}, {len(manifest.files)} files, {manifest.total_bytes / 1e6:.1f} MB"

@@ -130,7 +130,7 @@ def test_push_without_network_fails_with_one_line_after_rendering_the_card(tmp_p
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no request leaves the machine
     d = make_run(tmp_path, "flow")
     with pytest.raises(hub.HubError) as e:
-        hub.push_to_hub(d, "someone/tiny-flow", token="hf_not_a_real_token")
+        hub.push_to_hub(d, "someone/tiny-flow", token="hf_not_a_real_token", allow_unsealed=True)
     msg = str(e.value)
     assert msg.startswith("push to someone/tiny-flow failed") and "\n" not in msg
     assert ModelCard.load(d / "README.md").data.library_name == "diffusers"
@@ -188,7 +188,7 @@ def test_push_sends_only_listed_files_and_a_card_for_the_repo(tmp_path, monkeypa
     (d / "host").symlink_to("/etc/hostname")
     FakeApi.calls = []
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
-    url = hub.push_to_hub(d, "someone/tiny-model", token="hf_x")
+    url = hub.push_to_hub(d, "someone/tiny-model", token="hf_x", allow_unsealed=True)  # a folder made by hand
     assert url.endswith("/commit/0")
     (_, repo, operations), = [c for c in FakeApi.calls if c[0] == "create_commit"]
     sent = sorted(op.path_in_repo for op in operations)
@@ -198,8 +198,24 @@ def test_push_sends_only_listed_files_and_a_card_for_the_repo(tmp_path, monkeypa
     assert 'from_pretrained("someone/tiny-model"' in card and str(tmp_path) not in card
     assert "`output_dir`" not in card and "`cache_dir`" not in card
     assert "| `dataset` | zh-poetry |" in card and "| `tokenizer` | tok |" in card
-    hub.push_to_hub(d, "someone/tiny-model", token="hf_x", render_card=False)  # --keep_card: as it is
+    hub.push_to_hub(d, "someone/tiny-model", token="hf_x", render_card=False, allow_unsealed=True)  # --keep_card
     assert (d / "README.md").read_text() == card
+
+
+def test_push_refuses_an_unsealed_folder_unless_told(tmp_path, monkeypatch, capsys):
+    """A model folder without its manifest (a final save cut off before it) is never published by default."""
+    import huggingface_hub
+
+    from hf_cgpu.hub.push import main
+
+    d = make_run(tmp_path, "gpt")
+    FakeApi.calls = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    with pytest.raises(hub.HubError, match="unsealed, no manifest.json.*--allow_unsealed"):
+        hub.push_to_hub(d, "someone/tiny-model", token="hf_x")
+    assert FakeApi.calls == []
+    assert main([str(d), "someone/tiny-model", "--token", "hf_x", "--allow_unsealed"]) == 0
+    assert "has no manifest.json" in capsys.readouterr().out
 
 
 def test_push_refuses_a_folder_that_fails_its_manifest(tmp_path, monkeypatch):

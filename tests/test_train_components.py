@@ -207,7 +207,7 @@ def test_spike_guard_needs_history_then_compares_with_the_median():
     assert not guard.observe(0, 1e6, said.append)  # no history yet
     for k in range(1, 25):
         guard.observe(k, 1.0, said.append)
-    assert guard.observe(25, 50.0, said.append) and "step 25 grad_norm 50.00" in said[-1]
+    assert guard.observe(25, 50.0, said.append) and "step 26 grad_norm 50.00" in said[-1]  # index 25: step 26
     assert not guard.observe(26, 5.0, said.append)
 
 

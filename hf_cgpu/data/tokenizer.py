@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DataError
-from ..integrity import atomic_dir, atomic_write_json
+from ..integrity import atomic_dir, atomic_write_json, build_manifest, write_manifest
 from ..paths import tokenizer_cache
 
 if TYPE_CHECKING:
@@ -112,6 +112,56 @@ def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
+"""The JSON files of a saved tokenizer that say what its tokens are; ``tokenizer_config.json`` names its eos token."""
+
+
+def tokenizer_problem(folder: str | os.PathLike) -> str | None:
+    """What is wrong with the tokenizer files in ``folder``, naming the file ("<folder>/tokenizer_config.json is
+    missing"); None: they are all there and parse (or ``folder`` is no local folder, e.g. a Hub id)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    if not (folder / "tokenizer_config.json").is_file():
+        return f"{folder / 'tokenizer_config.json'} is missing"
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            return f"{path} is unreadable ({' '.join(str(err).split())[:120]})"
+    return None
+
+
+def no_eos_message(tokenizer: PreTrainedTokenizerBase, what: str = "tokenizer") -> str:
+    """Why ``tokenizer`` has no eos token, naming the file at fault when it was loaded from a folder."""
+    source = str(getattr(tokenizer, "name_or_path", "") or "")
+    problem = tokenizer_problem(source) if source else None
+    if problem:
+        return (f"{problem}, so the {what} has no eos_token; copy that file back from where the tokenizer was saved "
+                "(a model folder or best/), or pass a complete tokenizer folder")
+    return (f"the {what}{f' {source}' if source else ''} has no eos_token; set one (eos_token in its "
+            "tokenizer_config.json, or tokenizer.eos_token = '<|endoftext|>')")
+
+
+def load_tokenizer(source: str | os.PathLike, what: str = "tokenizer", **kwargs: Any) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained(source)`` that refuses, in one line naming the file, a tokenizer that cannot be
+    read or that has no eos token (what a lost ``tokenizer_config.json`` leaves: a vocabulary without specials)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
+    except Exception as err:  # json, tokenizers and OS errors alike, none of which names the file
+        problem = tokenizer_problem(source) or f"{source} cannot be read ({' '.join(str(err).split())[:160]})"
+        raise DataError(f"{what}: {problem}; copy the tokenizer files back from where it was saved, or pass "
+                        "another tokenizer") from None
+    if tokenizer.eos_token_id is None:
+        raise DataError(no_eos_message(tokenizer, what))
+    return tokenizer
+
+
 TOKENIZER_KEY = "hf_cgpu_tokenizer.json"
 """Beside a tokenizer hf_cgpu trained (in an output folder or the cache): what it was trained from."""
 TOKENIZER_RECIPE = {"model": "byte-level BPE", "pretokenize": PRETOKENIZE_PATTERN, "min_frequency": 2,
@@ -130,10 +180,12 @@ def tokenizer_made_from(folder: Path) -> dict[str, Any] | None:
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: Path, made_from: dict[str, Any]) -> None:
-    """``tokenizer`` and what it was made from, written whole (a kill never leaves a 0-byte tokenizer_config.json)."""
+    """``tokenizer`` and what it was made from, written whole (a kill never leaves a 0-byte tokenizer_config.json)
+    and sealed with a manifest, so ``hf-cgpu verify`` and a resume can tell its files were not changed."""
     with atomic_dir(folder) as tmp:
         tokenizer.save_pretrained(str(tmp))
         atomic_write_json(tmp / TOKENIZER_KEY, made_from)
+        write_manifest(tmp, build_manifest(tmp, "tokenizer"))
 
 
 def cached_tokenizer(key: dict[str, Any], cache_dir: str | os.PathLike | None,
@@ -151,7 +203,9 @@ def cached_tokenizer(key: dict[str, Any], cache_dir: str | os.PathLike | None,
     folder = tokenizer_cache(cache_dir) / f"bpe-{digest}"
     if tokenizer_made_from(folder) == full:
         try:
-            return AutoTokenizer.from_pretrained(str(folder)), folder
+            tok = AutoTokenizer.from_pretrained(str(folder))
+            if tok.eos_token_id is not None:  # none: its tokenizer_config.json was lost
+                return tok, folder
         except Exception:  # damaged on disk (json and tokenizers errors alike): trained again and replaced
             pass
     tok = train()
@@ -162,5 +216,6 @@ def cached_tokenizer(key: dict[str, Any], cache_dir: str | os.PathLike | None,
     return tok, None
 
 
-__all__ = ["EOS_TOKEN", "PRETOKENIZE_PATTERN", "TOKENIZER_KEY", "TOKENIZER_RECIPE", "cached_tokenizer", "check_vocab",
-           "save_tokenizer", "tokenizer_hash", "tokenizer_made_from", "train_tokenizer"]
+__all__ = ["EOS_TOKEN", "PRETOKENIZE_PATTERN", "TOKENIZER_FILES", "TOKENIZER_KEY", "TOKENIZER_RECIPE",
+           "cached_tokenizer", "check_vocab", "load_tokenizer", "no_eos_message", "save_tokenizer", "tokenizer_hash",
+           "tokenizer_made_from", "tokenizer_problem", "train_tokenizer"]

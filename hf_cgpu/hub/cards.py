@@ -135,7 +135,7 @@ def template_dir() -> Traversable:
     candidates = []
     if os.environ.get("HF_CGPU_MODEL_CARDS"):
         candidates.append(Path(os.environ["HF_CGPU_MODEL_CARDS"]).expanduser())
-    candidates.append(Path(__file__).resolve().parent.parent / "model_cards")  # absent in a wheel's site-packages
+    candidates.append(Path(__file__).resolve().parents[2] / "model_cards")  # absent in a wheel's site-packages
     try:
         from importlib.resources import files
 

@@ -52,24 +52,28 @@ def upload_file_list(output_dir: str | os.PathLike) -> list[str]:
     return sorted(filter_repo_objects(sorted(files), ignore_patterns=UPLOAD_IGNORE_PATTERNS))
 
 
-def check_before_push(output_dir: Path, log=print) -> None:
-    """A folder with a manifest must verify (a corrupted model is never published); one without is pushed with a
-    warning (written before manifests, or by hand)."""
+def check_before_push(output_dir: Path, allow_unsealed: bool = False, log=print) -> None:
+    """The folder must verify against its manifest (a corrupted or half-saved model is never published); one without
+    a manifest is refused unless ``allow_unsealed`` (files put together by hand), then pushed with a warning."""
     if (output_dir / MANIFEST).is_file():
         try:
             verify_folder(output_dir)
         except IntegrityError as err:
             raise HubError(f"refusing to push: {err}; retrain or repair the folder (hf-cgpu verify DIR)") from None
-    else:
+    elif allow_unsealed:
         log(f"warning: {output_dir} has no {MANIFEST}; its files cannot be checked before the upload")
+    else:
+        raise HubError(f"refusing to push {output_dir}: unsealed, no {MANIFEST} (a save cut off before it, or files "
+                       "put there by hand); resume the run that wrote it to save it again, or pass --allow_unsealed "
+                       "for a folder you assembled yourself")
 
 
-def commit_operations(d: Path, repo_id: str, card_kind: str | None):
+def commit_operations(d: Path, repo_id: str, card_kind: str | None, allow_unsealed: bool = False):
     """The upload of a finished run as commit operations: the folder verified first, the card rendered for the
     repo (when ``card_kind``), then ``upload_file_list`` file by file (no symlink is followed)."""
     from huggingface_hub import CommitOperationAdd
 
-    check_before_push(d)
+    check_before_push(d, allow_unsealed)
     if card_kind:
         render_model_card(card_kind, d, repo_id=repo_id)  # loads from the repo id, names no local path
     return [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(d / rel)) for rel in upload_file_list(d)]
@@ -82,11 +86,12 @@ def push_to_hub(
     token: str | None = None,
     commit_message: str = "Upload model trained with hf_cgpu",
     render_card: bool = True,
+    allow_unsealed: bool = False,
 ) -> str:
     """Create ``repo_id`` if needed and upload ``output_dir`` without its checkpoints; returns the commit URL.
 
     Only ``upload_file_list`` goes up, file by file (no symlink is followed). The folder must pass its manifest
-    (``hf-cgpu verify``) first. The card is rendered for the repo (its id in the loading code, no local path)
+    (``hf-cgpu verify``) first; a folder without one only with ``allow_unsealed``. The card is rendered for the repo (its id in the loading code, no local path)
     unless ``render_card`` is False and a README.md exists (a card edited by hand). The token is checked before
     any request, so a missing login fails at once instead of after a timeout.
     """
@@ -101,7 +106,7 @@ def push_to_hub(
     if not token:
         raise HubError("no Hugging Face token: run `hf auth login`, set HF_TOKEN, or pass --token")
     render = render_card or not (d / "README.md").is_file()
-    operations = commit_operations(d, repo_id, detect_kind(d) if render else None)
+    operations = commit_operations(d, repo_id, detect_kind(d) if render else None, allow_unsealed)
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
@@ -193,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="re-render README.md for the repo (the default; kept for old scripts)")
     parser.add_argument("--keep_card", action="store_true",
                         help="upload the existing README.md as it is (a card edited by hand)")
+    parser.add_argument("--allow_unsealed", action="store_true",
+                        help="push a folder without manifest.json (one assembled by hand; its files are not checked)")
     args = parser.parse_args(argv)
     print(push_to_hub(args.output_dir, args.repo_id, args.private, args.token, args.commit_message,
-                      render_card=not args.keep_card))
+                      render_card=not args.keep_card, allow_unsealed=args.allow_unsealed))
     return 0
 
 

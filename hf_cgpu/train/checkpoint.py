@@ -32,6 +32,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import threading
@@ -456,11 +457,16 @@ class Checkpointer:
         self._check_sharding(found)
         state = TrainState.from_dict({**dataclasses.asdict(fresh), **saved, "fingerprint": ours})
         self._apply_batch(state, fresh, found)
-        if saved.get("model_weights") == TRAINABLE_ONLY:
-            self._check_frozen(found, saved)
-            self.accelerator.load_state(str(found), strict=False)  # the frozen rest is the base, checked above
-        else:  # every tensor (a full run, or an adapter checkpoint written before adapters were saved alone)
-            self.accelerator.load_state(str(found))
+        try:
+            if saved.get("model_weights") == TRAINABLE_ONLY:
+                self._check_frozen(found, saved)
+                self.accelerator.load_state(str(found), strict=False)  # the frozen rest is the base, checked above
+            else:  # every tensor (a full run, or an adapter checkpoint written before adapters were saved alone)
+                self.accelerator.load_state(str(found))
+        except pickle.UnpicklingError as err:  # torch.load(weights_only=True) refused an object: nothing ran
+            raise CheckpointError(f"{found.name} holds a pickled object that is not plain tensors and numbers ("
+                                  f"{' '.join(str(err).split())[:160]}); it was not loaded: resume from another "
+                                  "checkpoint or start a fresh --output_dir, and find out who wrote it") from None
         if self.ema is not None:
             self.ema.load(found / "ema.safetensors")
         if self.keeper is not None:

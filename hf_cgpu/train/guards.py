@@ -1,5 +1,8 @@
 """Guards on every step: non-finite loss or gradient norm (skip, then stop), gradient-norm spikes, a label leak in
-the first step, and CUDA out-of-memory in the first steps (halve the micro-batch, keep the effective batch)."""
+the first step, and CUDA out-of-memory in the first steps (halve the micro-batch, keep the effective batch).
+
+The guards take a step's index (0 for the first optimizer step) and name it as the logs and checkpoints do, from 1:
+index k is step k + 1."""
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ class NonFiniteGuard:
             self.in_row = 0
             return Verdict.OK
         self.in_row += 1
-        log(f"step {step}: non-finite loss/grad_norm ({loss}, {grad_norm}); optimizer step skipped "
+        log(f"step {step + 1}: non-finite loss/grad_norm ({loss}, {grad_norm}); optimizer step skipped "
             f"({self.in_row}/{self.patience} in a row)")
         return Verdict.STOP if self.in_row >= self.patience else Verdict.SKIP
 
@@ -80,7 +83,7 @@ class SpikeGuard:
         median = statistics.median(self.norms) if len(self.norms) >= SPIKE_MIN_HISTORY else None
         self.norms.append(grad_norm)
         if median is not None and grad_norm > self.factor * median:
-            log(f"warning: step {step} grad_norm {grad_norm:.2f} is {grad_norm / median:.0f}x its running median; "
+            log(f"warning: step {step + 1} grad_norm {grad_norm:.2f} is {grad_norm / median:.0f}x its running median; "
                 "loss blow-ups often follow within tens of steps (consider lower LR)")
             return True
         return False
@@ -119,7 +122,7 @@ class OOMGuard:
         state.micro_batch_size //= 2
         state.gradient_accumulation_steps *= 2
         state.record_batch(step, "CUDA out of memory")
-        log(f"CUDA out of memory at step {step}: retrying with micro_batch_size {state.micro_batch_size} "
+        log(f"CUDA out of memory at step {step + 1}: retrying with micro_batch_size {state.micro_batch_size} "
             f"x accumulation {state.gradient_accumulation_steps} (same effective batch)")
 
 

@@ -32,13 +32,13 @@ from ..integrity import as_disk_error
 from ..settings import TrainSettings, to_dict
 from ..options import CUDA_GRAPH_MODES
 from .artifacts import final_results, save_run
-from .checkpoint import Checkpointer, TrainState, list_checkpoints
+from .checkpoint import Checkpointer, TrainState, list_checkpoints, nonfinite_tensors
 from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
 from .ema import ema_weights
 from .fingerprint import run_fingerprint
 from .metrics import Metrics, peak_memory
 from .outdir import LOCK_NAME
-from .parallel import end_processes, full_model, is_sharded, peak_memory_per_process
+from .parallel import end_processes, full_model, gather_list, is_sharded, peak_memory_per_process
 from .prepare import Run, prepare
 from .quiet import quiet_saves
 from .schedule import TimeFit, lr_at, set_lr
@@ -144,7 +144,7 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     except BaseException:
         checkpointer.close(raise_errors=False)
         raise
-    return _finish(run, task, state, metrics, validator, keeper)
+    return _finish(run, task, state, metrics, validator, keeper, checkpointer)
 
 
 def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer,
@@ -168,13 +168,13 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
                 continue
             queue += updater.flush()  # the step queued behind this one
             state.skipped_steps += 1  # the weights and optimizer state stayed as they were; the data is consumed
-            metrics.skipped(o.step, state.skipped_steps)
+            metrics.skipped(o.step + 1, state.skipped_steps)
             if verdict is Verdict.STOP and stop is None:
                 stop = o
         if stop is not None:
             saved = checkpointer.save(state.step, state, prune_old=False)
             checkpointer.wait()
-            raise TrainingStopped(diagnosis(stop.step, stop.lr, saved, checkpointer.good,
+            raise TrainingStopped(diagnosis(stop.step + 1, stop.lr, saved, checkpointer.good,
                                             list_checkpoints(checkpointer.output_dir)))
 
     try:
@@ -233,6 +233,18 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
         raise
 
 
+def _stop_unless_finite(run: Run, state: TrainState, checkpointer: Checkpointer, with_ema: bool) -> None:
+    """Stop in one line (exit 2) when the weights the run would save (the EMA's where it is in place) hold a NaN or
+    an infinity, naming the newest finite checkpoint; the final checkpoint was refused already for the same reason."""
+    acc = run.accelerator
+    bad = gather_list(acc, nonfinite_tensors(run.model, None, run.ema if with_ema else None))
+    if bad:
+        checkpointer.wait()
+        lr = lr_at(max(0, state.step - 1), run.settings, state.last_step(run.settings))
+        raise TrainingStopped(f"{diverged(state.step, lr, checkpointer.good)} Nothing was evaluated, saved or sealed "
+                              f"at the end ({len(bad)} tensors, first: {bad[0]}).")
+
+
 def _ladder_setup(run: Run) -> TrainSetup:
     """The run as the memory ladder sees it (a generic sequence for tasks without a run shape)."""
     s = run.settings
@@ -240,11 +252,16 @@ def _ladder_setup(run: Run) -> TrainSetup:
 
 
 def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator: Validator,
-            keeper: BestKeeper) -> dict[str, Any]:
-    """The final evaluation (EMA weights), the best weights if asked, and what the run leaves on disk."""
+            keeper: BestKeeper, checkpointer: Checkpointer) -> dict[str, Any]:
+    """The final evaluation (EMA weights), the best weights if asked, and what the run leaves on disk; weights that
+    are not finite are never evaluated, saved or sealed."""
     acc, s = run.accelerator, run.settings
+    best_kept = s.load_best_at_end and keeper.step is not None
+    if not best_kept:
+        _stop_unless_finite(run, state, checkpointer, with_ema=True)
     final = validator.final(state.step)
     use_best = validator.restore_best(state.step, final)
+    _stop_unless_finite(run, state, checkpointer, with_ema=not use_best)  # the weights save_run writes
     results = final_results(state.step, task.unit, state.units_seen, final, keeper, use_best, metrics.history, {
         **metrics.summary(), "skipped_steps": state.skipped_steps, "micro_batch_size": state.micro_batch_size,
         "gradient_accumulation_steps": state.gradient_accumulation_steps, "processes": state.processes,

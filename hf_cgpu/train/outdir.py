@@ -75,8 +75,15 @@ def check_writable(folder: Path) -> None:
                              "or disk, or choose another --output_dir") from None
 
 
-def earlier_run(folder: Path) -> str | None:
-    """What of an earlier run ``folder`` holds, in words (None: nothing)."""
+MODEL_FILES = ("config.json", "model_index.json", "adapter_config.json", "model.safetensors",
+               "adapter_model.safetensors")
+"""Files that make a folder a model, sealed or not (a save cut off before its manifest, or one made by hand)."""
+
+
+def earlier_run(folder: Path, fresh: bool = True) -> str | None:
+    """What of an earlier run ``folder`` holds, in words (None: nothing). A resume (``fresh`` False) may start from
+    step 0 beside best weights or an unsealed model of a run cut off before its first checkpoint: those count for a
+    fresh start only."""
     ckpts = list_checkpoints(folder)
     if ckpts:
         return f"{len(ckpts)} checkpoint(s) of an earlier run (newest {ckpts[-1].name})"
@@ -84,7 +91,34 @@ def earlier_run(folder: Path) -> str | None:
         return f"a finished model ({MANIFEST})"
     if (folder / "all_results.json").is_file():
         return "the results of an earlier run (all_results.json)"
+    if not fresh:
+        return None
+    model = [name for name in MODEL_FILES if (folder / name).is_file()]
+    if model:
+        return f"a model without {MANIFEST} ({', '.join(model)})"
+    if (folder / "best").is_dir():
+        return "the best weights of an earlier run (best/)"
     return None
+
+
+def entries(folder: Path) -> set[str] | None:
+    """The names at the top of ``folder`` (None: it does not exist)."""
+    return set(os.listdir(folder)) if folder.is_dir() else None
+
+
+def undo_start(folder: Path, before: set[str] | None) -> None:
+    """Take back what a run made in ``folder`` when it ends before anything worth keeping exists (no sealed
+    checkpoint, no model manifest): the folder itself when the run created it (``before`` None), else the entries it
+    added (its tokenizer, its lock file). Called while the run still holds the folder's lock."""
+    if not folder.is_dir() or list_checkpoints(folder) or (folder / MANIFEST).is_file():
+        return
+    if before is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for name in set(os.listdir(folder)) - before:
+        path = folder / name
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink(
+            missing_ok=True)
 
 
 def clear_earlier_run(folder: Path, log=print) -> None:
@@ -110,7 +144,7 @@ def claim(folder: Path, resume: str, overwrite: bool, log=print) -> RunLock:
     check_writable(folder)
     lock = RunLock(folder).acquire()
     try:
-        found = earlier_run(folder)
+        found = earlier_run(folder, fresh=not resume)
         if found and not resume:
             if not overwrite:
                 raise OutputDirError(
@@ -163,5 +197,5 @@ def check_free_space(folder: Path, per_checkpoint: int, copies: int = 2) -> None
             f"of ~{_gb(per_checkpoint)}: weights, optimizer moments, EMA); free space or choose another --output_dir")
 
 
-__all__ = ["LOCK_NAME", "RunLock", "check_free_space", "check_writable", "checkpoint_bytes", "claim",
-           "clear_earlier_run", "earlier_run"]
+__all__ = ["LOCK_NAME", "MODEL_FILES", "RunLock", "check_free_space", "check_writable", "checkpoint_bytes", "claim",
+           "clear_earlier_run", "earlier_run", "entries", "undo_start"]

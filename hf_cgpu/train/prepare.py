@@ -24,7 +24,7 @@ from ..tiers import apply_tiers
 from .compiled import RecompileWatch, use_compile_cache
 from .ema import EMA
 from .fingerprint import saved_config
-from .outdir import RunLock, check_free_space, checkpoint_bytes, claim
+from .outdir import RunLock, check_free_space, checkpoint_bytes, claim, entries, undo_start
 from .parallel import kind, make_accelerator, template_of
 from .task import Task, TaskPlan
 
@@ -89,6 +89,7 @@ def mixed_precision(s: TrainSettings) -> str:
 
 def prepare(task: Task, s: TrainSettings) -> Run:
     out_dir = Path(s.output_dir)
+    before = entries(out_dir)
     lock = claim(out_dir, s.resume_from_checkpoint, s.overwrite_output_dir) if _is_main() else None
     try:
         accelerator = make_accelerator(mixed_precision=mixed_precision(s), project_dir=str(out_dir),
@@ -96,7 +97,8 @@ def prepare(task: Task, s: TrainSettings) -> Run:
         accelerator.wait_for_everyone()  # the folder is claimed (and an earlier run cleared) before anyone reads it
         return _prepare(task, s, accelerator, out_dir, lock)
     except BaseException:
-        if lock is not None:
+        if lock is not None:  # ours while we hold the lock: what this run made before its first step goes again
+            undo_start(out_dir, before)
             lock.release()
         raise
 

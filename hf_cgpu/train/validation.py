@@ -14,6 +14,7 @@ import torch
 
 from ..errors import IntegrityError
 from ..integrity import build_manifest, replace_dir, verify_folder, write_manifest
+from .checkpoint import nonfinite_tensors
 from .ema import ema_weights
 from .parallel import full_model, is_sharded, load_full_state
 
@@ -100,7 +101,8 @@ class Validator:
                 if whole is not None:
                     whole.eval()
                     self.task.on_evaluate(whole, step, self.output_dir)
-                write = (lambda folder: self.task.save_best(whole, folder)) if whole is not None else None
+                finite = whole is not None and not nonfinite_tensors(whole)  # best/ never holds a NaN either
+                write = (lambda folder: self.task.save_best(whole, folder)) if finite else None
                 improved = self.keeper.observe(raw, step, write)
             acc.wait_for_everyone()
         model.train(was_training)
