@@ -344,6 +344,24 @@ def list_presets(family: str) -> list[str]:
     return sorted(_family_files(family))
 
 
+def preset_description(name: str, family: str) -> str:
+    """The one-line ``description`` of a preset (empty when it has none)."""
+    found = _family_files(family).get(name)
+    if found is None:
+        return ""
+    try:
+        return str(json.loads(found.read_text(encoding="utf-8")).get("description", ""))
+    except (ValueError, AttributeError):
+        return ""
+
+
+def presets_text(family: str) -> str:
+    """A ``presets:`` block for ``--help``: each preset of ``family`` with its description."""
+    names = list_presets(family)
+    width = max(map(len, names), default=0) + 2
+    return "presets:\n" + "\n".join(f"  {n:<{width}}{preset_description(n, family)}" for n in names)
+
+
 def load_preset(name: str, family: str) -> dict[str, Any]:
     """A preset by name (``hf_cgpu/presets/<family>/<name>.json``, read with importlib.resources) or a JSON file."""
     path = Path(name).expanduser()
@@ -406,6 +424,8 @@ def build_parser(
     the registered choices where the field lists them, and the value the run would use without the flag (the
     preset's when ``preset`` is given, else the dataclass default). Parsed values are None when not given."""
     usage = "%(prog)s" + (" [--preset NAME]" if family else "") + " [--SETTING VALUE ...]"
+    if family and list_presets(family):
+        epilog = "\n\n".join(x for x in (presets_text(family), epilog) if x)
     parser = ArgumentParser(prog=prog, description=description, epilog=epilog, usage=usage,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     preset = preset or {}

@@ -283,3 +283,16 @@ def test_generate_puts_prompts_in_the_chat_template_and_says_when_the_model_ends
         GenerateSettings(top_p=2)
     with pytest.raises(SettingsError, match="--temperature"):
         GenerateSettings(temperature=0)
+
+
+def test_every_preset_is_described_in_one_line_in_help_and_budget(capsys):
+    from hf_cgpu.settings import list_presets, preset_description
+
+    for family, command in (("gpt", "gpt"), ("flow", "flow"), ("finetune", "lora"), ("classifier", "classifier")):
+        text = _help(["train", command, "--help"], capsys)
+        for name in list_presets(family):
+            description = preset_description(name, family)
+            assert description and "\n" not in description and len(description) <= 120, (family, name)
+            assert f"  {name}" in text and description in text, (family, name)
+    assert cli_main(["budget", "--preset", "350m"]) == 0
+    assert f"preset 350m: {preset_description('350m', 'gpt')}" in capsys.readouterr().out

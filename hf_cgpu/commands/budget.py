@@ -28,8 +28,12 @@ from ..budget.time import (
 )
 from ..errors import MissingPathError, SettingsError
 from ..gguf import gguf_location
-from ..settings import TrainSettings, list_presets, load_preset, parse_settings
+from ..settings import TrainSettings, list_presets, load_preset, parse_settings, preset_description
 from ..tasks.settings import GPTSettings
+
+REFERENCE_DESCRIPTIONS = {"pythia-1.4b": "the shape of EleutherAI/pythia-1.4b (24 x 2048, vocab 50304), for the "
+                                          "ledger without a download; fine-tune it with hf-cgpu train lora"}
+"""What the budget-only shapes are (``budget.shape.REFERENCE_CONFIGS``)."""
 
 DEFAULT_PRESET = "124m"
 DEFAULT_MEMORY_CAP = "16GB"
@@ -281,6 +285,9 @@ def run(argv: Sequence[str] | None = None) -> str:
     cap = parse_memory(train.memory_cap or DEFAULT_MEMORY_CAP)
     setup = run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp)  # a GPT preset: no adapter tier
     out = [f"hf-cgpu budget: {shape.describe()}", f"  {setup.describe()}", ""]
+    described = preset_description(shape.name, "gpt") or REFERENCE_DESCRIPTIONS.get(shape.name, "")
+    if described:
+        out.insert(1, f"  preset {shape.name}: {described}")
     if train.autofit:
         tokens = opts.effective_batch_tokens or None
         plan = autofit(
