@@ -75,8 +75,8 @@ def _settings_groups(text: str) -> str:
     """The settings part of a --help (task settings and TrainSettings), without usage, description and launch."""
     start = min(i for i in (text.find("GPTSettings:"), text.find("FlowSettings:"), text.find("FinetuneSettings:"),
                             text.find("ClassifierSettings:"), text.find("Toy2DSettings:")) if i >= 0)
-    end = text.find("LaunchSettings:")
-    return text[start:end if end >= 0 else None].rstrip()
+    ends = [i for i in (text.find("LaunchSettings:"), text.find("\npresets:")) if i >= 0]  # the command's own parts
+    return text[start:min(ends) if ends else None].rstrip()
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
