@@ -8,6 +8,7 @@ are read, not the data); ``explain_load_error`` turns what still fails into a ``
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,6 +71,53 @@ def bad_json_line(path: Path) -> str | None:
     return None
 
 
+def json_kind(value) -> str:
+    """What a JSON value is, for a message about a field that should hold text: "a number (5)", "a list"."""
+    if value is None:
+        return "null (or missing)"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value})"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__}"
+
+
+def file_rows(path: Path) -> int:
+    """Rows ``datasets`` reads from one file: a parquet footer's count, a JSON array's items, or the non-blank lines
+    of a JSON-lines file."""
+    if path.suffix.lower() == ".parquet":
+        return parquet_rows(path)
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        head = fh.read(4096).lstrip()
+        fh.seek(0)
+        if head.startswith("["):
+            return len(json.load(fh))
+        return sum(1 for line in fh if line.strip())
+
+
+def locate_row(files: Sequence[str | Path], index: int) -> str | None:
+    """'row R of <file>, line L' for row ``index`` of a split read from ``files`` in order (None: the files hold
+    fewer rows). R counts from 0 within the file, as ``datasets`` does; L is the file's line for JSON lines."""
+    for f in map(Path, files):
+        n = file_rows(f)
+        if index >= n:
+            index -= n
+            continue
+        where = f"row {index} of {f}"
+        if f.suffix.lower() in (".json", ".jsonl"):
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                if not fh.read(4096).lstrip().startswith("["):
+                    fh.seek(0)
+                    numbers = (number for number, line in enumerate(fh, 1) if line.strip())
+                    where += f", line {next(itertools.islice(numbers, index, None))}"
+        return where
+    return None
+
+
 def explain_load_error(err: BaseException, files: Sequence[str | Path]) -> DataError:
     """A one-line DataError for a ``datasets.load_dataset`` failure on local ``files``."""
     for f in map(Path, files):
@@ -87,4 +135,5 @@ def explain_load_error(err: BaseException, files: Sequence[str | Path]) -> DataE
                      "check or re-create these files")
 
 
-__all__ = ["bad_json_line", "check_files", "explain_load_error", "parquet_rows"]
+__all__ = ["bad_json_line", "check_files", "explain_load_error", "file_rows", "json_kind", "locate_row",
+           "parquet_rows"]

@@ -22,8 +22,10 @@ Modes PIL cannot turn into RGB (e.g. premultiplied 'La') raise a one-line error.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -165,13 +167,29 @@ def _open_dataset(source: str | Sequence[str], split: str):
                 return load_dataset("parquet", data_files={split: str(named)}, split=split)
             return load_dataset(str(path), split=split)  # datasets infers parquet shards or an imagefolder
     except (Exception, StopIteration) as err:
-        raise explain_load_error(err, files or [source]) from err
+        missing = _missing_split(err, source, split)
+        raise (missing or explain_load_error(err, files or [source])) from err
     try:
         return load_dataset(source, split=split)
     except Exception as err:  # no such path or Hub id, offline, no such split: one line naming the fix
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DataError(f"cannot load split {split!r} of {source!r} ({type(err).__name__}: {first[:160]}); "
                         "pass an existing folder of parquet files, a .parquet file or a Hub dataset id") from err
+
+
+def _missing_split(err: BaseException, source: str | Sequence[str], split: str) -> DataError | None:
+    """The one line for a folder that has no ``split`` (``datasets``' "Unknown split"), naming the splits it has and
+    the file or folder to add; None for other errors."""
+    cause: BaseException | None = err
+    while cause is not None and "Unknown split" not in str(cause):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or not isinstance(source, str):
+        return None
+    found = re.search(r"one of (\[.*?\])", str(cause))
+    has = ", ".join(re.findall(r"'([^']+)'", found.group(1))) if found else "others"
+    role = " (the held-out images this task evaluates on)" if split == "test" else ""
+    return DataError(f"{source} has no {split} split{role}: no {split}.parquet and no {split}/ folder of images "
+                     f"(splits found: {has}); add one, e.g. {Path(source) / f'{split}.parquet'}")
 
 
 def _file_fingerprint(source: str | Sequence[str]) -> list:
@@ -245,8 +263,6 @@ def describe_source(source, split: str) -> str:
 
 def _open_image(value) -> Image.Image:
     """A PIL image from what an undecoded ``datasets.Image`` column holds (bytes and/or a path), fully read."""
-    import io
-
     if isinstance(value, Image.Image):
         return value
     if isinstance(value, dict) and value.get("bytes") is not None:
@@ -259,31 +275,41 @@ def _open_image(value) -> Image.Image:
     return image
 
 
+def _image_file(value) -> str | None:
+    """The local file an undecoded image was read from (an imagefolder's PNG), None for bytes stored in a table."""
+    path = value.get("path") if isinstance(value, dict) else None
+    return path if path and value.get("bytes") is None and os.path.isfile(path) else None
+
+
 def _decode_rows(ds, image_column: str, image_size: int, batch_size: int, where: str, offset: int = 0) -> np.ndarray:
-    """(n, 3, S, S) uint8; a row that does not decode is named (file and row) in one line."""
+    """(n, 3, S, S) uint8; an image that does not decode is named in one line: its file when it has one (an
+    imagefolder), else its row."""
     from datasets import Image as ImageFeature
 
     if isinstance(ds.features[image_column], ImageFeature):
         ds = ds.cast_column(image_column, ImageFeature(decode=False))
     chunks, row = [], offset
     for batch in ds.select_columns([image_column]).iter(batch_size=batch_size):
-        opened = []
+        opened, names = [], []
         for value in batch[image_column]:
+            file = _image_file(value)
+            what = f"{file} ({where} row {row})" if file else f"{where} row {row}"
             try:
                 opened.append(_open_image(value))
             except Exception as err:  # PIL: UnidentifiedImageError, OSError (truncated), SyntaxError (broken PNG)
                 why = str(err).split(" <_io.")[0][:120]  # PIL names the buffer object, which says nothing
-                raise DataError(f"{where} row {row}: the image does not decode ({type(err).__name__}: {why}); "
-                                "remove or replace that row") from None
+                fix = "remove or replace that file" if file else "remove or replace that row"
+                raise DataError(f"{what}: the image does not decode ({type(err).__name__}: {why}); {fix}") from None
+            names.append(what)
             row += 1
         try:
             chunks.append(_decode_images(opened, image_size))
-        except DataError:  # which row: one at a time
-            for i, image in enumerate(opened):
+        except DataError:  # which image: one at a time
+            for image, what in zip(opened, names):
                 try:
                     preprocess_image(image, image_size)
                 except DataError as err:
-                    raise DataError(f"{where} row {row - len(opened) + i}: {err}") from None
+                    raise DataError(f"{what}: {err}") from None
             raise
     empty = np.zeros((0, 3, image_size, image_size), dtype=np.uint8)
     return np.concatenate(chunks) if chunks else empty

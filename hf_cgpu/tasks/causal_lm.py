@@ -7,14 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from ..budget.shape import ModelShape, RunShape
 from ..data.corpus import load_text_dataset
 from ..data.packing import pack_dataset, source_fingerprint
-from ..data.tokenizer import (cached_tokenizer, check_vocab, save_tokenizer, tokenizer_hash, tokenizer_made_from,
-                              train_tokenizer)
-from ..errors import CheckpointError, SettingsError
+from ..data.tokenizer import (cached_tokenizer, check_vocab, load_tokenizer, save_tokenizer, tokenizer_hash,
+                              tokenizer_made_from, tokenizer_problem, train_tokenizer)
+from ..errors import CheckpointError, DataError, SettingsError
 from ..generate import continue_texts
 from ..hub.checks import check_dataset
 from ..models.cgpt.configuration_cgpt import CgptConfig
@@ -73,14 +72,16 @@ class CausalLMTask(PackedTokensTask):
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         cfg, out = self.cfg, Path(settings.output_dir)
         check_dataset(cfg.dataset)
-        ds = load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column)
+        ds = load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column,
+                               log=accelerator.print)
         with accelerator.main_process_first():
             self.tokenizer = self._tokenizer(ds, out, resume=bool(settings.resume_from_checkpoint),
                                              log=accelerator.print)
             cache = cfg.cache_dir or None
-            kw = dict(seq_len=cfg.seq_len, cache_dir=cache, num_proc=cfg.num_proc or None, text_column=cfg.text_column)
-            self.train_data = pack_dataset(ds["train"], self.tokenizer, **kw)
-            self.val_data = pack_dataset(ds["validation"], self.tokenizer, **kw)
+            kw = dict(seq_len=cfg.seq_len, cache_dir=cache, num_proc=cfg.num_proc or None, text_column=cfg.text_column,
+                      log=accelerator.print)
+            self.train_data = pack_dataset(ds["train"], self.tokenizer, split="train", **kw)
+            self.val_data = pack_dataset(ds["validation"], self.tokenizer, split="validation", **kw)
         vocab = len(self.tokenizer)
         self.val_texts = [t for t in ds["validation"][cfg.text_column][:50] if t.strip()]
         config = cfg.model_config(vocab, self.tokenizer.eos_token_id)
@@ -106,7 +107,7 @@ class CausalLMTask(PackedTokensTask):
         one an earlier run trained from the same data and settings when the cache has it (``cached_tokenizer``)."""
         cfg = self.cfg
         if cfg.tokenizer:
-            return AutoTokenizer.from_pretrained(cfg.tokenizer)
+            return load_tokenizer(cfg.tokenizer, "tokenizer given by --tokenizer")
         saved = out / "tokenizer"
         key = {"vocab_size": cfg.vocab_size, "tokenizer_train_docs": cfg.tokenizer_train_docs,
                "text_column": cfg.text_column, "source": source_fingerprint(ds["train"], cfg.text_column)}
@@ -114,14 +115,14 @@ class CausalLMTask(PackedTokensTask):
             # resume: the same ids as the checkpoint (its fingerprint checks them)
             if resume or tokenizer_made_from(saved) == key:
                 try:
-                    return AutoTokenizer.from_pretrained(str(saved))
-                except Exception as err:  # a file damaged on disk or by hand (json and tokenizers errors alike)
+                    return load_tokenizer(saved, f"the tokenizer this run trained ({saved})")
+                except DataError as err:  # a file damaged or removed on disk or by hand
                     if resume:
-                        why = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+                        why = tokenizer_problem(saved) or str(err)
                         raise CheckpointError(
-                            f"the tokenizer this run trained ({saved}) cannot be read ({why}); the checkpoints' "
-                            "token ids need it: copy the tokenizer files back from the model folder or best/, or "
-                            "start a fresh --output_dir") from None
+                            f"the tokenizer this run trained ({saved}) cannot be read: {why}; the checkpoints' token ids "
+                            "need it: copy the tokenizer files back from the model folder or best/, or start a fresh "
+                            "--output_dir") from None
                     # not resuming: nothing depends on it yet, so a new one is trained (and saved atomically)
         train = ds["train"]
         if len(train) > cfg.tokenizer_train_docs:
