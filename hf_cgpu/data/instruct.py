@@ -11,6 +11,9 @@ prompt token, padding, or another example's text.
 
 from __future__ import annotations
 
+import re
+import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,27 +24,64 @@ import torch
 
 from ..errors import DataError
 from ..registry import Registry
-from .corpus import load_splits
+from .corpus import load_splits, split_files
+from .files import json_kind, locate_row
 
 IGNORE = -100
+_MISSING = object()
+_INDEX = re.compile(r"\[\d+\]")  # messages[3].content -> messages[].content
+
+
+class RowError(DataError):
+    """A row a format cannot turn into a chat; ``field`` names what is wrong (``output``, ``messages[1].content``)."""
+
+    def __init__(self, field: str, problem: str, kind: str | None = None):
+        super().__init__(f"{field!r} {problem}")
+        self.field = field
+        self.kind = kind or f"without a string {_INDEX.sub('[]', field)!r}"  # how skipped rows are counted
+
+
+def text_field(row: dict[str, Any], field: str, optional: bool = False, name: str | None = None) -> str:
+    """``row[field]`` when it is a string ('' for an absent or null ``optional`` field); a ``RowError`` naming the
+    field otherwise (null, missing, a number, a list): never the text "None" or "5" trained on as an answer."""
+    value = row.get(field, _MISSING) if isinstance(row, dict) else _MISSING
+    if isinstance(value, str):
+        return value
+    if optional and (value is None or value is _MISSING):
+        return ""
+    name = name or field
+    if value is _MISSING:
+        raise RowError(name, "is missing")
+    raise RowError(name, f"is {json_kind(value)}, not a string")
 
 
 def _messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    msgs = row["messages"]
-    if not msgs or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in msgs):
-        raise DataError(f"a 'messages' row must be a non-empty list of {{role, content}} dicts, got {msgs!r:.80}")
-    return [{"role": str(m["role"]), "content": str(m["content"])} for m in msgs]
+    msgs = row.get("messages")
+    chats = "whose 'messages' is no list of {role, content} objects"
+    if not isinstance(msgs, list) or not msgs:
+        raise RowError("messages", f"must be a non-empty list of {{role, content}} objects, not {json_kind(msgs)}",
+                       chats)
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise RowError(f"messages[{i}]", f"must be a {{role, content}} object, not {json_kind(m)}", chats)
+        for key in ("role", "content"):
+            if key not in m:
+                raise RowError(f"messages[{i}].{key}", "is missing (a message is a {role, content} object)")
+        out.append({"role": text_field(m, "role", name=f"messages[{i}].role"),
+                    "content": text_field(m, "content", name=f"messages[{i}].content")})
+    return out
 
 
 def _instruction(row: dict[str, Any]) -> list[dict[str, str]]:
-    extra = str(row.get("input") or "").strip()
-    user = str(row["instruction"]).strip() + (f"\n\n{extra}" if extra else "")
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": str(row["output"]).strip()}]
+    extra = text_field(row, "input", optional=True).strip()
+    user = text_field(row, "instruction").strip() + (f"\n\n{extra}" if extra else "")
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": text_field(row, "output").strip()}]
 
 
 def _prompt(row: dict[str, Any]) -> list[dict[str, str]]:
-    return [{"role": "user", "content": str(row["prompt"]).strip()},
-            {"role": "assistant", "content": str(row["response"]).strip()}]
+    return [{"role": "user", "content": text_field(row, "prompt").strip()},
+            {"role": "assistant", "content": text_field(row, "response").strip()}]
 
 
 @dataclass(frozen=True)
@@ -53,7 +93,8 @@ class InstructionFormat:
     columns: frozenset[str]
     """A dataset whose columns include these holds this format."""
     to_messages: Callable[[dict[str, Any]], list[dict[str, str]]]
-    """A row as ``[{"role", "content"}, ...]`` (user turns and the assistant's answers)."""
+    """A row as ``[{"role", "content"}, ...]`` (user turns and the assistant's answers); a row it cannot turn into
+    text raises ``RowError`` naming the field (``text_field`` does), which the loader reports with the row's file."""
 
 
 INSTRUCTION_FORMATS: Registry[InstructionFormat] = Registry("instruction format", DataError)
@@ -125,14 +166,20 @@ class InstructionRows:
         return self.ids.shape[0]
 
 
-def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str) -> InstructionRows:
+def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str, where: str = "the data") -> InstructionRows:
+    """The rows of ``ds`` (``fmt``) as fixed-length examples; a row that is no chat is refused naming its index in
+    ``where`` (``instruction_splits`` has refused or skipped those already, naming their files)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = seq_len + 1
     ids = np.full((len(ds), width), pad, dtype=np.int64)
     targets = np.full((len(ds), width), IGNORE, dtype=np.int64)
     chars, truncated = 0.0, 0
     for i, row in enumerate(ds):
-        tok, flags, n_chars = encode(tokenizer, to_messages(row, fmt))
+        try:
+            messages = to_messages(row, fmt)
+        except RowError as err:
+            raise DataError(f"row {i} of {where}: {err}; fix or remove that row") from None
+        tok, flags, n_chars = encode(tokenizer, messages)
         n_targets = max(1, sum(flags))
         if len(tok) > width:  # cut: the characters scored are taken in proportion to the target tokens kept
             truncated += 1
@@ -147,11 +194,16 @@ def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str) -> Instr
 
 
 def instruction_splits(source: str | None, data_format: str = "auto", text_column: str = "text",
-                       validation_fraction: float = 0.05, seed: int = 0) -> tuple[dict, str] | None:
+                       validation_fraction: float = 0.05, seed: int = 0, skip_bad_rows: bool = False,
+                       log: Callable[[str], None] | None = None) -> tuple[dict, str] | None:
     """``({"train": ds, "validation": ds}, format)`` of ``source`` when its columns hold instructions
     (``detect_format``) under ``--data_format`` auto or instruct, loaded once; ``None`` for plain text (``builtin``
     is text, and so is anything under ``text``). A validation split is carved from train when it has none:
-    ``validation_fraction`` of the rows, at least 1. ``instruct`` on columns that hold none is a one-line error."""
+    ``validation_fraction`` of the rows, at least 1. ``instruct`` on columns that hold none is a one-line error.
+
+    Every row is checked before any is used: a row whose fields are not text (a null or missing ``output``, a message
+    without ``content``) is refused in one line naming its file, row and field; with ``skip_bad_rows`` such rows are
+    left out instead and counted in one line per split to ``log`` (default: stderr)."""
     if data_format not in ("auto", "instruct", "text"):
         raise DataError(f"--data_format {data_format!r}: choose auto, instruct or text")
     if data_format == "text" or source is None or source == "builtin":
@@ -165,6 +217,9 @@ def instruction_splits(source: str | None, data_format: str = "auto", text_colum
             f"{source!r} has columns {', '.join(splits['train'].column_names)}: no messages, instruction/output or "
             "prompt/response; use --data_format text for plain text"
         )
+    files = split_files(source)
+    splits = {split: _usable_rows(ds, fmt, split, files.get(split, []), source, skip_bad_rows, log or _stderr)
+              for split, ds in splits.items()}
     if "validation" not in splits:
         n = len(splits["train"])
         if n < 2:
@@ -172,6 +227,37 @@ def instruction_splits(source: str | None, data_format: str = "auto", text_colum
         cut = splits["train"].train_test_split(test_size=max(1, round(validation_fraction * n)), seed=seed)
         splits = {"train": cut["train"], "validation": cut["test"]}
     return splits, fmt
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def _usable_rows(ds: datasets.Dataset, fmt: str, split: str, files: list, source: str, skip: bool,
+                 log: Callable[[str], None]) -> datasets.Dataset:
+    """``ds`` without the rows ``fmt`` cannot turn into a chat: refused, naming the first, unless ``skip``."""
+
+    def where(i: int) -> str:
+        return locate_row(files, i) or f"row {i} of the {split} split of {source}"
+
+    convert = INSTRUCTION_FORMATS[fmt].to_messages
+    bad: dict[int, RowError] = {}
+    for i, row in enumerate(ds):
+        try:
+            convert(row)
+        except RowError as err:
+            if not skip:
+                raise DataError(f"{where(i)}: {err}; fix or remove that row, or pass --skip_bad_rows true to leave "
+                                "such rows out") from None
+            bad[i] = err
+    if not bad:
+        return ds
+    kinds = Counter(err.kind for err in bad.values())
+    rows = f"{len(bad)} row{'s' if len(bad) > 1 else ''}"
+    what = f"{rows} {next(iter(kinds))}" if len(kinds) == 1 else f"{rows}: " + ", ".join(
+        f"{n} {kind}" for kind, n in kinds.items())
+    log(f"skipped {what} (first: {where(next(iter(bad)))})")
+    return ds.select([i for i in range(len(ds)) if i not in bad])
 
 
 def load_instruction_splits(source: str, validation_fraction: float = 0.05, seed: int = 0) -> tuple[dict, str]:
@@ -187,13 +273,13 @@ def format_instruction_example(example: dict[str, Any]) -> dict[str, str]:
     -100 and train on the response only; the tokenizer's EOS is appended by the recipe.
     """
     if "instruction" in example and "output" in example:
-        extra = (example.get("input") or "").strip()
+        extra = text_field(example, "input", optional=True).strip()
         template = PROMPT_WITH_INPUT_TEMPLATE if extra else PROMPT_TEMPLATE
-        prompt = template.format(instruction=str(example["instruction"]).strip(), input=extra)
-        response = str(example["output"]).strip()
+        prompt = template.format(instruction=text_field(example, "instruction").strip(), input=extra)
+        response = text_field(example, "output").strip()
     elif "prompt" in example and "response" in example:
-        prompt = PROMPT_TEMPLATE.format(instruction=str(example["prompt"]).strip())
-        response = str(example["response"]).strip()
+        prompt = PROMPT_TEMPLATE.format(instruction=text_field(example, "prompt").strip())
+        response = text_field(example, "response").strip()
     else:
         raise ValueError(
             f"instruction example needs columns instruction/output (+input) or prompt/response, got {sorted(example)}"

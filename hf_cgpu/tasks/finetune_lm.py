@@ -18,8 +18,8 @@ from ..budget.shape import ModelShape, RunShape
 from ..data.corpus import load_text_dataset
 from ..data.instruct import build_rows, instruction_splits
 from ..data.packing import pack_dataset
-from ..data.tokenizer import tokenizer_hash
-from ..errors import SettingsError, require_model
+from ..data.tokenizer import no_eos_message, tokenizer_hash
+from ..errors import DataError, SettingsError, require_model
 from ..evaluation.text import score_rows
 from ..finetune import merge_and_save, resolve_base, save_adapter
 from ..hub.checks import check_dataset, check_hub_model
@@ -49,8 +49,8 @@ class FinetuneTask(PackedTokensTask):
         with accelerator.main_process_first():
             self.base, self.base_info = resolve_base(cfg.model, cfg.gguf_file)
         self.tokenizer = AutoTokenizer.from_pretrained(self.base, trust_remote_code=cfg.trust_remote_code)
-        if self.tokenizer.eos_token_id is None:
-            raise SettingsError(f"tokenizer of {cfg.model} has no eos token; documents could not be separated")
+        if self.tokenizer.eos_token_id is None:  # which file lost it, else that documents could not be separated
+            raise DataError(no_eos_message(self.tokenizer, f"tokenizer of {cfg.model}"))
         device_map = {"": accelerator.device} if settings.tier == "qlora" and accelerator.device.type == "cuda" else None
         model = load_base_model(self.base, settings.tier, device_map=device_map, trust_remote_code=cfg.trust_remote_code)
         limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
@@ -72,18 +72,20 @@ class FinetuneTask(PackedTokensTask):
         """Instruction rows (True) or a packed text stream (False), by ``data_format`` and the columns."""
         cfg = self.cfg
         source = None if cfg.dataset == "builtin" else cfg.dataset
-        found = instruction_splits(source, cfg.data_format, cfg.text_column)
+        found = instruction_splits(source, cfg.data_format, cfg.text_column, skip_bad_rows=cfg.skip_bad_rows,
+                                   log=accelerator.print)
         if found is not None:
             splits, self.fmt = found
-            self.train_rows = build_rows(splits["train"], self.tokenizer, cfg.seq_len, self.fmt)
-            self.val_rows = build_rows(splits["validation"], self.tokenizer, cfg.seq_len, self.fmt)
+            self.train_rows = build_rows(splits["train"], self.tokenizer, cfg.seq_len, self.fmt, "the train split")
+            self.val_rows = build_rows(splits["validation"], self.tokenizer, cfg.seq_len, self.fmt,
+                                       "the validation split")
             return True
-        ds = load_text_dataset(source, text_column=cfg.text_column)
+        ds = load_text_dataset(source, text_column=cfg.text_column, log=accelerator.print)
         with accelerator.main_process_first():
             kw = dict(seq_len=cfg.seq_len, cache_dir=cfg.cache_dir or None, num_proc=cfg.num_proc or None,
-                      text_column=cfg.text_column)
-            self.train_data = pack_dataset(ds["train"], self.tokenizer, **kw)
-            self.val_data = pack_dataset(ds["validation"], self.tokenizer, **kw)
+                      text_column=cfg.text_column, log=accelerator.print)
+            self.train_data = pack_dataset(ds["train"], self.tokenizer, split="train", **kw)
+            self.val_data = pack_dataset(ds["validation"], self.tokenizer, split="validation", **kw)
         return False
 
     # ---- instruction rows: one example per row, targets only on the responses

@@ -135,6 +135,9 @@ class FinetuneSettings:
     prompt/response rows in the base's chat template, loss on the responses only) or text (plain text, packed)."""
     text_column: str = "text"
     """Column with plain text (data_format text)."""
+    skip_bad_rows: bool = False
+    """Leave out instruction rows whose fields are not text (a null or missing output, a message without content),
+    counted in one line per split; false: the first one is refused, naming its file, row and field."""
     seq_len: int = field(default=1024, metadata=FIXED)
     """Tokens per training sequence."""
     loss_chunk_size: int = 1024
