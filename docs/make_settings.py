@@ -124,25 +124,25 @@ def render() -> str:
     parts = [
         "# Settings reference",
         "",
-        f"Generated from the settings' docstrings by `{REGENERATE}`: the same text as each command's `--help`. "
-        "Edit the docstrings in the code, not this file; `tests/test_docs.py` fails when the two differ.",
+        (f"Generated from the settings' docstrings by `{REGENERATE}`: the same text as each command's `--help`. "
+         "Edit the docstrings in the code, not this file; `tests/test_docs.py` fails when the two differ."),
         "",
-        "Every setting is a flag, `--name VALUE`; a true/false flag given alone means true (`--compile` = "
-        "`--compile true`). A value comes from the command line, else from the preset (`--preset NAME`, or a "
-        "`.json` file of settings), else from the default below. `COMMAND --help` prints the value a run would "
-        "use, the preset's where it sets one.",
+        ("Every setting is a flag, `--name VALUE`; a true/false flag given alone means true (`--compile` = "
+         "`--compile true`). A value comes from the command line, else from the preset (`--preset NAME`, or a "
+         "`.json` file of settings), else from the default below. `COMMAND --help` prints the value a run would "
+         "use, the preset's where it sets one."),
         "",
         "## Which command reads which settings",
         "",
         commands_table(optimizers),
         "",
-        "`hf-cgpu eval RUN --dataset DATA` (text), `hf-cgpu push`, `hf-cgpu verify` and `hf-cgpu bench` take a few "
-        "plain options: their `--help` lists them.",
+        ("`hf-cgpu eval RUN --dataset DATA` (text), `hf-cgpu push`, `hf-cgpu verify` and `hf-cgpu bench` take a few "
+         "plain options: their `--help` lists them."),
         "",
         "## Presets",
         "",
-        "A preset is a JSON file of settings under `hf_cgpu/presets/<family>/` with a one-line `description`; "
-        "what each one has measured is in [hf_cgpu/presets/README.md](../hf_cgpu/presets/README.md).",
+        ("A preset is a JSON file of settings under `hf_cgpu/presets/<family>/` with a one-line `description`; "
+         "what each one has measured is in [hf_cgpu/presets/README.md](../hf_cgpu/presets/README.md)."),
         "",
         presets_tables(),
         "",
