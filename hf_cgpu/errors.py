@@ -9,6 +9,7 @@ the exit code argparse uses for bad arguments. Anything else is a bug and keeps 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -51,10 +52,32 @@ class TrainingStopped(UserError, RuntimeError):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with the one error path: a bad flag or value is a ``SettingsError`` (one line, exit 2), not
-    argparse's usage block (dozens of lines for a settings parser) followed by the message."""
+    argparse's usage block (dozens of lines for a settings parser) followed by the message. Flags are never taken by
+    a prefix (``--max_step`` is no ``--max_steps``), and an unknown one is answered with the closest real one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
-        raise SettingsError(f"{self.prog}: {message}; `{self.prog} --help` lists the options")
+        raise SettingsError(f"{self.prog}: {message}{self._did_you_mean(message)}; `{self.prog} --help` lists the "
+                            "options")
+
+    def _did_you_mean(self, message: str) -> str:
+        """`` (did you mean --max_steps?)`` for the first unknown flag in ``message`` that is close to a real one
+        (a dash for an underscore, a letter missing)."""
+        if "unrecognized arguments" not in message:
+            return ""
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        for word in message.split(":", 1)[1].split():
+            if not word.startswith("--"):
+                continue
+            flag = "--" + word.split("=", 1)[0][2:].replace("-", "_")
+            longer = sorted((f for f in flags if f.startswith(flag)), key=len)  # a prefix of a real flag
+            close = longer or difflib.get_close_matches(flag, flags, n=1, cutoff=0.8)
+            if close:
+                return f" (did you mean {close[0]}?)"
+        return ""
 
 
 def require_model(spec: str, what: str = "model folder") -> None:

@@ -391,7 +391,7 @@ def test_cli_next_rung_and_autofit(capsys):
     assert cli_main(["budget", "--preset", "770m", "--tier", "full", "--no_recompute", "--micro_batch_size", "8",
                      "--peak_tflops", "160"]) == 0
     out = capsys.readouterr().out
-    assert "DOES NOT FIT" in out and "next rung (seed's order): micro-batch 8 -> 4" in out
+    assert "DOES NOT FIT" in out and "next rung: micro-batch 8 -> 4" in out
     assert cli_main(["budget", "--preset", "770m", "--tier", "full", "--no_recompute", "--autofit",
                      "--peak_tflops", "160"]) == 0
     out = capsys.readouterr().out
@@ -425,14 +425,32 @@ def test_cli_errors_are_one_line_naming_the_fix(argv, fix, capsys):
 
 
 def test_hub_id_offline_is_a_clear_error(monkeypatch):
+    import huggingface_hub.constants
     import transformers
 
     def offline(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
     with pytest.raises(SettingsError, match="download its config.json and pass --config PATH"):
-        ModelShape.from_hub("EleutherAI/pythia-1.4b")
+        ModelShape.from_hub("EleutherAI/pythia-410m")
+    assert ModelShape.from_hub("EleutherAI/pythia-1.4b") == ModelShape.reference("pythia-1.4b")  # known: no request
+
+
+def test_an_unreachable_hub_id_is_one_request_not_a_minute_of_retries(monkeypatch):
+    import huggingface_hub
+    import transformers
+
+    from hf_cgpu.hub.checks import HubError
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "repo_info", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
+        ConnectionError("Name or service not known")))
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: pytest.fail("retried"))
+    with pytest.raises(HubError, match="the Hub cannot be reached"):
+        ModelShape.from_hub("EleutherAI/pythia-410m")
+    assert len(calls) == 1
 
 
 # ---- regression against the H200 measurement ----------------------------------------------------------------------

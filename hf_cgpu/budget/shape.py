@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import MissingPathError, SettingsError
 from ..gguf import gguf_location
+from ..hub.checks import check_hub_model
 from ..optim import optimizer_spec
 from ..options import ADAPTER_TIERS
 from ..settings import TrainSettings
@@ -33,6 +34,8 @@ REFERENCE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                      max_position_embeddings=2048)),
 }
 """Shapes known without a download: the Pythia-1.4B config of the seed's LoRA exercise (``EleutherAI/pythia-1.4b``)."""
+REFERENCE_HUB_IDS = {"EleutherAI/pythia-1.4b": "pythia-1.4b"}
+"""Hub ids whose shape is a reference config: priced without asking the Hub."""
 
 
 def fmt_count(n: float) -> str:
@@ -175,7 +178,11 @@ class ModelShape:
 
     @classmethod
     def from_hub(cls, model_id: str) -> ModelShape:
-        """From a Hub model id through ``transformers.AutoConfig`` (needs network or a cached config)."""
+        """From a Hub model id through ``transformers.AutoConfig`` (needs network or a cached config); an id that is
+        neither cached nor answers one request is one line at once, not after a minute of retries."""
+        if model_id in REFERENCE_HUB_IDS:
+            return cls.reference(REFERENCE_HUB_IDS[model_id])
+        check_hub_model(model_id)
         try:
             from transformers import AutoConfig
 

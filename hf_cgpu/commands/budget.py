@@ -29,7 +29,7 @@ from ..budget.time import (
 from ..errors import MissingPathError, SettingsError
 from ..gguf import gguf_location
 from ..settings import TrainSettings, list_presets, load_preset, parse_settings, preset_description
-from ..tasks.settings import GPTSettings
+from ..tasks.settings import FinetuneSettings, GPTSettings
 
 REFERENCE_DESCRIPTIONS = {"pythia-1.4b": "the shape of EleutherAI/pythia-1.4b (24 x 2048, vocab 50304), for the "
                                           "ledger without a download; fine-tune it with hf-cgpu train lora"}
@@ -100,8 +100,9 @@ def preset_shape(name: str) -> ModelShape:
 
 
 def preset_names() -> list[str]:
-    """GPT presets plus reference shapes, smallest first."""
-    return sorted([*gpt_preset_names(), *REFERENCE_CONFIGS], key=lambda n: (preset_shape(n).n_params, n))
+    """GPT presets plus reference shapes, smallest first, then the fine-tuning presets."""
+    shapes = sorted([*gpt_preset_names(), *REFERENCE_CONFIGS], key=lambda n: (preset_shape(n).n_params, n))
+    return [*shapes, *finetune_preset_names()]
 
 
 def resolve_model(spec: str, gguf_file: str = "") -> ModelShape:
@@ -140,59 +141,76 @@ def _rewrite(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _source(argv: list[str]) -> tuple[list[str], str | None]:
-    """Pull ``--preset NAME`` out of ``argv`` when NAME is no GPT preset the settings parser knows."""
-    for i, arg in enumerate(argv):
-        name = arg.split("=", 1)[1] if arg.startswith("--preset=") else (argv[i + 1] if arg == "--preset" and
-                                                                          i + 1 < len(argv) else None)
-        if name is None:
-            continue
-        if name in REFERENCE_CONFIGS:
-            return argv[:i] + argv[i + (1 if "=" in arg else 2):], name
-        if name not in preset_names() and not name.endswith(".json"):
-            raise SettingsError(f"unknown preset {name!r}: choose one of {', '.join(preset_names())} or pass --config PATH")
-        return argv, None
-    return argv, None
-
-
 GPT_SHAPE_FLAGS = frozenset(f"--{n}" for n in ("n_layer", "n_embd", "n_head", "mlp_ratio", "bias", "vocab_size",
                                                  "position_embedding", "qk_norm", "activation", "norm",
                                                  "tie_word_embeddings"))
 """GPTSettings flags that shape our GPT only: another causal LM's shape is its config's."""
 
 
+def finetune_preset_names() -> list[str]:
+    return list_presets("finetune")
+
+
 def describe_run(argv: Sequence[str] | None = None):
-    """Parse a training command line: (RunShape, TrainSettings, BudgetSettings)."""
-    args, reference = _source(_rewrite(argv or []))
-    chosen = any(a in ("--config", "--model", "--preset") or a.startswith(("--config=", "--model=", "--preset="))
-                 for a in args)
-    if not chosen and reference is None:
-        args = ["--preset", DEFAULT_PRESET, *args]
-    gpt, train, opts = parse_settings((GPTSettings, TrainSettings, BudgetSettings), args, family="gpt",
-                                      description=__doc__, prog="hf-cgpu budget")
-    given_preset = any(a == "--preset" or a.startswith("--preset=") for a in args)
-    if (opts.config or opts.model or reference) and given_preset:
+    """Parse a training command line: (RunShape, TrainSettings, BudgetSettings). A GPT preset (the default: 124m)
+    describes ``hf-cgpu train gpt``; a fine-tuning preset (lora, qlora), ``--model``, ``--config`` or a budget-only
+    shape (pythia-1.4b) describe ``hf-cgpu train lora``, with its preset's settings (lora unless another is named)."""
+    args = _rewrite(argv or [])
+    preset = _preset_name(args)
+    other = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in ("--config", "--model")]
+    if preset and other:
         raise SettingsError("give one of --preset, --config or --model")
-    if opts.config or opts.model or reference:
-        shape_flags = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in GPT_SHAPE_FLAGS]
-        if shape_flags:
-            raise SettingsError(f"{', '.join(shape_flags)} shape a from-scratch GPT (--preset); with --model or "
-                                "--config the model's own config sets the shape: drop them")
+    if preset in REFERENCE_CONFIGS:  # a shape known without a download, priced as its fine-tuning
+        args = [*_without_preset(args), "--model", preset]
+        preset, other = "", ["--model"]
+    if preset and preset not in preset_names() and not preset.endswith(".json"):
+        raise SettingsError(f"unknown preset {preset!r}: choose one of {', '.join(preset_names())} or pass "
+                            "--config PATH")
+    if not (other or preset in finetune_preset_names()):
+        gpt, train, opts = parse_settings((GPTSettings, TrainSettings, BudgetSettings), args, family="gpt",
+                                          description=__doc__, prog="hf-cgpu budget", default_preset=DEFAULT_PRESET,
+                                          epilog=budget_epilog(), fixed={"train_mode": "pretrain"})
+        return gpt.run_shape(name=preset or DEFAULT_PRESET), train, opts
+    shape_flags = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in GPT_SHAPE_FLAGS]
+    if shape_flags:
+        raise SettingsError(f"{', '.join(shape_flags)} shape a from-scratch GPT (--preset); with --model or "
+                            "--config the model's own config sets the shape: drop them")
+    cfg, train, opts = parse_settings((FinetuneSettings, TrainSettings, BudgetSettings), args, family="finetune",
+                                      description=__doc__, prog="hf-cgpu budget", default_preset="lora",
+                                      epilog=budget_epilog(), fixed={"train_mode": "finetune"})
     if opts.config:
         model = ModelShape.from_config_file(opts.config)
-    elif reference or opts.model:
-        model = resolve_model(reference or opts.model, opts.gguf_file)
     else:
-        return gpt.run_shape(name=_preset_name(args)), train, opts
+        model = resolve_model(cfg.model, cfg.gguf_file)
     # another causal LM: trained as the fine-tuning task does, its loss through the backbone
-    return RunShape(model, gpt.seq_len, gpt.loss_chunk_size, loss_in_forward=False), train, opts
+    return RunShape(model, cfg.seq_len, cfg.loss_chunk_size, loss_in_forward=False), train, opts
+
+
+def budget_epilog() -> str:
+    """The fine-tuning presets and the budget-only shapes, beside the GPT presets ``--help`` lists."""
+    lines = [f"  {n:<18}{preset_description(n, 'finetune')}" for n in finetune_preset_names()]
+    lines += [f"  {n:<18}{REFERENCE_DESCRIPTIONS.get(n, '')}" for n in REFERENCE_CONFIGS]
+    return ("fine-tuning presets and shapes known without a download (--preset NAME; or --model / --config with the "
+            "lora preset's settings):\n" + "\n".join(lines))
+
+
+def _without_preset(args: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--preset":
+            skip = True
+        elif not arg.startswith("--preset="):
+            out.append(arg)
+    return out
 
 
 def _preset_name(args: list[str]) -> str:
     for i, arg in enumerate(args):
         if arg.startswith("--preset="):
             return arg.split("=", 1)[1]
-        if arg == "--preset":
+        if arg == "--preset" and i + 1 < len(args):
             return args[i + 1]
     return ""
 
@@ -232,7 +250,7 @@ def format_model_states(led: Ledger, label_w: int) -> str:
     sharded = led.setup.processes if led.setup.fsdp and led.setup.processes > 1 else 1
     where = f"; / {sharded} FSDP2 processes: {fmt_gib(total / sharded)} per GPU" if sharded > 1 else ""
     return (f"  {'= model states':<{label_w}}{total / GiB:>8.2f}   {per_param:.1f} B/param: weights + gradients + "
-            f"optimizer state (the seed's AdamW rule: 16 B/param, 5.2 GB at 350M){where}")
+            f"optimizer state{where}")
 
 
 def format_time(shape: ModelShape, setup: TrainSetup, peak: float, peak_source: str, mfu: float,
@@ -256,11 +274,20 @@ def format_time(shape: ModelShape, setup: TrainSetup, peak: float, peak_source: 
     return "\n".join(lines)
 
 
+def fmt_duration(seconds: float) -> str:
+    """Minutes below two hours, hours below two days, then days."""
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:,.1f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:,.1f} h"
+    return f"{seconds / 86400:,.1f} days"
+
+
 def format_run_time(setup: TrainSetup, train, rate: float) -> str:
     """This run's steps at ``rate`` tokens/s per GPU, and how many of them ``--max_minutes`` holds."""
     per_step = setup.tokens_per_step * setup.processes
     seconds = train.max_steps * setup.tokens_per_step / rate
-    line = f"  this run         {train.max_steps:,} steps x {per_step:,} tokens -> {seconds / 60:,.1f} min"
+    line = f"  this run         {train.max_steps:,} steps x {per_step:,} tokens -> {fmt_duration(seconds)}"
     if train.max_minutes > 0:
         held = int(train.max_minutes * 60 * rate / setup.tokens_per_step)  # every process steps at rate
         if held < train.max_steps:
@@ -285,9 +312,11 @@ def run(argv: Sequence[str] | None = None) -> str:
     cap = parse_memory(train.memory_cap or DEFAULT_MEMORY_CAP)
     setup = run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp)  # a GPT preset: no adapter tier
     out = [f"hf-cgpu budget: {shape.describe()}", f"  {setup.describe()}", ""]
-    described = preset_description(shape.name, "gpt") or REFERENCE_DESCRIPTIONS.get(shape.name, "")
-    if described:
-        out.insert(1, f"  preset {shape.name}: {described}")
+    family = "gpt" if run_shape.pretrain else "finetune"
+    preset = _preset_name(_rewrite(argv or [])) or (DEFAULT_PRESET if run_shape.pretrain else "lora")
+    described = [(f"preset {preset}", preset_description(preset, family)),
+                 (f"shape {shape.name}", REFERENCE_DESCRIPTIONS.get(shape.name, ""))]
+    out[1:1] = [f"  {what}: {text}" for what, text in described if text]
     if train.autofit:
         tokens = opts.effective_batch_tokens or None
         plan = autofit(
@@ -297,7 +326,7 @@ def run(argv: Sequence[str] | None = None) -> str:
             rungs=[r for r in RUNGS if not ((opts.no_lora or run_shape.pretrain) and r in ("lora", "qlora"))],
             base=setup,
         )
-        out.append("autofit (the seed's ladder: micro-batch -> recompute -> sequence -> 8-bit AdamW -> LoRA -> QLoRA):")
+        out.append("autofit (the memory ladder: micro-batch -> recompute -> sequence -> 8-bit AdamW -> LoRA -> QLoRA):")
         out += [f"  {i}. {r}" for i, r in enumerate(plan.reasons, 1)]
         out += ["", f"  plan: {plan.setup.describe()}", ""]
         setup, led = plan.setup, plan.ledger
@@ -309,7 +338,7 @@ def run(argv: Sequence[str] | None = None) -> str:
         if nxt:
             label, nled = nxt
             verdict = "fits" if nled.fits else "still over"
-            out.append(f"  next rung (seed's order): {label}: {fmt_gib(nled.total)}, {verdict}; --autofit for a plan")
+            out.append(f"  next rung: {label}: {fmt_gib(nled.total)}, {verdict}; --autofit for a plan")
         else:
             out.append("  no rung left on the ladder: pick a smaller model")
     out.append("")
