@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .errors import ArgumentParser, IntegrityError, MissingPathError
 from .integrity import MANIFEST, verify_folder
+from .train.artifacts import STAGING
 from .train.checkpoint import checkpoint_root, list_checkpoints
 from .train.checkpoint import verify as verify_checkpoint
 from .train.outdir import MODEL_FILES
@@ -35,6 +36,9 @@ def check(folder: Path, hashes: bool = True) -> str:
     """A one-line description of a folder that verifies; raises IntegrityError otherwise."""
     if folder.parent.name == "checkpoints" and hashes:
         verify_checkpoint(folder)
+    if not (folder / MANIFEST).is_file() and (folder / STAGING / MANIFEST).is_file():
+        raise IntegrityError(f"{folder}: unsealed, its final save was cut off while its files moved; the next run in "
+                             "this folder finishes it: resume it with --resume_from_checkpoint latest")
     if not (folder / MANIFEST).is_file():
         raise IntegrityError(f"{folder}: unsealed, no {MANIFEST}: its files cannot be checked (a save cut off before "
                              "its manifest, or files put there by hand); resume the run that wrote it "

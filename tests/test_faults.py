@@ -36,6 +36,7 @@ from hf_cgpu.errors import CheckpointError, DataError, IntegrityError, OutputDir
 from hf_cgpu.train import checkpoint as ckpt_io
 from hf_cgpu.train import fit
 from hf_cgpu.train.ema import EMA
+from hf_cgpu.verify import check as verify_check
 from hf_cgpu.verify import main as verify_main
 from test_loop import ToyTask, settings
 
@@ -242,6 +243,35 @@ def test_two_kills_in_a_row_then_resume(reference, tmp_path):
     assert in_child(first) == KILLED and in_child(second) == KILLED
     resume(out)
     assert_same(out, reference[1])
+
+
+@pytest.mark.parametrize("moved", [1, 3])
+def test_a_final_save_cut_off_while_its_files_move_is_finished_by_the_next_run(moved, reference, tmp_path):
+    """The new model is sealed in its staging folder before a file moves: a kill after ``moved`` renames leaves the
+    folder unsealed (verify says so and how to finish it); the next run there finishes the move and seals exactly the
+    uninterrupted run's model, and a moved file that changed since keeps the folder unsealed."""
+    out = tmp_path / "run"
+
+    def child():
+        count = nth_call(moved)
+        die_when(os, "replace", lambda src, dst: ".tmp-model" in str(src) and ".tmp-model" not in str(dst) and count(),
+                 after=True)
+        fit(FaultToy(), cfg(out))
+
+    assert in_child(child) == KILLED
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    with pytest.raises(IntegrityError, match="cut off while its files moved.*resume it"):
+        verify_check(out)
+    said = []
+    outdir.claim(out, resume="latest", overwrite=False, log=said.append).release()  # how a resume starts
+    assert said and said[0].startswith("finished the final save a kill interrupted")
+    assert verify_main([str(out)]) == 0 and not (out / artifacts.STAGING).exists()
+    assert snapshot(out)["toy.pt"] == snapshot(reference[0])["toy.pt"]
+    flip_byte(next(p for p in broken.iterdir() if p.name in ("toy.pt", "all_results.json", "history.json")))
+    assert not artifacts.finish_interrupted_save(broken, log=lambda m: None)
+    with pytest.raises(IntegrityError, match="unsealed"):
+        verify_check(broken)
 
 
 # ---------------------------------------------------------------------------------------------------- byte flips

@@ -1,10 +1,12 @@
 """What a finished run leaves in ``output_dir``: the model (EMA weights when EMA is on, or the best weights),
 ``all_results.json`` (the final figures and every setting), ``history.json``, ``training_curves.png`` and the card.
 
-Everything but the card is written into ``output_dir/.tmp-model`` first, hashed into a ``manifest.json``
-(``hf-cgpu verify DIR`` re-checks it; the card, re-rendered by ``hf-cgpu push``, is documentation and left out),
-then each file is renamed into place and the manifest written last: a kill during the final save leaves a folder
-without a manifest (and the final checkpoint, from which a resume redoes the save), never a silently mixed one."""
+Everything but the card is written into ``output_dir/.tmp-model`` first and sealed there by a ``manifest.json``
+(``hf-cgpu verify DIR`` re-checks it; the card, re-rendered by ``hf-cgpu push``, is documentation and left out);
+then each file is renamed into place and the manifest moved last. A kill before the staging folder is sealed leaves
+the old sealed model; a kill while the files move leaves an unsealed folder (``verify`` refuses it) beside a sealed
+staging folder, which the next run in that folder finishes moving and checks against the manifest before it seals
+the model (``finish_interrupted_save``): the old complete model or the new one, never a silently mixed one."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from ..integrity import MANIFEST, atomic_output, atomic_write_json, build_manifest, fsync_dir, update_manifest
-from ..integrity import write_manifest
+from ..integrity import MANIFEST, IntegrityError, atomic_output, atomic_write_json, build_manifest, fsync_dir
+from ..integrity import read_manifest, sha256_file, update_manifest, write_manifest
 from ..hub.cards import render_model_card
 from .ema import EMA, ema_weights
 
@@ -91,22 +93,61 @@ def save_run(task, model: torch.nn.Module, ema: EMA | None, use_best: bool, outp
 
 
 def install_model(staging: Path, output_dir: Path, **meta: Any) -> None:
-    """Hash ``staging``'s files, move them into ``output_dir`` and write the manifest last."""
+    """Seal ``staging`` (hash its files into its manifest), then move its files into ``output_dir``, manifest last."""
     manifest = build_manifest(staging, "model", exclude=("README.md",), **meta)  # the card is re-rendered later
-    (output_dir / MANIFEST).unlink(missing_ok=True)  # until the new one is written, the folder says "incomplete"
+    for rel in manifest.files:
+        with open(staging / rel, "rb") as fh:
+            os.fsync(fh.fileno())
+    write_manifest(staging, manifest)
+    fsync_dir(staging)
+    _move_staged(staging, output_dir, manifest)
+
+
+def _move_staged(staging: Path, output_dir: Path, manifest) -> None:
+    (output_dir / MANIFEST).unlink(missing_ok=True)  # until the new one is in place, the folder says "unsealed"
     card = ["README.md"] if (staging / "README.md").is_file() else []  # a library's card (peft): replaced later
     for rel in [*manifest.files, *card]:
         src, dst = staging / rel, output_dir / rel
-        with open(src, "rb") as fh:
-            os.fsync(fh.fileno())
+        if not src.exists() and rel in manifest.files:  # moved before an interruption
+            continue
         dst.parent.mkdir(parents=True, exist_ok=True)
         if dst.is_dir() and not dst.is_symlink():
             shutil.rmtree(dst)
         os.replace(src, dst)
     for folder in {(output_dir / rel).parent for rel in manifest.files}:
         fsync_dir(folder)
-    write_manifest(output_dir, manifest)
+    os.replace(staging / MANIFEST, output_dir / MANIFEST)
+    fsync_dir(output_dir)
     shutil.rmtree(staging, ignore_errors=True)
+
+
+def finish_interrupted_save(output_dir: Path, log=print) -> bool:
+    """Finish a final save that a kill cut off while its files moved: ``output_dir`` has no manifest and the staging
+    folder a sealed one. The moved and the still staged files are checked against that manifest before it is put in
+    place; files that do not match leave the folder unsealed (``verify`` refuses it) and the staging folder is removed.
+    Returns whether a save was finished."""
+    staging = output_dir / STAGING
+    if (output_dir / MANIFEST).is_file() or not (staging / MANIFEST).is_file():
+        return False
+    manifest = read_manifest(staging)
+    try:
+        _check_split(staging, output_dir, manifest)
+    except IntegrityError as err:
+        log(f"warning: an interrupted final save in {output_dir} cannot be finished ({err}); it stays unsealed")
+        shutil.rmtree(staging, ignore_errors=True)
+        return False
+    _move_staged(staging, output_dir, manifest)
+    log(f"finished the final save a kill interrupted in {output_dir} (step {manifest.meta.get('step')})")
+    return True
+
+
+def _check_split(staging: Path, output_dir: Path, manifest) -> None:
+    """Each listed file, wherever it is now (still staged or moved), has the manifest's size and hash."""
+    for rel, entry in manifest.files.items():
+        path = staging / rel if (staging / rel).is_file() else output_dir / rel
+        if path.is_symlink() or not path.is_file() or path.stat().st_size != entry.size or \
+                sha256_file(path) != entry.sha256:
+            raise IntegrityError(f"{rel} is missing or does not match its checksum")
 
 
 def update_results(output_dir: str | Path, **fields: Any) -> dict[str, Any]:

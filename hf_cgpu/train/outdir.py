@@ -24,6 +24,7 @@ import torch
 
 from ..errors import OutputDirError
 from ..integrity import MANIFEST, read_manifest
+from .artifacts import finish_interrupted_save
 from .checkpoint import checkpoint_root, list_checkpoints
 
 LOCK_NAME = ".hf_cgpu.lock"
@@ -144,6 +145,7 @@ def claim(folder: Path, resume: str, overwrite: bool, log=print) -> RunLock:
     check_writable(folder)
     lock = RunLock(folder).acquire()
     try:
+        finish_interrupted_save(folder, log)
         found = earlier_run(folder, fresh=not resume)
         if found and not resume:
             if not overwrite:
