@@ -1,0 +1,133 @@
+"""Packed fine-tuning rows: best-fit decreasing bins, whole examples with restarting positions, and attention and loss
+kept within each example for our GPT, a Llama and a GPT-NeoX (transformers' padding-free path)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import datasets
+import pytest
+import torch
+
+from hf_cgpu.data.bins import best_fit_decreasing, waste
+from hf_cgpu.data.instruct import IGNORE, build_rows, encode, to_messages
+from test_instruct import CHAT, byte_tok
+
+ATOL = 2e-5  # fp32 logits of one example alone vs inside a packed row: only the summation order differs
+
+
+def test_best_fit_decreasing_on_a_known_list():
+    lengths = [7, 5, 4, 3, 3, 2, 1]  # 25 tokens: three rows of 10 is the least possible
+    bins = best_fit_decreasing(lengths, 10)
+    # 7 opens a row; 5 opens one; 4 fits the 5 left best; a 3 fills the 7's row; the other 3 opens a row; the 2 goes
+    # there (the 1 left elsewhere is too small); the 1 fills the row of 5 + 4
+    assert bins == [[0, 3], [1, 2, 6], [4, 5]]
+    assert waste(lengths, bins, 10) == pytest.approx(5 / 30)
+    # first fit in the given order needs no fewer rows here, but in order [1, 2, 3, 3, 4, 5, 7] waste grows
+    assert len(best_fit_decreasing([1, 2, 3, 3, 4, 5, 7], 10)) == 3
+    assert best_fit_decreasing([12, 3], 10) == [[0], [1]]  # longer than a row: a row of its own (cut by the caller)
+
+
+PROMPTS = ["hi", "a longer question here", "x", "what is two plus two", "tell", "yo"]
+ANSWERS = ["hello", "sure", "why not", "four", "a story about cats", "z"]
+
+
+def _rows(packing: bool, seq_len: int = 128):
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS, "response": ANSWERS})
+    return build_rows(ds, byte_tok(CHAT), seq_len, "prompt", packing=packing)
+
+
+def _segments(rows) -> list[tuple[list[int], list[int]]]:
+    """(tokens, targets) of every stretch of a packed row between restarts of its positions."""
+    out = []
+    for r in range(len(rows)):
+        starts = (rows.position_ids[r] == 0).nonzero().flatten().tolist() + [rows.ids.shape[1]]
+        out += [(rows.ids[r, a:b].tolist(), rows.targets[r, a:b].tolist()) for a, b in zip(starts, starts[1:])]
+    return out
+
+
+def test_packed_rows_hold_whole_examples_with_restarting_positions():
+    tok = byte_tok(CHAT)
+    padded, packed = _rows(False), _rows(True)
+    assert len(padded) == 6 and len(packed) == 3 and packed.n_examples == 6 and packed.n_truncated == 0
+    assert packed.ids.shape == packed.targets.shape == packed.position_ids.shape == (3, 129)
+    want = []
+    for p, a in zip(PROMPTS, ANSWERS):
+        ids, flags, _ = encode(tok, to_messages({"prompt": p, "response": a}, "prompt"))
+        want.append((ids, [i if f else IGNORE for i, f in zip(ids, flags)]))
+    segments = _segments(packed)
+    assert sorted(want) == sorted(s for s in segments if any(t != IGNORE for t in s[1]))  # whole, unchanged
+    assert sum(len(s[0]) for s in segments if all(t == IGNORE for t in s[1])) == packed.ids.numel() - packed.n_tokens
+    assert packed.n_chars == padded.n_chars == sum(map(len, ANSWERS)) and packed.n_tokens == padded.n_tokens
+
+
+def test_an_example_longer_than_a_row_is_cut_and_counted():
+    ds = datasets.Dataset.from_dict({"prompt": ["q", "p"], "response": ["a" * 90, "b"]})
+    rows = build_rows(ds, byte_tok(CHAT), 64, "prompt", packing=True)
+    assert rows.n_truncated == 1 and len(rows) == 2 and rows.position_ids.max() == 64
+
+
+def _models():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
+
+    small = dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=257)
+    yield "llama", LlamaForCausalLM(LlamaConfig(hidden_size=32, num_key_value_heads=2, **small))
+    yield "neox", GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=32, max_position_embeddings=64, **small))
+    for pe in ("learned", "rotary"):
+        for attn in ("sdpa", "eager"):
+            cfg = CgptConfig(vocab_size=257, n_positions=32, n_embd=32, n_layer=2, n_head=2, position_embedding=pe)
+            cfg._attn_implementation = attn
+            yield f"cgpt-{pe}-{attn}", CgptForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("name", [n for n, _ in _models()])
+def test_a_packed_row_gives_each_example_the_logits_it_has_alone(name):
+    """transformers' padding-free test: restarting position_ids, no mask; and the same row read as one sequence (a
+    planted cross-example attention) differs, so the check can fail. The row is longer than cgpt's 32 positions."""
+    torch.manual_seed(0)
+    model = dict(_models())[name].eval()
+    lengths = [9, 14, 17]
+    ids = torch.randint(0, 257, (1, sum(lengths)))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(ids, position_ids=pos, use_cache=False).logits[0]  # as in training: no cache
+        at = 0
+        for n in lengths:
+            alone = model(ids[:, at : at + n]).logits[0]
+            torch.testing.assert_close(packed[at : at + n], alone, atol=ATOL, rtol=0)
+            at += n
+        if name.startswith("cgpt"):
+            with pytest.raises(ValueError, match="longer than n_positions=32"):
+                model(ids)
+            crossed = model(ids[:, :32], position_ids=torch.arange(32)[None]).logits[0]
+        else:
+            crossed = model(ids).logits[0]
+    assert not torch.allclose(crossed[lengths[0] : lengths[0] + 5], packed[lengths[0] : lengths[0] + 5], atol=1e-3)
+
+
+def test_the_task_loss_of_packed_rows_is_the_loss_of_the_examples():
+    """FinetuneTask.loss over packed rows equals, in summed nats, the loss of every example scored in its own row
+    (tolerance 1e-5 relative); dropping the positions (cross-example attention) changes it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, initializer_range=0.5)).eval()
+    task = FinetuneTask(FinetuneSettings(loss_chunk_size=16))
+    task.accelerator = SimpleNamespace(autocast=nullcontext)
+
+    def nats(rows, **drop):
+        batch = {"input_ids": rows.ids, "targets": rows.targets}
+        if rows.position_ids is not None and not drop:
+            batch["position_ids"] = rows.position_ids
+        with torch.no_grad():
+            return task.loss(model, batch, None).item() * int((rows.targets[:, 1:] != IGNORE).sum())
+
+    padded, packed = _rows(False), _rows(True)
+    assert nats(packed) == pytest.approx(nats(padded), rel=1e-5)
+    assert nats(packed, drop=True) != pytest.approx(nats(padded), rel=1e-2)
