@@ -24,8 +24,10 @@ def test_best_fit_decreasing_on_a_known_list():
     # there (the 1 left elsewhere is too small); the 1 fills the row of 5 + 4
     assert bins == [[0, 3], [1, 2, 6], [4, 5]]
     assert waste(lengths, bins, 10) == pytest.approx(5 / 30)
-    # first fit in the given order needs no fewer rows here, but in order [1, 2, 3, 3, 4, 5, 7] waste grows
-    assert len(best_fit_decreasing([1, 2, 3, 3, 4, 5, 7], 10)) == 3
+    assert best_fit_decreasing(lengths[::-1], 10) == [[6, 2], [5, 4, 0], [3, 1]]  # same rows, whatever the order
+    # the last 1 goes to the tightest row (room 1), not the first with room (the 7's, room 3), which stays open for
+    # a 3: first-fit decreasing would put it there
+    assert best_fit_decreasing([9, 7, 5, 4, 1, 1], 10) == [[0, 4], [1], [2, 3, 5]]
     assert best_fit_decreasing([12, 3], 10) == [[0], [1]]  # longer than a row: a row of its own (cut by the caller)
 
 
@@ -131,3 +133,40 @@ def test_the_task_loss_of_packed_rows_is_the_loss_of_the_examples():
     padded, packed = _rows(False), _rows(True)
     assert nats(packed) == pytest.approx(nats(padded), rel=1e-5)
     assert nats(packed, drop=True) != pytest.approx(nats(padded), rel=1e-2)
+
+
+def test_a_packed_lora_run_resumes_bit_identical_and_packing_is_fixed(tiny_base, tmp_path, capsys):
+    """Packing is deterministic and fingerprinted: resuming at step 3 reproduces the uninterrupted adapter bit for bit;
+    resuming with --packing false is refused in one line."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from hf_cgpu.cli import main as cli_main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"instruction": f"count to {i % 7}", "output": " ".join(str(k) for k in range(i % 7 + 1))}
+            for i in range(80)]
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def args(out, *extra):
+        return ["train", "lora", "--preset", "lora", "--model", str(tiny_base), "--dataset", str(data), "--seq_len",
+                "63", "--micro_batch_size", "2", "--gradient_accumulation_steps", "1", "--max_steps", "6",
+                "--warmup_steps", "1", "--eval_steps", "0", "--eval_batches", "1", "--checkpointing_steps", "3",
+                "--learning_rate", "1e-2", "--progress", "false", "--compile", "false", "--recompute", "false",
+                "--lora_r", "4", "--output_dir", str(out), *extra]
+
+    full = tmp_path / "full"
+    assert cli_main(args(full)) == 0
+    out = capsys.readouterr().out
+    assert "76 instruction examples" in out and "0 longer than 64 tokens cut; packed into" in out, out
+    cut = tmp_path / "cut"
+    (cut / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "step_0000003", cut / "checkpoints" / "step_0000003")
+    assert cli_main(args(cut, "--resume_from_checkpoint", "latest")) == 0
+    a, b = load_file(full / "adapter_model.safetensors"), load_file(cut / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert cli_main(args(cut, "--resume_from_checkpoint", "latest", "--packing", "false", "--max_steps", "7")) == 2
+    assert "packing" in capsys.readouterr().err
