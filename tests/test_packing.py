@@ -170,3 +170,64 @@ def test_a_packed_lora_run_resumes_bit_identical_and_packing_is_fixed(tiny_base,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert cli_main(args(cut, "--resume_from_checkpoint", "latest", "--packing", "false", "--max_steps", "7")) == 2
     assert "packing" in capsys.readouterr().err
+
+
+def test_the_ledger_prices_the_mask_of_packed_rows():
+    """Packed rows cost one (B, 1, T, T) mask: bool under SDPA, bf16 under eager; rows of one example cost none."""
+    import dataclasses
+
+    from hf_cgpu.budget.memory import ledger
+    from hf_cgpu.budget.shape import ModelShape, TrainSetup
+
+    shape = ModelShape.from_config({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                    "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 1000})
+    setup = TrainSetup(tier="lora", micro_batch_size=3, seq_len=2048)
+
+    def mask(s, **kw):
+        return next(r.bytes for r in ledger(s, setup, **kw).rows if r.key == "packed_mask")
+
+    assert mask(shape) == 0
+    assert mask(shape, packed=True) == 3 * 2048**2
+    assert mask(dataclasses.replace(shape, attention="eager"), packed=True) == 2 * 3 * 2048**2
+    plain, packed = ledger(shape, setup), ledger(shape, setup, packed=True)
+    assert packed.allocated - plain.allocated == pytest.approx(3 * 2048**2)
+
+
+def test_the_ledger_fits_16k_tokens_of_the_14b_shape_into_16_gib():
+    """hf-cgpu budget --preset lora --seq_len 16384: beyond Pythia's 2048 trained positions (rotary: said, not refused),
+    and --autofit finds a plan under 16 GiB with recompute and the loss in chunks (one 1024 x 50304 block of 16 B)."""
+    from hf_cgpu.budget.shape import ModelShape
+    from hf_cgpu.commands.budget import run
+    from hf_cgpu.errors import SettingsError
+
+    plain = run(["--preset", "lora", "--seq_len", "16384", "--packing", "false"])
+    assert "note: --seq_len 16384 is beyond the 2048 positions pythia-1.4b was trained on" in plain
+    assert "DOES NOT FIT" in plain  # micro-batch 4 without recompute
+    fitted = run(["--preset", "lora", "--seq_len", "16384", "--packing", "false", "--autofit", "true"])
+    plan = fitted[fitted.index("plan:"):]
+    assert "seq 16384" in plan and "; recompute;" in plan and "verdict vs 16.00 GiB cap: FITS" in plan
+    logits = next(line for line in plan.splitlines() if line.strip().startswith("logits + loss"))
+    assert f"{1024 * 50304 * 16 / 2**30:.2f}" in logits
+    gpt = ModelShape.from_config({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100,
+                                  "n_positions": 128})
+    with pytest.raises(SettingsError, match="longer than the model's 128 positions"):
+        gpt.positions_note(256)  # a position table cannot go past its rows
+
+
+def test_a_tiny_long_sequence_lora_run_with_recompute_and_a_chunked_loss(tiny_base, tmp_path, capsys):
+    """Sequences four times the tiny base's 64 positions (rotary), recompute on, the loss in chunks: it trains, says
+    where the positions go past the trained ones, and its ledger (the task's RunShape) is the long sequence's."""
+    from hf_cgpu.cli import main as cli_main
+
+    out = tmp_path / "run"
+    assert cli_main(["train", "lora", "--preset", "lora", "--model", str(tiny_base), "--dataset", "builtin",
+                     "--seq_len", "256", "--loss_chunk_size", "64", "--recompute", "true", "--micro_batch_size", "1",
+                     "--gradient_accumulation_steps", "1", "--max_steps", "2", "--eval_steps", "0", "--eval_batches",
+                     "1", "--checkpointing_steps", "0", "--progress", "false", "--compile", "false", "--lora_r", "4",
+                     "--output_dir", str(out)]) == 0
+    assert "note: --seq_len 256 is beyond the 64 positions" in capsys.readouterr().out
+    import json
+    import math
+
+    results = json.loads((out / "all_results.json").read_text())
+    assert math.isfinite(results["val_loss"]) and results["toks_seen"] == 2 * 256

@@ -53,9 +53,12 @@ class FinetuneTask(PackedTokensTask):
             raise DataError(no_eos_message(self.tokenizer, f"tokenizer of {cfg.model}"))
         device_map = {"": accelerator.device} if settings.tier == "qlora" and accelerator.device.type == "cuda" else None
         model = load_base_model(self.base, settings.tier, device_map=device_map, trust_remote_code=cfg.trust_remote_code)
+        shape = self._model_shape(model.config)
         limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-        if limit and cfg.seq_len > limit:
+        if shape is None and limit and cfg.seq_len > limit:
             raise SettingsError(f"--seq_len {cfg.seq_len} exceeds the model's {limit} positions; use --seq_len {limit}")
+        if shape is not None and (note := shape.positions_note(cfg.seq_len)):  # a position table refuses
+            accelerator.print(note)
         self.instruct = self._load_data(accelerator)
         _, total = count_parameters(model)
         if self.instruct:
@@ -67,7 +70,7 @@ class FinetuneTask(PackedTokensTask):
             data = f"{self.train_data.n_tokens:,} tokens of text, windows of {cfg.seq_len}"
         accelerator.print(f"{cfg.model}: {total / 1e6:.0f}M parameters, tier {settings.tier}; train {data}")
         # a pretrained base starts well below ln(vocab): no label-leak check
-        return TaskPlan(model, shape=self._run_shape(model.config))
+        return TaskPlan(model, shape=self._run_shape(shape))
 
     def _load_data(self, accelerator) -> bool:
         """Instruction rows (True) or a packed text stream (False), by ``data_format`` and the columns."""
@@ -117,13 +120,19 @@ class FinetuneTask(PackedTokensTask):
         return score_rows(lambda x, y: self.target_loss(model, x, y), self.val_rows, settings.micro_batch_size,
                           device, prefix="val_")
 
-    def _run_shape(self, config) -> RunShape | None:
+    @staticmethod
+    def _model_shape(config) -> ModelShape | None:
         """The base's shape for the ledger (autofit, OOM advice, MFU); None for a config it cannot read."""
         try:
-            shape = ModelShape.from_config(config)
+            return ModelShape.from_config(config)
         except SettingsError:
             return None
-        return RunShape(shape, self.cfg.seq_len, self.cfg.loss_chunk_size, loss_in_forward=False)
+
+    def _run_shape(self, shape: ModelShape | None) -> RunShape | None:
+        if shape is None:
+            return None
+        packed = bool(self.instruct and self.train_rows.position_ids is not None)
+        return RunShape(shape, self.cfg.seq_len, self.cfg.loss_chunk_size, loss_in_forward=False, packed=packed)
 
     @property
     def card(self) -> str | None:
