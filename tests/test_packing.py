@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import datasets
 import pytest
 import torch
+from test_instruct import CHAT, byte_tok
 
 from hf_cgpu.data.bins import best_fit_decreasing, waste
 from hf_cgpu.data.instruct import IGNORE, build_rows, encode, to_messages
-from test_instruct import CHAT, byte_tok
 
 ATOL = 2e-5  # fp32 logits of one example alone vs inside a packed row: only the summation order differs
 
@@ -71,7 +71,12 @@ def test_an_example_longer_than_a_row_is_cut_and_counted():
 
 
 def _models():
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 

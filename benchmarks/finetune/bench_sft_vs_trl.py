@@ -14,7 +14,8 @@ per step and one pass over the same examples for every row. Rows, each in a fres
 
 Reported per row: response tokens trained per second (the responses' tokens of the pass / training seconds), peak
 memory reserved and allocated, held-out response loss after the pass. Results go to OUT/sft_vs_trl.jsonl and
-OUT/sft_vs_trl.md as each row ends. --smoke runs a tiny shape on the CPU (the TRL rows need `pip install trl`).
+OUT/sft_vs_trl.md as each row ends, every row's log to OUT/rows.log. --smoke runs a tiny shape on the CPU (the
+TRL rows need `pip install trl`; hf_cgpu itself never imports it).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--long_seq", type=int, default=16384)
     p.add_argument("--long_steps", type=int, default=4)
     p.add_argument("--cap_gib", type=float, default=16.0)
-    p.add_argument("--deadline", type=float, default=510.0, help="seconds from start: no row starts after it")
+    p.add_argument("--deadline", type=float, default=480.0, help="seconds from start: no row starts after it")
     p.add_argument("--compile", default="true", help="our rows' --compile (the lora preset compiles each block)")
     p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU, few examples")
     p.add_argument("--row", help=argparse.SUPPRESS)  # a child process: run this row, print one JSON line
@@ -95,14 +96,15 @@ def prepare(a) -> dict:
     train, val = rows("train", a.examples), rows("validation", a.eval_examples)
     for name, data in (("train", train), ("validation", val)):
         (work / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in data))
-    tok = train_tokenizer([r["instruction"] + "\n" + r["output"] for r in train], vocab_size=8000 if not a.smoke
-                          else 400, show_progress=False)
+    tok = train_tokenizer([r["instruction"] + "\n" + r["output"] for r in train],
+                          vocab_size=400 if a.smoke else 8000, show_progress=False)
     tok.chat_template = CHAT
     model_dir = work / "model"
     cfg = GPTNeoXConfig(**{k: v for k, v in (TINY if a.smoke else PYTHIA).items() if k != "model_type"},
                         eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(model_dir)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # 1.4B random weights: seconds on the GPU
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     long_dir = work / "model_long"  # the same weights with 16k positions (rotary: nothing else changes)
     if not long_dir.exists():
@@ -131,9 +133,8 @@ def prepare(a) -> dict:
 
 def ours(a, info: dict, packing: bool) -> dict:
     """hf-cgpu train lora over one pass of the examples: as many steps as the (packed) rows fill at ``a.batch``."""
-    from transformers import AutoTokenizer
-
     import datasets
+    from transformers import AutoTokenizer
 
     from hf_cgpu.cli import main as cli_main
     from hf_cgpu.data.instruct import build_rows
@@ -152,7 +153,8 @@ def ours(a, info: dict, packing: bool) -> dict:
     code = cli_main(argv)
     r = json.loads((out / "all_results.json").read_text())
     return {"exit": code, "rows": n_rows, "steps": r.get("steps"), "train_seconds": r.get("train_seconds"),
-            "first_step_seconds": r.get("seconds_to_first_step"), "eval_loss": r.get("val_loss"), "peak_reserved_gib": r.get("peak_reserved_gib"),
+            "first_step_seconds": r.get("seconds_to_first_step"), "eval_loss": r.get("val_loss"),
+            "peak_reserved_gib": r.get("peak_reserved_gib"),
             "peak_alloc_gib": r.get("peak_alloc_gib")}
 
 
@@ -195,7 +197,8 @@ def trl(a, info: dict, packing: bool) -> dict:
                     report_to=[], eval_strategy="no", dataloader_num_workers=0)
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=convo("train"), eval_dataset=convo("validation"),
                          processing_class=tok,
-                         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+                         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                task_type="CAUSAL_LM"))
     first = FirstStep()
     trainer.add_callback(first)
     if cuda:
@@ -270,7 +273,8 @@ def run_row(a, name: str) -> dict:
         r["response_tok_s"] = info["response_tokens"] / r["train_seconds"]
         steps, first = r.get("steps") or 0, r.get("first_step_seconds")
         if first and steps > 1:  # without the first step (compilation, CUDA warm-up), pro rata of the examples
-            r["response_tok_s_after_first"] = info["response_tokens"] * (steps - 1) / steps / (r["train_seconds"] - first)
+            trained = info["response_tokens"] * (steps - 1) / steps
+            r["response_tok_s_after_first"] = trained / (r["train_seconds"] - first)
     return r
 
 
@@ -299,8 +303,9 @@ def table(results: dict[str, dict]) -> str:
         lines.append(f"ours_packed / trl_packed: {ours_rate / packed:.2f}x tokens/s")
     long = results.get("long16k")
     if long and long.get("peak_reserved_gib"):
-        lines.append(f"long16k: peak reserved {long['peak_reserved_gib']:.2f} GiB (ledger {long['ledger_reserved_gib']:.2f}"
-                     f" GiB) under a {long['cap_gib']:g} GiB cap, {long['tokens_per_s']:,.0f} tokens/s")
+        lines.append(f"long16k: peak reserved {long['peak_reserved_gib']:.2f} GiB (ledger "
+                     f"{long['ledger_reserved_gib']:.2f} GiB) under a {long['cap_gib']:g} GiB cap, "
+                     f"{long['tokens_per_s']:,.0f} tokens/s")
     return "\n".join(lines)
 
 
@@ -328,9 +333,12 @@ def main() -> None:
             log = proc.stdout + proc.stderr
             row = next((json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")),
                        {"error": log.strip().splitlines()[-1] if log.strip() else f"exit {proc.returncode}"})
-        except subprocess.TimeoutExpired as e:
-            log, row = str(e.stdout or "") + str(e.stderr or ""), {"error": "deadline"}
-        (out / f"{name}.log").write_text(log[-200_000:] if isinstance(log, str) else "")
+        except subprocess.TimeoutExpired as e:  # its output comes as bytes
+            log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                          for x in (e.stdout, e.stderr))
+            row = {"error": "deadline"}
+        with open(out / "rows.log", "a") as fh:  # one file for every row's log (OUT takes 8 files)
+            fh.write(f"===== {name}\n{log[-100_000:]}\n")
         row["wall_s"] = time.monotonic() - t0
         results[name] = row
         print(f"{name}: {row}", flush=True)
