@@ -84,14 +84,21 @@ def test_ledger_shows_the_model_states_subtotal():
     assert float(qlora.split()[4]) < 2  # nf4 base: well under 2 bytes/param
 
 
-def test_a_sequence_beyond_the_models_positions_is_refused(tmp_path):
+def test_a_sequence_beyond_a_position_table_is_refused_beyond_rotary_positions_noted(tmp_path):
+    """A learned position table (GPT-2) has no row past its last: refused as training refuses it. Rotary positions
+    (Llama) are angles of any position: priced, with a line saying the model was not trained that long."""
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
-                                  "num_attention_heads": 4, "intermediate_size": 512, "vocab_size": 1000,
-                                  "max_position_embeddings": 512}))
+    config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4,
+                                  "vocab_size": 1000, "n_positions": 512}))
     with pytest.raises(SettingsError, match="longer than the model's 512 positions; .* --seq_len 512"):
         run(["--config", str(config), "--seq_len", "1024"])
     assert "seq 512" in run(["--config", str(config), "--seq_len", "512"])
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "intermediate_size": 512, "vocab_size": 1000,
+                                  "max_position_embeddings": 512}))
+    report = run(["--config", str(config), "--seq_len", "1024"])
+    assert "seq 1024" in report and "note: --seq_len 1024 is beyond the 512 positions" in report
+    assert "note:" not in run(["--config", str(config), "--seq_len", "512"])
 
 
 def test_budget_says_how_many_of_the_runs_steps_its_minutes_hold():

@@ -146,7 +146,7 @@ def test_finetune_recipe_on_instruction_rows(tmp_path):
 
     got = evaluate_language_model(str(out), str(data), seq_len=48, device="cpu", progress=False)
     assert got["format"] == "instruction" and got["whole_split"] and got["tokens"] == r["val_tokens"]
-    assert got["loss"] == pytest.approx(r["val_loss"], abs=1e-3)  # the run's frozen base is bf16, eval's fp32
+    assert got["loss"] == pytest.approx(r["val_loss"], abs=2e-3)  # the run's frozen base is bf16, eval's fp32
     text = evaluate_language_model(str(out), str(data), seq_len=48, device="cpu", progress=False, data_format="text",
                                    text_column="output")
     assert "format" not in text and text["loss"] != pytest.approx(got["loss"], abs=1e-3)

@@ -66,6 +66,10 @@ EAGER_SCORE_BYTES = FP32 + BF16
 """Eager attention saves the fp32 softmax output and its bf16 copy: 6 bytes per head per key per token."""
 FLASH_LSE_BYTES = FP32
 """Flash/memory-efficient SDPA saves one fp32 log-sum-exp per head per token."""
+PACKED_MASK_BYTES = {"sdpa": 1, "eager": BF16}
+"""Packed rows: ``create_causal_mask`` turns restarting ``position_ids`` into one (B, 1, T, T) mask shared by every
+layer and saved for backward: bool for SDPA (which then runs its memory-efficient kernel), additive in the compute
+dtype for eager. Quadratic in T: a reason long sequences are trained one example per row."""
 
 # ---- logits and loss ---------------------------------------------------------------------------------------------
 LOGITS_EAGER_BYTES = 12
@@ -453,6 +457,15 @@ def parallel_rows(shape: ModelShape, setup: TrainSetup, rows: list[Row], st: Sta
                       f"bf16 root (embeddings/head) + {blocks} blocks' bf16 weights and gradients being gathered")]
 
 
+def packed_mask_row(shape: ModelShape, setup: TrainSetup) -> Row:
+    """The attention mask of packed rows (``PACKED_MASK_BYTES``); 0 when rows hold one example each."""
+    if not setup.packed:
+        return Row("packed_mask", "packed-rows mask", 0.0, "none: one example per row, causal kernel")
+    per = PACKED_MASK_BYTES[shape.attention]
+    return Row("packed_mask", "packed-rows mask", float(per * setup.micro_batch_size * setup.seq_len**2),
+               f"B x T x T, {per} B each, from the restarting positions")
+
+
 def ledger(
     shape: ModelShape, setup: TrainSetup | None = None, memory_cap: float | None = None,
     regime: Regime | None = None, logits_held: bool = False, **overrides: Any
@@ -494,6 +507,7 @@ def ledger(
         Row("recompute_layer", "recomputed block", recompute_layer,
             "one block's activations re-created in backward" if setup.recompute else "no recompute"),
         Row("logits", "logits + loss", logits, logits_note),
+        packed_mask_row(shape, setup),
         Row("workspace", "workspace (cuBLAS etc.)", WORKSPACE_BYTES, "cuBLAS/cuBLASLt workspaces, SDPA scratch"),
     ]
     if setup.recompute:  # the loss's backward frees the logits before the first block is re-run

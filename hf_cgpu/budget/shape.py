@@ -272,6 +272,18 @@ class ModelShape:
         """Parameters that take part in a matmul per token: block linears + the LM head (tied or not)."""
         return self.n_block_linear_params + self.vocab_size * self.d_model
 
+    def positions_note(self, seq_len: int) -> str:
+        """'' when ``seq_len`` is within the model's positions; a note when it is beyond them but the positions are
+        rotary angles computed from ``position_ids`` (GPT-NeoX, Llama: memory and time are what they are, quality past
+        the trained length is not promised); a ``SettingsError`` for a position table (GPT-2, our GPT)."""
+        if not self.max_positions or seq_len <= self.max_positions:
+            return ""
+        if self.family == "gpt":
+            raise SettingsError(f"--seq_len {seq_len} is longer than the model's {self.max_positions} positions; "
+                                f"use --seq_len {self.max_positions} or less")
+        return (f"note: --seq_len {seq_len} is beyond the {self.max_positions} positions {self.name} was trained on; "
+                "its rotary positions extend to it, but use a long-context base (or rope scaling) for quality there")
+
     def describe(self) -> str:
         kv = f", {self.n_kv_head} kv heads" if self.n_kv_head != self.n_head else ""
         ff = "" if self.d_ff == 4 * self.d_model else f", d_ff {self.d_ff}"
@@ -363,6 +375,9 @@ class TrainSetup(TrainSettings):
     fsdp: bool = False
     """With ``processes`` > 1: FSDP2 (weights, gradients and optimizer state sharded over the processes) instead of
     DDP (a whole replica per GPU, plus DDP's gradient buckets)."""
+    packed: bool = False
+    """Rows hold several examples (fine-tuning's ``--packing``): positions restart per example, and transformers
+    builds a ``T x T`` mask per row from them for sdpa/eager attention."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -432,7 +447,7 @@ class TrainSetup(TrainSettings):
         return (
             f"{what}; seq {self.seq_len} x micro-batch {self.micro_batch_size} x accumulation "
             f"{self.gradient_accumulation_steps} = {self.tokens_per_step:,} tokens/step{gpus}; "
-            f"{self.recompute_words}; {loss}"
+            f"{self.recompute_words}; {loss}{'; packed rows' if self.packed else ''}"
         )
 
 
@@ -452,6 +467,8 @@ class RunShape:
     train_mode: str = "finetune"
     """pretrain: trained from random weights (our GPT's task), where the adapter tiers are refused as training
     refuses them; finetune: from a trained model."""
+    packed: bool = False
+    """Several examples per row, positions restarting at each (fine-tuning's ``--packing`` on instruction data)."""
 
     @property
     def pretrain(self) -> bool:
@@ -462,4 +479,4 @@ class RunShape:
         against the task's train mode, as training checks it)."""
         return TrainSetup.of(settings, seq_len=self.seq_len, loss_chunk_size=self.loss_chunk_size,
                              loss_in_forward=self.loss_in_forward, processes=processes, fsdp=fsdp,
-                             train_mode=self.train_mode)
+                             train_mode=self.train_mode, packed=self.packed)

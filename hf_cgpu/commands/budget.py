@@ -183,7 +183,7 @@ def describe_run(argv: Sequence[str] | None = None):
     else:
         model = resolve_model(cfg.model, cfg.gguf_file)
     # another causal LM: trained as the fine-tuning task does, its loss through the backbone
-    return RunShape(model, cfg.seq_len, cfg.loss_chunk_size, loss_in_forward=False), train, opts
+    return RunShape(model, cfg.seq_len, cfg.loss_chunk_size, loss_in_forward=False, packed=cfg.packing), train, opts
 
 
 def budget_epilog() -> str:
@@ -306,9 +306,7 @@ def run(argv: Sequence[str] | None = None) -> str:
     """Parse ``argv`` (a training command line plus ``BudgetSettings``) and return the report text."""
     run_shape, train, opts = describe_run(argv)
     shape = run_shape.model
-    if shape.max_positions and run_shape.seq_len > shape.max_positions:
-        raise SettingsError(f"--seq_len {run_shape.seq_len} is longer than the model's {shape.max_positions} "
-                            f"positions; training would refuse it: use --seq_len {shape.max_positions} or less")
+    positions = shape.positions_note(run_shape.seq_len)  # refused as training refuses it
     cap = parse_memory(train.memory_cap or DEFAULT_MEMORY_CAP)
     setup = run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp)  # a GPT preset: no adapter tier
     out = [f"hf-cgpu budget: {shape.describe()}", f"  {setup.describe()}", ""]
@@ -317,6 +315,8 @@ def run(argv: Sequence[str] | None = None) -> str:
     described = [(f"preset {preset}", preset_description(preset, family)),
                  (f"shape {shape.name}", REFERENCE_DESCRIPTIONS.get(shape.name, ""))]
     out[1:1] = [f"  {what}: {text}" for what, text in described if text]
+    if positions:
+        out.insert(len(out) - 1, f"  {positions}")
     if train.autofit:
         tokens = opts.effective_batch_tokens or None
         plan = autofit(

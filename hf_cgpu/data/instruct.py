@@ -4,9 +4,10 @@ Accepted rows: chat ``messages`` (a list of ``{"role", "content"}``), Alpaca-sty
 ``output``, or ``prompt``/``response``. With a chat template (the base tokenizer's), each row is rendered by it and
 the targets are the characters of every assistant turn, its end-of-turn marker included (found by rendering the
 conversation up to and after each assistant turn), mapped to tokens through the tokenizer's offsets. Without one,
-``### Instruction / ### Response`` prompts are used and the response plus EOS is the target. Each example becomes
-one fixed-length row (``seq_len + 1`` tokens, padded, longer ones cut and counted): the loss never reads a
-prompt token, padding, or another example's text.
+``### Instruction / ### Response`` prompts are used and the response plus EOS is the target. Examples go into
+fixed-length rows (``seq_len + 1`` tokens; longer ones cut and counted): one per row, padded, or packed several to a
+row with positions restarting at each example, so attention (transformers' padding-free path) and the loss never
+read a prompt token, padding, or another example's text.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from ..errors import DataError
 from ..registry import Registry
+from .bins import best_fit_decreasing
 from .corpus import load_splits, split_files
 from .files import json_kind, locate_row
 
@@ -154,43 +156,74 @@ def encode(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[b
 
 @dataclass
 class InstructionRows:
-    """Fixed-length examples: ``ids`` (N, seq_len + 1) and ``targets`` (same shape, IGNORE off the responses)."""
+    """Fixed-length rows: ``ids`` (N, seq_len + 1) and ``targets`` (same shape, IGNORE off the responses). Packed rows
+    hold several examples each and their ``position_ids`` (same shape) restart at 0 where an example starts, which is
+    what keeps attention within each example; ``None`` = one example per row, positions 0, 1, ..."""
 
     ids: torch.Tensor
     targets: torch.Tensor
     n_chars: int  # characters of the responses (bits per character of what the loss scores)
     n_truncated: int
     seq_len: int
+    position_ids: torch.Tensor | None = None
+    n_examples: int = 0
+    n_tokens: int = 0  # slots holding an example's token (the rest is padding)
 
     def __len__(self) -> int:
         return self.ids.shape[0]
 
 
-def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str, where: str = "the data") -> InstructionRows:
-    """The rows of ``ds`` (``fmt``) as fixed-length examples; a row that is no chat is refused naming its index in
-    ``where`` (``instruction_splits`` has refused or skipped those already, naming their files)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = seq_len + 1
-    ids = np.full((len(ds), width), pad, dtype=np.int64)
-    targets = np.full((len(ds), width), IGNORE, dtype=np.int64)
-    chars, truncated = 0.0, 0
+@dataclass
+class _Example:
+    tokens: list[int]
+    flags: list[bool]
+    n_chars: int
+
+
+def _encode_all(ds: datasets.Dataset, tokenizer, fmt: str, where: str) -> list[_Example]:
+    out = []
     for i, row in enumerate(ds):
         try:
             messages = to_messages(row, fmt)
         except RowError as err:
             raise DataError(f"row {i} of {where}: {err}; fix or remove that row") from None
-        tok, flags, n_chars = encode(tokenizer, messages)
-        n_targets = max(1, sum(flags))
-        if len(tok) > width:  # cut: the characters scored are taken in proportion to the target tokens kept
-            truncated += 1
-            tok, flags = tok[:width], flags[:width]
-        ids[i, : len(tok)] = tok
-        kept = np.asarray(flags, dtype=bool)
-        targets[i, : len(tok)][kept] = np.asarray(tok)[kept]
-        chars += n_chars * sum(flags[1:]) / n_targets  # position 0 is never predicted
+        out.append(_Example(*encode(tokenizer, messages)))
+    return out
+
+
+def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str, where: str = "the data",
+               packing: bool = False) -> InstructionRows:
+    """The rows of ``ds`` (``fmt``) as fixed-length rows of ``seq_len + 1`` tokens: one example each, padded, or with
+    ``packing`` several whole examples each (``best_fit_decreasing``). An example longer than a row is cut (counted in
+    ``n_truncated``), never continued in another row. A row that is no chat is refused naming its index in ``where``
+    (``instruction_splits`` has refused or skipped those already, naming their files)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = seq_len + 1
+    examples = _encode_all(ds, tokenizer, fmt, where)
+    lengths = [len(e.tokens) for e in examples]
+    bins = best_fit_decreasing(lengths, width) if packing else [[i] for i in range(len(examples))]
+    ids = np.full((len(bins), width), pad, dtype=np.int64)
+    targets = np.full((len(bins), width), IGNORE, dtype=np.int64)
+    positions = np.zeros((len(bins), width), dtype=np.int64)
+    chars = 0.0
+    for r, members in enumerate(bins):
+        at = 0
+        for i in members:
+            e = examples[i]
+            tok, flags = e.tokens[:width], np.asarray(e.flags[:width], dtype=bool)
+            flags[:1] = False  # an example's first token is never predicted (in a packed row: not from the one before)
+            ids[r, at : at + len(tok)] = tok
+            targets[r, at : at + len(tok)][flags] = np.asarray(tok)[flags]
+            positions[r, at : at + len(tok)] = np.arange(len(tok))
+            chars += e.n_chars * flags.sum() / max(1, sum(e.flags))  # the characters of the target tokens kept
+            at += len(tok)
+        positions[r, at:] = np.arange(width - at)  # the padding is a sequence of its own
     if not (targets[:, 1:] != IGNORE).any():
         raise DataError("no response token is left to train on; raise --seq_len or check the data's columns")
-    return InstructionRows(torch.from_numpy(ids), torch.from_numpy(targets), round(chars), truncated, seq_len)
+    return InstructionRows(torch.from_numpy(ids), torch.from_numpy(targets), round(chars),
+                           sum(n > width for n in lengths), seq_len,
+                           torch.from_numpy(positions) if packing else None, len(examples),
+                           sum(min(n, width) for n in lengths))
 
 
 def instruction_splits(source: str | None, data_format: str = "auto", text_column: str = "text",

@@ -53,20 +53,24 @@ class FinetuneTask(PackedTokensTask):
             raise DataError(no_eos_message(self.tokenizer, f"tokenizer of {cfg.model}"))
         device_map = {"": accelerator.device} if settings.tier == "qlora" and accelerator.device.type == "cuda" else None
         model = load_base_model(self.base, settings.tier, device_map=device_map, trust_remote_code=cfg.trust_remote_code)
+        shape = self._model_shape(model.config)
         limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-        if limit and cfg.seq_len > limit:
+        if shape is None and limit and cfg.seq_len > limit:
             raise SettingsError(f"--seq_len {cfg.seq_len} exceeds the model's {limit} positions; use --seq_len {limit}")
+        if shape is not None and (note := shape.positions_note(cfg.seq_len)):  # a position table refuses
+            accelerator.print(note)
         self.instruct = self._load_data(accelerator)
         _, total = count_parameters(model)
         if self.instruct:
-            data = (f"{len(self.train_rows):,} instruction examples ({self.fmt} rows, chat template: "
+            data = (f"{self.train_rows.n_examples:,} instruction examples ({self.fmt} rows, chat template: "
                     f"{'yes' if getattr(self.tokenizer, 'chat_template', None) else 'no'}), "
-                    f"{self.train_rows.n_truncated} cut at {cfg.seq_len} tokens; loss on the responses only")
+                    f"{self.train_rows.n_truncated} longer than {cfg.seq_len + 1} tokens cut; {self._layout()}; "
+                    "loss on the responses only")
         else:
             data = f"{self.train_data.n_tokens:,} tokens of text, windows of {cfg.seq_len}"
         accelerator.print(f"{cfg.model}: {total / 1e6:.0f}M parameters, tier {settings.tier}; train {data}")
         # a pretrained base starts well below ln(vocab): no label-leak check
-        return TaskPlan(model, shape=self._run_shape(model.config))
+        return TaskPlan(model, shape=self._run_shape(shape))
 
     def _load_data(self, accelerator) -> bool:
         """Instruction rows (True) or a packed text stream (False), by ``data_format`` and the columns."""
@@ -76,7 +80,8 @@ class FinetuneTask(PackedTokensTask):
                                    log=accelerator.print)
         if found is not None:
             splits, self.fmt = found
-            self.train_rows = build_rows(splits["train"], self.tokenizer, cfg.seq_len, self.fmt, "the train split")
+            self.train_rows = build_rows(splits["train"], self.tokenizer, cfg.seq_len, self.fmt, "the train split",
+                                         packing=cfg.packing)
             self.val_rows = build_rows(splits["validation"], self.tokenizer, cfg.seq_len, self.fmt,
                                        "the validation split")
             return True
@@ -88,7 +93,13 @@ class FinetuneTask(PackedTokensTask):
             self.val_data = pack_dataset(ds["validation"], self.tokenizer, split="validation", **kw)
         return False
 
-    # ---- instruction rows: one example per row, targets only on the responses
+    def _layout(self) -> str:
+        rows = self.train_rows
+        if rows.position_ids is None:
+            return "one example per row"
+        return f"packed into {len(rows):,} rows, {rows.n_tokens / rows.ids.numel():.1%} of their slots tokens"
+
+    # ---- instruction rows: one example (or several packed) per row, targets only on the responses
     def sample_order(self, seed: int):
         if not self.instruct:
             return super().sample_order(seed)
@@ -97,8 +108,11 @@ class FinetuneTask(PackedTokensTask):
     def train_batch(self, indices, device, generator) -> dict:
         if not self.instruct:
             return super().train_batch(indices, device, generator)
-        return {"input_ids": self.train_rows.ids[indices].to(device, non_blocking=True),
-                "targets": self.train_rows.targets[indices].to(device, non_blocking=True)}
+        rows = self.train_rows
+        batch = {"input_ids": rows.ids[indices], "targets": rows.targets[indices]}
+        if rows.position_ids is not None:
+            batch["position_ids"] = rows.position_ids[indices]
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
     def evaluate(self, model, settings, device) -> dict[str, float]:
         if not self.instruct:
@@ -106,27 +120,35 @@ class FinetuneTask(PackedTokensTask):
         return score_rows(lambda x, y: self.target_loss(model, x, y), self.val_rows, settings.micro_batch_size,
                           device, prefix="val_")
 
-    def _run_shape(self, config) -> RunShape | None:
+    @staticmethod
+    def _model_shape(config) -> ModelShape | None:
         """The base's shape for the ledger (autofit, OOM advice, MFU); None for a config it cannot read."""
         try:
-            shape = ModelShape.from_config(config)
+            return ModelShape.from_config(config)
         except SettingsError:
             return None
-        return RunShape(shape, self.cfg.seq_len, self.cfg.loss_chunk_size, loss_in_forward=False)
+
+    def _run_shape(self, shape: ModelShape | None) -> RunShape | None:
+        if shape is None:
+            return None
+        packed = bool(self.instruct and self.train_rows.position_ids is not None)
+        return RunShape(shape, self.cfg.seq_len, self.cfg.loss_chunk_size, loss_in_forward=False, packed=packed)
 
     @property
     def card(self) -> str | None:
         """An adapter's card; a fully fine-tuned model is the base's kind, which no card of ours describes."""
         return "lora" if self.settings.tier in ADAPTER_TIERS else None
 
-    def target_loss(self, model, inputs, targets) -> torch.Tensor:
+    def target_loss(self, model, inputs, targets, **kwargs) -> torch.Tensor:
+        """``kwargs``: ``position_ids`` of packed rows (restarts mark where an example starts)."""
         if getattr(self.accelerator, "num_processes", 1) > 1:
             # through the DDP/FSDP2 wrapper's forward: DDP syncs gradients only for a forward it ran, FSDP2 gathers
             # the root's weights (embeddings, head) in its forward hook. The model's own loss (full logits).
             targets = targets.contiguous()
-            return model(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False).loss
+            return model(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False, **kwargs).loss
         with self.accelerator.autocast():  # the backbone is called directly, outside prepare's autocast
-            return causal_lm_loss_from_hidden(model, inputs, targets, chunk_size=self.cfg.loss_chunk_size, shift=False)
+            return causal_lm_loss_from_hidden(model, inputs, targets, chunk_size=self.cfg.loss_chunk_size, shift=False,
+                                              **kwargs)
 
     def save_pretrained(self, model, output_dir: Path) -> None:
         if self.settings.tier in ADAPTER_TIERS:
@@ -164,7 +186,8 @@ class FinetuneTask(PackedTokensTask):
     def data_fingerprint(self) -> dict[str, Any]:
         """The tokenizer's content and the training data's content (the rows or the packed stream)."""
         if self.instruct:
-            data = {"train_data": _tensors_hash(self.train_rows.ids, self.train_rows.targets),
+            train = [self.train_rows.ids, self.train_rows.targets, self.train_rows.position_ids]
+            data = {"train_data": _tensors_hash(*[t for t in train if t is not None]),
                     "validation_data": _tensors_hash(self.val_rows.ids, self.val_rows.targets)}
         else:
             data = {"train_data": self.train_data.content_hash, "validation_data": self.val_data.content_hash}

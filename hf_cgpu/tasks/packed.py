@@ -32,14 +32,16 @@ class PackedTokensTask(Task):
     def units(self, batch) -> int:
         return batch["input_ids"][:, :-1].numel()
 
-    def target_loss(self, model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of ``model(inputs)`` against already shifted ``targets`` (-100 = not scored)."""
+    def target_loss(self, model, inputs: torch.Tensor, targets: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Mean cross-entropy of ``model(inputs, **kwargs)`` against already shifted ``targets`` (-100 = not scored);
+        ``kwargs`` may hold ``position_ids`` (packed rows)."""
         raise NotImplementedError
 
     def loss(self, model, batch, generator) -> torch.Tensor:
         block = batch["input_ids"]  # (B, S + 1): position t predicts token t + 1
         targets = batch.get("targets", block)  # -100 where nothing is scored (prompts, padding)
-        return self.target_loss(model, block[:, :-1], targets[:, 1:])
+        extra = {"position_ids": batch["position_ids"][:, :-1]} if "position_ids" in batch else {}
+        return self.target_loss(model, block[:, :-1], targets[:, 1:], **extra)
 
     def evaluate(self, model, settings, device) -> dict[str, float]:
         limit = settings.eval_batches * settings.micro_batch_size if settings.eval_batches > 0 else None

@@ -140,6 +140,10 @@ class FinetuneSettings:
     counted in one line per split; false: the first one is refused, naming its file, row and field."""
     seq_len: int = field(default=1024, metadata=FIXED)
     """Tokens per training sequence."""
+    packing: bool = field(default=True, metadata=FIXED)
+    """Instruction data: several whole examples per training row (best-fit decreasing, little padding), positions
+    restarting at each example so attention and the loss stay within it; false: one example per row, padded to
+    --seq_len. An example longer than a row is cut either way (counted). Validation rows are never packed."""
     loss_chunk_size: int = 1024
     """Tokens per chunk of the fp32 loss (the full logits are never materialised)."""
     merge: bool = False

@@ -341,6 +341,25 @@ class CgptModel(CgptPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.wte = value
 
+    def _check_positions(self, past, T: int, position_ids: torch.Tensor | None) -> None:
+        """Every position must be below ``n_positions``: the length is what counts without ``position_ids``; with
+        them (packed sequences restart at 0, so a row may be longer than any position) their largest value, read
+        outside compilation only (a branch on a tensor's value would break the graph)."""
+        if position_ids is not None:
+            if torch.compiler.is_compiling():
+                return
+            top = int(position_ids.max()) + 1 if position_ids.numel() else 0
+            what = f"position_ids reach {top - 1}, beyond"
+        elif isinstance(past, int):
+            top, what = past + T, f"sequence of {past + T} tokens is longer than"
+        else:
+            return
+        if top > self.config.n_positions:
+            raise ValueError(
+                f"{what} n_positions={self.config.n_positions}; shorten the input (seq_len / "
+                "max_new_tokens) or train a model with larger n_positions"
+            )
+
     @_past_key_values_is_deprecated
     @merge_with_config_defaults
     @capture_outputs
@@ -375,11 +394,7 @@ class CgptModel(CgptPreTrainedModel):
         if not use_cache:
             cache = None
         past = cache.get_seq_length() if cache is not None else 0  # an int, or a tensor for a static cache
-        if isinstance(past, int) and past + T > self.config.n_positions:
-            raise ValueError(
-                f"sequence of {past + T} tokens is longer than n_positions={self.config.n_positions}; "
-                "shorten the input (seq_len / max_new_tokens) or train a model with larger n_positions"
-            )
+        self._check_positions(past, T, position_ids)
 
         output_attentions = kwargs.pop("output_attentions", None)
         if output_attentions is None:
