@@ -16,7 +16,7 @@ from ..errors import SettingsError
 from ..flow.matching import FlowMatcher
 from ..flow.pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
 from ..flow.sample import image_grid
-from ..flow.samplers import sampler_class
+from ..flow.samplers import parse_interval, sampler_class
 from ..flow.unet import FlowUNet2DModel
 from ..hub.checks import check_dataset
 from ..integrity import atomic_output
@@ -122,7 +122,11 @@ class FlowMatchingTask(Task):
         return {"val_loss": total / (n * self.val_images[0].numel())}
 
     def pipeline(self, model):
-        return FlowMatchPipeline(unet=model, scheduler=sampler_class(self.cfg.sampler)())
+        """The pipeline as saved: the run's sampler, and its grid settings as the folder's sampling defaults."""
+        cfg, conditional = self.cfg, bool(model.config.num_classes)
+        return FlowMatchPipeline(unet=model, scheduler=sampler_class(cfg.sampler)(), num_inference_steps=cfg.sample_steps,
+                                 guidance_scale=cfg.guidance_scale if conditional else 1.0,
+                                 guidance_interval=parse_interval(cfg.guidance_interval) if conditional else None)
 
     def on_evaluate(self, model, step: int, output_dir: Path) -> None:
         pipe = self.pipeline(model)
@@ -135,9 +139,8 @@ class FlowMatchingTask(Task):
         else:
             labels, rows = None, 8
         gen = torch.Generator(device=self.images.device).manual_seed(0)
-        out = pipe(batch_size=len(labels) if labels is not None else 64, num_inference_steps=self.cfg.sample_steps,
-                   generator=gen, class_labels=labels, guidance_scale=self.cfg.guidance_scale if n_classes else 1.0,
-                   output_type="np")
+        out = pipe(batch_size=len(labels) if labels is not None else 64, generator=gen, class_labels=labels,
+                   output_type="np")  # the saved defaults: sample_steps, guidance_scale and guidance_interval
         path = output_dir / "samples" / f"step_{step:07d}.png"
         with atomic_output(path) as tmp:  # the card shows it and the push uploads it: never half a PNG
             image_grid(out.images, rows).save(tmp, format="PNG")

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from ..budget.shape import ModelShape, RunShape
 from ..errors import SettingsError
-from ..flow.samplers import check_sampler, sampler_names
+from ..flow.samplers import check_sampler, parse_interval, sampler_names
 from ..models import cgpt
 from ..models.cgpt.options_cgpt import CgptOptions
 from ..options import DATA_ORDERS, TIME_SAMPLINGS, check_choice
@@ -106,6 +106,9 @@ class FlowSettings:
     """Sampler steps for the sample grids (the default of ``hf-cgpu sample``)."""
     guidance_scale: float = 2.5
     """Classifier-free guidance scale of the sample grids (1 = no guidance)."""
+    guidance_interval: str = "full"
+    """Guidance of the sample grids only where t (0 = noise, 1 = data) lies in LO:HI, e.g. 0.15:0.8; full = every
+    step. Saved with sample_steps and guidance_scale as the pipeline's defaults."""
 
     def __post_init__(self) -> None:
         if self.time_sampling not in TIME_SAMPLINGS:
@@ -113,6 +116,7 @@ class FlowSettings:
         if not 0 <= self.cond_drop_prob < 1:
             raise SettingsError("cond_drop_prob must be in [0, 1)")
         check_sampler(self.sampler, "--sampler")
+        parse_interval(self.guidance_interval)
 
 
 @dataclass(frozen=True)
