@@ -190,7 +190,8 @@ def _use_bf16(mixed_precision: str, device: torch.device) -> bool:
 @torch.no_grad()
 def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inference_steps: int = 10,
                     guidance_scale: float = 1.0, batch_size: int = 500, seed: int = 0, mixed_precision: str = "no",
-                    progress: bool = True, desc: str = "", guidance_interval: tuple[float, float] | None = None) -> dict:
+                    progress: bool = True, desc: str = "",
+                    guidance_interval: tuple[float, float] | None = None) -> dict:
     """Sample ``num_images`` (balanced class labels when the UNet is class-conditional) as (N, 3, H, W) uint8.
 
     Returns images, labels (None for an unconditional UNet), nfe_per_image (UNet rows per image, measured),

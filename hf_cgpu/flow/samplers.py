@@ -75,7 +75,8 @@ def parse_interval(text: str, flag: str = "--guidance_interval") -> tuple[float,
     try:
         lo, hi = (float(x) for x in text.split(":"))
     except ValueError:
-        raise SettingsError(f"{flag} {text!r}; write LO:HI in t (0 = noise, 1 = data), e.g. 0.15:0.8, or full") from None
+        raise SettingsError(f"{flag} {text!r}; write LO:HI in t (0 = noise, 1 = data), e.g. 0.15:0.8, or full"
+                            ) from None
     if not 0 <= lo < hi <= 1:
         raise SettingsError(f"{flag} {text!r}; need 0 <= LO < HI <= 1, e.g. 0.15:0.8")
     return (lo, hi)
