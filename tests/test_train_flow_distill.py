@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from isolation import WITHOUT_HF_CGPU
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hf_cgpu import FlowMatchPipeline
 from hf_cgpu.cli import main as cli_main
@@ -73,19 +73,18 @@ def test_resume_from_mid_run_checkpoint_is_bit_identical(runs, synthetic_data, t
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_a_resume_against_another_teacher_is_refused(runs, synthetic_data, tmp_path, capsys):
-    other = tmp_path / "other"
-    shutil.copytree(runs / "teacher", other)
-    unet = other / "unet" / "diffusion_pytorch_model.safetensors"
-    weights = load_file(str(unet))
-    from safetensors.torch import save_file
-
-    save_file({k: v + 1e-3 for k, v in weights.items()}, str(unet))
-    cut = tmp_path / "cut"
-    shutil.copytree(runs / "student", cut)
-    rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(cut), "--progress", "false",
-                   "--teacher", str(other), "--dataset", str(synthetic_data), "--resume_from_checkpoint", "latest"])
-    assert rc == 2 and "teacher" in capsys.readouterr().err
+def test_a_resume_after_the_teacher_changed_is_refused(runs, synthetic_data, tmp_path, capsys):
+    """Same --teacher path, other weights (the folder retrained in place): the fingerprint's teacher hash refuses it."""
+    teacher, student = tmp_path / "teacher", tmp_path / "student"
+    shutil.copytree(runs / "teacher", teacher)
+    common = ["--teacher", str(teacher), "--dataset", str(synthetic_data)]
+    _train("flow-distill", student, *common, "--max_steps", "2", "--checkpointing_steps", "2")
+    unet = teacher / "unet" / "diffusion_pytorch_model.safetensors"
+    save_file({k: v + 1e-3 for k, v in load_file(str(unet)).items()}, str(unet))
+    rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(student), "--progress", "false",
+                   *common, "--max_steps", "4", "--resume_from_checkpoint", "latest"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "teacher_weights" in err, err
 
 
 def test_bad_teacher_is_one_line_and_exit_2(runs, synthetic_data, tmp_path, capsys):

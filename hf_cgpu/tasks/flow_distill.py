@@ -55,7 +55,7 @@ class FlowDistillTask(FlowMatchingTask):
                                          *self.guidance)
         self.objective = ShortcutObjective(cfg.levels, cfg.consistency_fraction)
         self.matcher = FlowMatcher(time_sampling=cfg.time_sampling)
-        self.data_hashes["teacher"] = sha256_file(teacher_weights(cfg.teacher))
+        self.data_hashes["teacher_weights"] = sha256_file(teacher_weights(cfg.teacher))  # a resume must see the same
         student = FlowUNet2DModel(**{**unet.config, "step_size_embedding": True})
         missing = student.load_state_dict(unet.state_dict(), strict=False).missing_keys
         assert all(k.startswith("step_mlp.") for k in missing), missing
