@@ -27,7 +27,8 @@ from typing import Any
 from .errors import SettingsError
 from .registry import Registry
 from .settings import TrainSettings, parse_settings
-from .tasks.settings import ClassifierSettings, FinetuneSettings, FlowSettings, GPTSettings, Toy2DSettings
+from .tasks.settings import (ClassifierSettings, FinetuneSettings, FlowDistillSettings, FlowSettings, GPTSettings,
+                             Toy2DSettings)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ for _recipe in (
            GPTSettings, "hf_cgpu.tasks.causal_lm:CausalLMTask", presets="gpt", script="train_gpt.py"),
     Recipe("flow", "train a flow-matching UNet on CIFAR-10-style images; saves a FlowMatchPipeline", FlowSettings,
            "hf_cgpu.tasks.flow_images:FlowMatchingTask", presets="flow", script="train_flow.py"),
+    Recipe("flow-distill", "distill a trained flow pipeline into a 1-2 step one (shortcut model, guidance baked in)",
+           FlowDistillSettings, "hf_cgpu.tasks.flow_distill:FlowDistillTask", presets="flow-distill",
+           script="train_flow_distill.py"),
     Recipe("lora", "LoRA / QLoRA (or full) fine-tuning of an open causal LM", FinetuneSettings,
            "hf_cgpu.tasks.finetune_lm:FinetuneTask", presets="finetune", default_preset="lora",
            script="finetune_lora.py"),

@@ -12,6 +12,7 @@ from PIL import Image
 
 from hf_cgpu.flow.matching import guided_velocity
 from hf_cgpu.flow.pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
+from hf_cgpu.flow.samplers import evaluations_per_image
 from hf_cgpu.flow.scheduling_flow_match import FlowMatchEulerScheduler, FlowMatchHeunScheduler
 from hf_cgpu.flow.unet import FlowUNet2DModel
 
@@ -167,3 +168,62 @@ def test_loads_with_trust_remote_code_without_hf_cgpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FlowMatchPipeline FlowUNet2DModel FlowMatchHeunScheduler" in proc.stdout
     assert np.allclose(np.load(tmp_path / "out.npy"), expected, atol=1e-5)
+
+
+def _manual_interval(pipe, labels, steps, scale, interval) -> torch.Tensor:
+    """Euler written out, guided only where lo <= t <= hi."""
+    unet, y = pipe.unet, torch.tensor(labels)
+    x = torch.randn((len(labels), 3, 8, 8), generator=_gen())
+    sched = FlowMatchEulerScheduler()
+    sched.set_timesteps(steps)
+    with torch.no_grad():
+        for t in sched.timesteps:
+            v = unet(x, t.expand(len(labels)), y).sample
+            if interval[0] <= float(t) <= interval[1]:
+                v_u = unet(x, t.expand(len(labels)), torch.full_like(y, unet.config.num_classes)).sample
+                v = guided_velocity(v_u, v, scale)
+            x = sched.step(v, t, x).prev_sample
+    return (x / 2 + 0.5).clamp(0, 1)
+
+
+def test_guidance_interval_guides_only_inside_and_counts_one_call_outside():
+    pipe = _pipe()
+    rows = []
+    pipe.unet.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    out = pipe(2, 5, _gen(), class_labels=[0, 2], guidance_scale=3.0, guidance_interval=(0.3, 0.7),
+               output_type="pt").images
+    assert rows == [2, 2, 4, 4, 2]  # t = 0, 0.2 unguided; 0.4, 0.6 guided (two rows each); 0.8 unguided
+    assert sum(rows) // 2 == evaluations_per_image("euler", 5, 3.0, (0.3, 0.7)) == 7
+    assert torch.allclose(out, _manual_interval(pipe, [0, 2], 5, 3.0, (0.3, 0.7)), atol=1e-5)
+    full = pipe(2, 5, _gen(), class_labels=[0, 2], guidance_scale=3.0, guidance_interval=None, output_type="pt").images
+    assert not torch.allclose(out, full, atol=1e-3)  # the interval changed the samples
+    assert torch.allclose(full, _manual(pipe, [0, 2], 5, 3.0), atol=1e-5)
+
+
+def test_saved_sampling_defaults_round_trip(tmp_path):
+    """steps, guidance scale and interval are saved in model_index.json and used when a call leaves them out."""
+    pipe = _pipe()
+    pipe.register_to_config(num_inference_steps=5, guidance_scale=3.0, guidance_interval=[0.3, 0.7])
+    pipe.save_pretrained(tmp_path)
+    loaded = FlowMatchPipeline.from_pretrained(tmp_path)
+    loaded.set_progress_bar_config(disable=True)
+    assert loaded.config.guidance_interval == [0.3, 0.7] and loaded.config.num_inference_steps == 5
+    out = loaded(2, generator=_gen(), class_labels=[0, 2], output_type="pt").images
+    assert torch.allclose(out, _manual_interval(pipe, [0, 2], 5, 3.0, (0.3, 0.7)), atol=1e-5)
+    plain = loaded(2, generator=_gen(), output_type="pt").images  # no labels: unguided, the saved scale unused
+    assert plain.shape == (2, 3, 8, 8)
+
+
+def test_step_size_embedding_is_off_by_default_and_starts_as_the_base_model():
+    torch.manual_seed(0)
+    base = FlowUNet2DModel(sample_size=8, base_channels=8, time_embed_dim=16, num_classes=3).eval()
+    student = FlowUNet2DModel(**{**base.config, "step_size_embedding": True}).eval()
+    missing = student.load_state_dict(base.state_dict(), strict=False).missing_keys
+    assert set(base.state_dict()) < set(student.state_dict()) and all(k.startswith("step_mlp.") for k in missing)
+    x, t, y = torch.randn(2, 3, 8, 8), torch.tensor([0.1, 0.6]), torch.tensor([0, 3])
+    with torch.no_grad():
+        assert torch.equal(student(x, t, y, step_size=torch.tensor([0.5, 1.0])).sample, base(x, t, y).sample)
+        student.step_mlp[2].weight.normal_()  # trained: the output now depends on d
+        assert not torch.allclose(student(x, t, y, step_size=0.5).sample, student(x, t, y, step_size=0.0).sample)
+    with pytest.raises(ValueError, match="step_size_embedding"):
+        base(x, t, y, step_size=0.5)

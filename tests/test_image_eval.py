@@ -293,8 +293,14 @@ def test_sweep_evaluations_give_each_sampler_the_most_steps_that_fit():
                 assert n == (max(fits) if fits else 1), (scheduler, scale, budget)
     s = ImageEvalSettings(classifier="y", sweep=True, sweep_evaluations="5,10,20,50",
                           sweep_guidance="1,3")
-    assert ("heun", 3, 1.0) in s.grid and ("heun", 3, 3.0) in s.grid  # 5 and 10 evaluations: 2x3-1, guided x2
-    assert ("euler", 50, 1.0) in s.grid and ("euler", 25, 3.0) in s.grid and ("heun", 13, 3.0) in s.grid
+    assert ("heun", 3, 1.0, None) in s.grid and ("heun", 3, 3.0, None) in s.grid  # 5 and 10: 2x3-1, guided x2
+    assert ("euler", 50, 1.0, None) in s.grid and ("euler", 25, 3.0, None) in s.grid
+    assert ("heun", 13, 3.0, None) in s.grid
     assert len(s.grid) == len(set(s.grid)) == 2 * 4 * 2
+    # an interval: Euler 11 steps calls t = k / 11, guided only for k = 3..8 (t in 0.2..0.8): 11 + 6 = 17 evaluations
+    # (12 steps: 12 + 7); guidance everywhere: 8 steps, 16
+    s = ImageEvalSettings(classifier="y", sweep=True, sweep_schedulers="euler", sweep_evaluations="17",
+                          sweep_guidance="1,3", sweep_guidance_intervals="full,0.2:0.8")
+    assert s.grid == [("euler", 17, 1.0, None), ("euler", 8, 3.0, None), ("euler", 11, 3.0, (0.2, 0.8))]
     with pytest.raises(SettingsError, match="--sweep_evaluations"):
         ImageEvalSettings(classifier="y", sweep_evaluations="0,5")

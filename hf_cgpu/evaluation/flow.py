@@ -33,7 +33,9 @@ from ..data.images import cache_file, load_image_dataset
 from ..errors import run_main
 from ..flow.pipeline_flow_match import FlowMatchPipeline
 from ..flow.sample import image_grid
-from ..flow.samplers import SAMPLERS, check_sampler, sampler_class, sampler_names, steps_within
+from ..flow.sample import saved_sampling
+from ..flow.samplers import (SAMPLERS, check_sampler, format_interval, parse_interval, sampler_class, sampler_names,
+                             steps_within)
 from ..paths import feature_cache, image_cache
 from ..settings import SettingsError, build_parser
 from ..train.checkpoint import list_checkpoints, read_trainer_state
@@ -60,13 +62,17 @@ class ImageEvalSettings:
     """Use only the first this many real images (0 = the whole split)."""
     num_images: int = 10000
     """Images to generate per setting."""
-    scheduler: str = field(default="heun", metadata={"choices": sampler_names})
+    scheduler: str = field(default="", metadata={"choices": sampler_names})
     """Sampler (hf_cgpu.flow.samplers): euler (N network calls for N steps), heun (2N - 1), or another registered
-    one."""
-    num_inference_steps: int = 10
-    """Solver steps N."""
-    guidance_scale: float = 1.5
-    """Classifier-free guidance scale (1 = none, one network call per evaluation; unconditional models need 1)."""
+    one; empty = the one the pipeline was saved with."""
+    num_inference_steps: int = 0
+    """Solver steps N; 0 = the pipeline's saved default (1 or 2 for a distilled pipeline)."""
+    guidance_scale: float = 0.0
+    """Classifier-free guidance scale (1 = none, one network call per evaluation; unconditional models need 1);
+    0 = the pipeline's saved default (1.5 for a folder that saved none)."""
+    guidance_interval: str = ""
+    """Guidance only where t (0 = noise, 1 = data) lies in LO:HI, e.g. 0.15:0.8 (one network call instead of two
+    elsewhere); full = every step; empty = the pipeline's saved interval."""
     weights: str = ""
     """Which weights: empty = what the folder's pipeline holds (EMA when the run kept one), ema, or raw (the last
     checkpoint's live weights)."""
@@ -95,6 +101,9 @@ class ImageEvalSettings:
     guidance scale gets the most steps whose evaluations fit (counted from the sampler; a guided call twice)."""
     sweep_guidance: str = "1,1.5,2,3"
     """Comma-separated guidance scales of the sweep (only 1 for an unconditional model)."""
+    sweep_guidance_intervals: str = "full"
+    """Comma-separated guidance intervals of the sweep, each full or LO:HI (e.g. full,0.15:0.8); a scale of 1
+    is run once, whatever the interval."""
     inception_weights: str = ""
     """Inception-v3 weights file (torch-fidelity's .pth) for the standard FID, computed only with torchmetrics and
     torch-fidelity installed; empty = skip with a note."""
@@ -104,20 +113,31 @@ class ImageEvalSettings:
     """Show a progress bar."""
 
     def __post_init__(self) -> None:
-        check_sampler(self.scheduler)
+        if self.scheduler:
+            check_sampler(self.scheduler)
+        if self.guidance_interval:
+            parse_interval(self.guidance_interval)
         if self.weights not in ("", "ema", "raw"):
             raise SettingsError(f"weights={self.weights!r}; use ema, raw or leave it empty")
         if self.mixed_precision not in ("auto", "bf16", "no"):
             raise SettingsError(f"mixed_precision={self.mixed_precision!r}; use auto, bf16 or no")
-        for name in ("num_images", "num_inference_steps", "batch_size", "nearest_k"):
+        for name in ("num_images", "batch_size", "nearest_k"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"--{name} must be >= 1 (got {getattr(self, name)})")
         if self.num_images <= self.nearest_k:
             raise SettingsError(f"--num_images {self.num_images} must exceed --nearest_k {self.nearest_k}")
+        if self.num_inference_steps < 0 or self.guidance_scale < 0:
+            raise SettingsError("--num_inference_steps and --guidance_scale take a value >= 1, or 0: the saved default")
         self.grid = _sweep_grid(self)
 
 
-def _sweep_grid(s: ImageEvalSettings) -> list[tuple[str, int, float]]:
+Setting = tuple[str, int, float, "tuple[float, float] | None"]
+"""One sampler setting of a sweep: (scheduler, steps, guidance scale, guidance interval or None = every step)."""
+
+
+def _sweep_grid(s: ImageEvalSettings) -> list[Setting]:
+    intervals = [parse_interval(x.strip(), "--sweep_guidance_intervals")
+                 for x in (s.sweep_guidance_intervals or "full").split(",")]
     try:
         schedulers = [x.strip() for x in s.sweep_schedulers.split(",") if x.strip()]
         steps = [int(x) for x in s.sweep_steps.split(",") if x.strip()]
@@ -130,9 +150,11 @@ def _sweep_grid(s: ImageEvalSettings) -> list[tuple[str, int, float]]:
                             "empty")
     if budgets and min(budgets) < 1:
         raise SettingsError("--sweep_evaluations takes positive integers, e.g. 5,10,20,50")
+    settings = [(c, i if c != 1 else None) for c in scales for i in intervals]  # unguided: one row, not one per interval
     if not budgets:
-        return [(a, b, c) for a in schedulers for b in steps for c in scales]
-    grid = [(a, steps_within(e, a, c), c) for a in schedulers for e in budgets for c in scales]
+        grid = [(a, b, c, i) for a in schedulers for b in steps for c, i in settings]
+    else:
+        grid = [(a, steps_within(e, a, c, i), c, i) for a in schedulers for e in budgets for c, i in settings]
     return list(dict.fromkeys(grid))  # a small budget can give two scales' rows the same steps: each once
 
 
@@ -168,15 +190,18 @@ def _use_bf16(mixed_precision: str, device: torch.device) -> bool:
 @torch.no_grad()
 def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inference_steps: int = 10,
                     guidance_scale: float = 1.0, batch_size: int = 500, seed: int = 0, mixed_precision: str = "no",
-                    progress: bool = True, desc: str = "") -> dict:
+                    progress: bool = True, desc: str = "",
+                    guidance_interval: tuple[float, float] | None = None) -> dict:
     """Sample ``num_images`` (balanced class labels when the UNet is class-conditional) as (N, 3, H, W) uint8.
 
     Returns images, labels (None for an unconditional UNet), nfe_per_image (UNet rows per image, measured),
-    seconds and images_per_s. ``pipe`` is not changed: the scheduler is swapped in a copy.
+    seconds and images_per_s. ``pipe`` is not changed: the scheduler is swapped in a copy. Guidance applies to the
+    calls whose t lies in ``guidance_interval`` (None: every call).
     """
     from tqdm.auto import tqdm
 
-    sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=sampler_class(scheduler).from_config(pipe.scheduler.config))
+    klass = sampler_class(scheduler) if scheduler else type(pipe.scheduler)  # empty: the saved sampler
+    sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=klass.from_config(pipe.scheduler.config))
     sampler.set_progress_bar_config(disable=True)
     device = pipe.unet.device
     num_classes = pipe.unet.config.num_classes
@@ -197,7 +222,8 @@ def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inferenc
             gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(start, start + n)]
             out = sampler(batch_size=n, num_inference_steps=num_inference_steps, generator=gens,
                           class_labels=labels[start : start + n] if labels is not None else None,
-                          guidance_scale=guidance_scale if labels is not None else 1.0, output_type="pt").images
+                          guidance_scale=guidance_scale if labels is not None else 1.0, output_type="pt",
+                          guidance_interval=guidance_interval).images
             chunks.append((out.float() * 255).round().to(torch.uint8).cpu())  # quantised like a saved PNG
             bar.update(n)
     sync()
@@ -210,14 +236,15 @@ def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inferenc
 def evaluate_pipeline(pipe, classifier, real: dict, num_images: int = 10000, scheduler: str = "heun",
                       num_inference_steps: int = 10, guidance_scale: float = 1.5, batch_size: int = 500,
                       seed: int = 0, nearest_k: int = 3, mixed_precision: str = "no", progress: bool = True,
-                      grid_path: str | Path | None = None, grid_images: int = 100, return_images: bool = False) -> dict:
+                      grid_path: str | Path | None = None, grid_images: int = 100, return_images: bool = False,
+                      guidance_interval: tuple[float, float] | None = None) -> dict:
     """Generate with one sampler setting and score it against ``real`` (``real_reference``'s dict).
 
     Returns fd, precision, recall, class_histogram, class_share_max/min/uniform, label_accuracy (None when
     unconditional), nfe_per_image, images_per_s, seconds, grid (the PNG path) and the settings used.
     """
     gen = generate_images(pipe, num_images, scheduler, num_inference_steps, guidance_scale, batch_size, seed,
-                          mixed_precision, progress)
+                          mixed_precision, progress, guidance_interval=guidance_interval)
     feats, logits = image_features(classifier, gen["images"], batch_size=batch_size)
     device = next(classifier.parameters()).device
     key = f"radii_{nearest_k}"
@@ -226,7 +253,7 @@ def evaluate_pipeline(pipe, classifier, real: dict, num_images: int = 10000, sch
     precision, recall = precision_recall(real["features"], feats, k=nearest_k, device=device, real_radii=real[key])
     out = {
         "scheduler": scheduler, "num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale,
-        "num_images": num_images, "seed": seed,
+        "guidance_interval": format_interval(guidance_interval), "num_images": num_images, "seed": seed,
         "fd": frechet_distance(real["mu"], real["sigma"], *feature_statistics(feats)),
         "precision": precision, "recall": recall, "nearest_k": nearest_k,
         **class_statistics(logits.argmax(1), logits.shape[1], gen["labels"]),
@@ -349,7 +376,7 @@ def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device)
 # ----------------------------------------------------------------------------- sweep outputs
 def write_sweep(rows: list[dict], out_dir: Path, plot: bool = True) -> list[Path]:
     """sweep.json, sweep.md (a table) and, with matplotlib installed, sweep.png (``plot_sweep``)."""
-    keys = ["weights", "scheduler", "num_inference_steps", "guidance_scale", "nfe_per_image", "fd", "precision",
+    keys = ["weights", "scheduler", "num_inference_steps", "guidance_scale", "guidance_interval", "nfe_per_image", "fd", "precision",
             "recall", "label_accuracy", "class_share_min", "class_share_max", "images_per_s"]
     (out_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
 
@@ -380,11 +407,13 @@ def plot_sweep(sweep_json: str | Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lines_of: dict[tuple, list[dict]] = {}
     for r in rows:
-        lines_of.setdefault((r["weights"], r["scheduler"], r["guidance_scale"]), []).append(r)
-    for (weights, sched, scale), pts in sorted(lines_of.items()):
+        lines_of.setdefault((r["weights"], r["scheduler"], r["guidance_scale"], r.get("guidance_interval", "full")),
+                            []).append(r)
+    for (weights, sched, scale, interval), pts in sorted(lines_of.items()):
         pts = sorted(pts, key=lambda r: r["nfe_per_image"])
         ax.plot([p["nfe_per_image"] for p in pts], [p["fd"] for p in pts], marker="o",
-                linestyle="-" if weights != "raw" else "--", label=f"{weights} {sched} w={scale:g}")
+                linestyle="-" if weights != "raw" else "--",
+                label=f"{weights} {sched} w={scale:g}" + (f" t in {interval}" if interval != "full" else ""))
     ax.set_xscale("log")
     ax.set_xlabel("network evaluations per image")
     ax.set_ylabel("Fréchet distance (classifier features)")
@@ -397,6 +426,16 @@ def plot_sweep(sweep_json: str | Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- command line
+def saved_sampler_name(pipe) -> str:
+    """The registered name of the pipeline's scheduler class (its class name where none is registered under it)."""
+    return next((n for n in SAMPLERS if sampler_class(n) is type(pipe.scheduler)), type(pipe.scheduler).__name__)
+
+
+def grid_name(weights: str, sched: str, steps: int, scale: float, interval) -> str:
+    suffix = "" if interval is None else f"_t{interval[0]:g}-{interval[1]:g}"
+    return f"grid_{weights}_{sched}{steps}_w{scale:g}{suffix}.png"
+
+
 def parse(argv: list[str]) -> tuple[Path, ImageEvalSettings]:
     parser = build_parser((ImageEvalSettings,), description=__doc__)
     parser.prog = "hf-cgpu eval"
@@ -436,10 +475,13 @@ def _main(argv: list[str] | None) -> int:
     if not s.sweep:
         (name, raw), = variants.items()
         pipe = load_pipeline(run_dir, raw, device)
-        row = evaluate_pipeline(pipe, classifier, real, s.num_images, s.scheduler, s.num_inference_steps,
-                                s.guidance_scale, s.batch_size, s.seed, s.nearest_k, s.mixed_precision, s.progress,
-                                out_dir / f"grid_{name}_{s.scheduler}{s.num_inference_steps}_w{s.guidance_scale:g}.png",
-                                s.grid_images, return_images=bool(s.inception_weights))
+        sched = s.scheduler or saved_sampler_name(pipe)
+        kw = saved_sampling(pipe, s.num_inference_steps, s.guidance_scale, s.guidance_interval, fallback_scale=1.5)
+        steps, scale, interval = kw["num_inference_steps"], kw["guidance_scale"], kw["guidance_interval"]
+        row = evaluate_pipeline(pipe, classifier, real, s.num_images, sched, steps, scale, s.batch_size, s.seed,
+                                s.nearest_k, s.mixed_precision, s.progress,
+                                out_dir / grid_name(name, sched, steps, scale, interval), s.grid_images,
+                                return_images=bool(s.inception_weights), guidance_interval=interval)
         images = row.pop("images", None)
         fid, note = (inception_fid(load_real_images(s).images, images, s.inception_weights)
                      if images is not None else inception_fid(None, None, ""))
@@ -448,7 +490,7 @@ def _main(argv: list[str] | None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))
         acc = "-" if row["label_accuracy"] is None else f"{row['label_accuracy']:.3f}"
-        print(f"{name} {s.scheduler} {s.num_inference_steps} steps w={s.guidance_scale:g}: FD {row['fd']:.3f} "
+        print(f"{name} {sched} {steps} steps w={scale:g} t in {format_interval(interval)}: FD {row['fd']:.3f} "
               f"precision {row['precision']:.3f} recall {row['recall']:.3f} label accuracy {acc} "
               f"({row['nfe_per_image']:g} evaluations/image, {row['images_per_s']:.0f} img/s) -> {path}")
         return 0
@@ -458,16 +500,18 @@ def _main(argv: list[str] | None) -> int:
     for name, raw in variants.items():
         pipe = load_pipeline(run_dir, raw, device)
         conditional = bool(pipe.unet.config.num_classes)
-        grid = s.grid if conditional else sorted({(a, b, 1.0) for a, b, _ in s.grid})
-        for sched, steps, scale in grid:
+        grid = s.grid if conditional else list(dict.fromkeys((a, b, 1.0, None) for a, b, _, _ in s.grid))
+        for sched, steps, scale, interval in grid:
             row = evaluate_pipeline(pipe, classifier, real, s.num_images, sched, steps, scale, s.batch_size, s.seed,
                                     s.nearest_k, s.mixed_precision, s.progress,
-                                    out_dir / f"grid_{name}_{sched}{steps}_w{scale:g}.png", s.grid_images)
+                                    out_dir / grid_name(name, sched, steps, scale, interval), s.grid_images,
+                                    guidance_interval=interval)
             rows.append({**common, "weights": name, **row})
             write_sweep(rows, out_dir, plot=False)  # a run cut short still leaves every finished row
-            print(f"{name} {sched} {steps} steps w={scale:g}: FD {row['fd']:.3f} precision {row['precision']:.3f} "
+            print(f"{name} {sched} {steps} steps w={scale:g} t in {format_interval(interval)}: FD {row['fd']:.3f} "
+                  f"precision {row['precision']:.3f} "
                   f"recall {row['recall']:.3f} ({row['nfe_per_image']:g} evaluations/image)")
-    if not conditional and any(scale != 1.0 for _, _, scale in s.grid):
+    if not conditional and any(scale != 1.0 for _, _, scale, _ in s.grid):
         notes.append("unconditional model: guidance scales other than 1 left out")
     written = write_sweep(rows, out_dir)
     (out_dir / "sweep_notes.json").write_text(json.dumps({"notes": notes, "settings": asdict(s)}, indent=1, default=str))

@@ -51,13 +51,22 @@ class FlowMatchPipeline(DiffusionPipeline):
             multistep solver built with ``use_flow_sigmas=True, prediction_type="flow_prediction"``
             (DPMSolverMultistepScheduler, UniPCMultistepScheduler, DEISMultistepScheduler, ...). Those walk sigma = 1
             (noise) to 0: the UNet gets t = 1 - sigma and the scheduler gets the velocity in their sign, -(x1 - x0).
+        num_inference_steps, guidance_scale, guidance_interval: how the folder samples when a call leaves them out,
+            saved in model_index.json (see ``__call__``); guidance_scale None = 1 (a folder that recorded none).
+
+    A UNet whose config has ``step_size_embedding`` (a few-step model distilled by ``hf-cgpu train flow-distill``) is
+    also told the length of the step each call takes (``step_size``); guidance is then usually baked into it.
     """
 
     model_cpu_offload_seq = "unet"
 
-    def __init__(self, unet: ModelMixin, scheduler: SchedulerMixin) -> None:
+    def __init__(self, unet: ModelMixin, scheduler: SchedulerMixin, num_inference_steps: int = 8,
+                 guidance_scale: float | None = None, guidance_interval: list[float] | None = None) -> None:
         super().__init__()
         self.register_modules(unet=unet, scheduler=scheduler)
+        interval = list(guidance_interval) if guidance_interval is not None else None
+        self.register_to_config(num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                                guidance_interval=interval)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs):
@@ -87,7 +96,8 @@ class FlowMatchPipeline(DiffusionPipeline):
             raise ValueError(f"{folder} has no model_index.json; pass a folder written by save_pretrained")
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)
-        components = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list)]
+        modules = cls._get_signature_keys(cls)[0]  # unet, scheduler: not the saved sampling defaults
+        components = [k for k, v in index.items() if k in modules and isinstance(v, list)]
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
         if isinstance(dtype, dict) and set(dtype) - {*components, "default"}:
             raise ValueError(f"dtype names {sorted(set(dtype) - set(components))}, which are not components of this "
@@ -126,37 +136,56 @@ class FlowMatchPipeline(DiffusionPipeline):
                              "image, or leave batch_size out")
         return labels
 
-    def _velocity(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def _velocity(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, scale: float,
+                  step_size: float = 0.0) -> torch.Tensor:
         """Model velocity at (x, t); with guidance the conditional and null-class halves share one batch."""
         batch = x.shape[0]
-        if labels is None or scale == 1.0:
-            return self.unet(x, t.expand(batch), labels).sample
+        rows = batch if labels is None or scale == 1.0 else 2 * batch
+        extra = {}
+        if getattr(self.unet.config, "step_size_embedding", False):
+            extra["step_size"] = torch.full((rows,), step_size, device=x.device, dtype=torch.float32)
+        if rows == batch:
+            return self.unet(x, t.expand(batch), labels, **extra).sample
         null = torch.full_like(labels, self.unet.config.num_classes)
-        v = self.unet(torch.cat([x, x]), t.expand(2 * batch), torch.cat([labels, null])).sample  # (2B, C, H, W)
+        v = self.unet(torch.cat([x, x]), t.expand(rows), torch.cat([labels, null]), **extra).sample  # (2B, C, H, W)
         v_cond, v_uncond = v.chunk(2)
         return v_uncond + scale * (v_cond - v_uncond)
+
+    def _call_plan(self, interval) -> list[tuple[float, float, bool]]:
+        """(t, step size, guided) per model call: our schedulers' own ``call_plan``; diffusers' get t = 1 - sigma and
+        step size 0 (the instantaneous velocity)."""
+        if getattr(self.scheduler, "timesteps_are_t", False):
+            return self.scheduler.call_plan(tuple(interval) if interval is not None else None)
+        lo, hi = interval if interval is not None else (0.0, 1.0)
+        ts = (1.0 - self.scheduler.sigmas[: len(self.scheduler.timesteps)]).tolist()
+        return [(t, 0.0, lo - 1e-6 <= t <= hi + 1e-6) for t in ts]
 
     @torch.no_grad()
     def __call__(
         self,
         batch_size: int | None = None,
-        num_inference_steps: int = 8,
+        num_inference_steps: int | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         class_labels: int | list[int] | torch.Tensor | None = None,
-        guidance_scale: float = 1.0,
+        guidance_scale: float | None = None,
         output_type: str = "pil",
         return_dict: bool = True,
+        guidance_interval: tuple[float, float] | None | str = "saved",
     ) -> ImagePipelineOutput | tuple:
         """Generate images.
 
         Args:
             batch_size: number of images; default: one per class label (as DiTPipeline), or 1 without labels.
-            num_inference_steps: scheduler steps N (Euler: N model calls; Heun: 2N - 1, doubled again with guidance).
-                8 with the saved Heun scheduler: the measured default (CIFAR-10 sweep in benchmarks/RESULTS.md).
+            num_inference_steps: scheduler steps N (Euler: N model calls; Heun: 2N - 1, doubled again with guidance);
+                None = the saved ``config.num_inference_steps``.
             class_labels: one label for all images, one per image, or None (null class / unconditional model).
             guidance_scale: classifier-free guidance w in v_u + w (v_c - v_u); 1.0 is the plain conditional model
-                and costs a single forward per step.
+                and costs a single forward per step. None = the saved ``config.guidance_scale`` with class labels
+                (1 where none is saved), 1 without.
             output_type: "pil" (list of PIL images), "np" (B, H, W, C) float in [0, 1], "pt" (B, C, H, W) in [0, 1].
+            guidance_interval: (lo, hi): guidance only at calls whose t (0 = noise, 1 = data) lies in [lo, hi], the
+                plain conditional model (one forward) elsewhere (Kynkaanniemi et al. 2024: guidance near the noise
+                end costs variety); None = every call; "saved" = ``config.guidance_interval``.
         """
         if output_type not in ("pil", "np", "pt"):
             raise ValueError(f"output_type={output_type!r}; use 'pil', 'np' or 'pt'")
@@ -167,7 +196,12 @@ class FlowMatchPipeline(DiffusionPipeline):
             raise ValueError(f"{type(self.scheduler).__name__} is not a flow-matching scheduler; use ours, diffusers' "
                              "FlowMatch*, or a solver with use_flow_sigmas=True, prediction_type='flow_prediction'")
         device = self._execution_device
+        steps = num_inference_steps if num_inference_steps is not None else self.config.num_inference_steps
+        if guidance_interval == "saved":
+            guidance_interval = self.config.get("guidance_interval")
         labels = self._labels(class_labels, batch_size, device)
+        if guidance_scale is None:
+            guidance_scale = (self.config.get("guidance_scale") or 1.0) if labels is not None else 1.0
         if batch_size is None:
             batch_size = 1 if labels is None else labels.numel()
         if labels is None and guidance_scale != 1.0:
@@ -176,13 +210,16 @@ class FlowMatchPipeline(DiffusionPipeline):
         shape = (batch_size, cfg.in_channels, cfg.sample_size, cfg.sample_size)
         x = randn_tensor(shape, generator=generator, device=device, dtype=self.unet.dtype)  # x0 at t = 0
 
-        self.scheduler.set_timesteps(num_inference_steps, device=device)
+        self.scheduler.set_timesteps(steps, device=device)
+        plan = self._call_plan(guidance_interval)
         for i, timestep in enumerate(self.progress_bar(self.scheduler.timesteps)):
+            _, step_size, guided = plan[i]
+            scale = guidance_scale if guided else 1.0
             if ours:
-                v = self._velocity(x, timestep, labels, guidance_scale)
+                v = self._velocity(x, timestep, labels, scale, step_size)
             else:  # diffusers' convention: sigma = 1 - t, model output noise - data = -(x1 - x0)
                 t = (1.0 - self.scheduler.sigmas[i]).to(device=device, dtype=torch.float32)
-                v = -self._velocity(x, t, labels, guidance_scale)
+                v = -self._velocity(x, t, labels, scale, step_size)
             x = self.scheduler.step(v, timestep, x).prev_sample
 
         image = (x.float() / 2 + 0.5).clamp(0, 1)  # [-1, 1] -> [0, 1], (B, C, H, W)

@@ -14,7 +14,7 @@ from ..errors import MissingPathError, SettingsError, require_model
 from ..hub.checks import check_hub_model
 from ..settings import build_parser
 from .pipeline_flow_match import FlowMatchPipeline
-from .samplers import check_sampler, sampler_class, sampler_names
+from .samplers import check_sampler, parse_interval, sampler_class, sampler_names
 
 
 def image_grid(images: np.ndarray, rows: int) -> Image.Image:
@@ -52,36 +52,57 @@ class SampleSettings:
 
     num_images: int = 64
     """Images to draw; the grid is about square."""
-    scheduler: str = field(default="heun", metadata={"choices": sampler_names})
+    scheduler: str = field(default="", metadata={"choices": sampler_names})
     """Sampler (hf_cgpu.flow.samplers): heun (2 network calls per step but the last, better at few steps), euler
-    (1 call per step), or another registered one."""
-    num_inference_steps: int = 8
-    """Solver steps from noise (t = 0) to data (t = 1); the default is the measured best for its cost on the CIFAR-10
-    preset (benchmarks/RESULTS.md, sampling)."""
+    (1 call per step), or another registered one; empty = the one the pipeline was saved with."""
+    num_inference_steps: int = 0
+    """Solver steps from noise (t = 0) to data (t = 1); 0 = the pipeline's saved default (a flow run: its
+    --sample_steps; a distilled run: 1 or 2)."""
     class_labels: str = ""
     """Comma-separated class indices or names (see class_names.txt), cycled over the images; empty = unconditional
     (the null class)."""
     guidance_scale: float = 0.0
     """Classifier-free guidance w (1 = the plain conditional model, one call per step; needs --class_labels);
-    0 = the measured default: 2.5 with --class_labels (balanced classes, lowest FD), 1 without."""
+    0 = the pipeline's saved default with --class_labels (a flow run: its --guidance_scale; a distilled run: 1, its
+    guidance is baked in; 2.5 for a folder that saved none), 1 without."""
+    guidance_interval: str = ""
+    """Guidance only where t (0 = noise, 1 = data) lies in LO:HI, e.g. 0.15:0.8, the conditional model elsewhere
+    (one call instead of two); full = every step; empty = the pipeline's saved interval."""
     seed: int = 0
     """Seed of the starting noise."""
     output_dir: str = ""
     """Where the PNGs go; empty = MODEL_DIR/samples_cli."""
 
     def __post_init__(self) -> None:
-        check_sampler(self.scheduler)
-        if self.num_images < 1 or self.num_inference_steps < 1:
-            raise SettingsError("--num_images and --num_inference_steps must be >= 1")
+        if self.scheduler:
+            check_sampler(self.scheduler)
+        if self.num_images < 1 or self.num_inference_steps < 0:
+            raise SettingsError("--num_images must be >= 1 and --num_inference_steps >= 1 (or 0: the saved default)")
+        if self.guidance_interval:
+            parse_interval(self.guidance_interval)
         if self.guidance_scale < 0:
             raise SettingsError(f"--guidance_scale {self.guidance_scale}; use a value >= 1 (or 0: the default)")
         if self.guidance_scale not in (0.0, 1.0) and not self.class_labels:
             raise SettingsError("--guidance_scale needs --class_labels (guidance contrasts a class with the null class)")
 
-    @property
-    def guidance(self) -> float:
-        """The guidance scale this run samples with (``guidance_scale`` with 0 resolved)."""
-        return self.guidance_scale or (2.5 if self.class_labels else 1.0)
+    def sampling(self, pipe) -> dict:
+        """The pipeline call's steps, guidance scale and interval: these settings, 0 and empty resolved from the
+        pipeline's saved config."""
+        return saved_sampling(pipe, self.num_inference_steps, self.guidance_scale if self.class_labels else 1.0,
+                              self.guidance_interval, fallback_scale=2.5)
+
+
+def saved_sampling(pipe, steps: int, scale: float, interval: str, fallback_scale: float) -> dict:
+    """Steps, guidance scale and interval for ``pipe``'s call: 0 / empty take the folder's saved value
+    (``fallback_scale`` where a folder recorded no scale)."""
+    config = pipe.config
+    if not pipe.unet.config.num_classes:
+        scale = scale or 1.0  # an unconditional model is never guided
+    saved_interval = config.get("guidance_interval")
+    return {"num_inference_steps": steps or config.get("num_inference_steps", 8),
+            "guidance_scale": scale or config.get("guidance_scale") or fallback_scale,
+            "guidance_interval": parse_interval(interval) if interval else
+            (tuple(saved_interval) if saved_interval else None)}
 
 
 def check_pipeline_folder(model_dir: str) -> None:
@@ -109,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     a = SampleSettings(**{k: v for k, v in ns.items() if v is not None})
     check_pipeline_folder(model_dir)
     pipe = FlowMatchPipeline.from_pretrained(model_dir)
-    pipe.scheduler = sampler_class(a.scheduler).from_config(pipe.scheduler.config)
+    if a.scheduler:
+        pipe.scheduler = sampler_class(a.scheduler).from_config(pipe.scheduler.config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe.to(device)
     names_file = Path(model_dir) / "class_names.txt"
@@ -118,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if labels is not None:
         labels = torch.tensor([labels[i % len(labels)] for i in range(a.num_images)])
     gen = torch.Generator(device=device).manual_seed(a.seed)
-    out = pipe(batch_size=a.num_images, num_inference_steps=a.num_inference_steps, generator=gen,
-               class_labels=labels, guidance_scale=a.guidance, output_type="np").images
+    out = pipe(batch_size=a.num_images, generator=gen, class_labels=labels, output_type="np",
+               **a.sampling(pipe)).images
     dest = Path(a.output_dir or Path(model_dir) / "samples_cli")
     dest.mkdir(parents=True, exist_ok=True)
     for i, img in enumerate(out):

@@ -43,24 +43,49 @@ def sampler_class(name: str) -> type:
 
 
 @lru_cache(maxsize=None)
-def _calls(scheduler_class: type, steps: int) -> int:
+def _calls(scheduler_class: type, steps: int, interval: tuple[float, float] | None) -> tuple[int, int]:
+    """(model calls, of which guided) of ``steps`` steps, counted from the scheduler's own call plan."""
     scheduler = scheduler_class()
     scheduler.set_timesteps(steps)
-    return len(scheduler.timesteps)
+    plan = scheduler.call_plan(interval)
+    return len(plan), sum(guided for _, _, guided in plan)
 
 
-def evaluations_per_image(name: str, steps: int, guidance_scale: float = 1.0) -> int:
-    """Network evaluations of one image: the model calls of ``steps`` steps of the sampler, each doubled by
-    classifier-free guidance (scale != 1: a conditional and an unconditional row)."""
-    return _calls(sampler_class(name), steps) * (2 if guidance_scale != 1 else 1)
+def evaluations_per_image(name: str, steps: int, guidance_scale: float = 1.0,
+                          guidance_interval: tuple[float, float] | None = None) -> int:
+    """Network evaluations of one image: the model calls of ``steps`` steps of the sampler; a call guided by
+    classifier-free guidance (scale != 1, t inside ``guidance_interval``) counts two, a conditional and a null row."""
+    calls, guided = _calls(sampler_class(name), steps, guidance_interval)
+    return calls + (guided if guidance_scale != 1 else 0)
 
 
-def steps_within(evaluations: int, name: str, guidance_scale: float = 1.0) -> int:
+def steps_within(evaluations: int, name: str, guidance_scale: float = 1.0,
+                 guidance_interval: tuple[float, float] | None = None) -> int:
     """The most steps whose ``evaluations_per_image`` fit ``evaluations`` (at least 1)."""
     steps = 1
-    while evaluations_per_image(name, steps + 1, guidance_scale) <= evaluations:
+    while evaluations_per_image(name, steps + 1, guidance_scale, guidance_interval) <= evaluations:
         steps += 1
     return steps
 
 
-__all__ = ["SAMPLERS", "check_sampler", "evaluations_per_image", "sampler_class", "sampler_names", "steps_within"]
+def parse_interval(text: str, flag: str = "--guidance_interval") -> tuple[float, float] | None:
+    """'LO:HI' (0 <= LO < HI <= 1, t = 0 noise, t = 1 data) -> (LO, HI); '' or 'full' -> None (every step)."""
+    if text.strip() in ("", "full"):
+        return None
+    try:
+        lo, hi = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise SettingsError(f"{flag} {text!r}; write LO:HI in t (0 = noise, 1 = data), e.g. 0.15:0.8, or full"
+                            ) from None
+    if not 0 <= lo < hi <= 1:
+        raise SettingsError(f"{flag} {text!r}; need 0 <= LO < HI <= 1, e.g. 0.15:0.8")
+    return (lo, hi)
+
+
+def format_interval(interval) -> str:
+    """The inverse of ``parse_interval``: None -> 'full', (lo, hi) -> 'lo:hi'."""
+    return "full" if interval is None else f"{interval[0]:g}:{interval[1]:g}"
+
+
+__all__ = ["SAMPLERS", "check_sampler", "evaluations_per_image", "format_interval", "parse_interval", "sampler_class",
+           "sampler_names", "steps_within"]

@@ -111,6 +111,19 @@ class _FlowMatchBase(SchedulerMixin, ConfigMixin):
     def __len__(self) -> int:
         return self.config.num_train_timesteps
 
+    def call_step_sizes(self) -> torch.Tensor:
+        """(len(timesteps),) the length of the grid interval each model call belongs to: what a step-size
+        conditioned UNet (``step_size_embedding``) is told it is jumping."""
+        return (self.t_grid[1:] - self.t_grid[:-1])[self._call_interval()]
+
+    def call_plan(self, guidance_interval: tuple[float, float] | None = None) -> list[tuple[float, float, bool]]:
+        """(t, step size, guided) of every model call after ``set_timesteps``: guidance applies to a call whose t lies
+        in ``guidance_interval`` = (lo, hi), both ends included to 1e-6 (the grid is fp32) (None: every call). A guided
+        call costs two network evaluations, an unguided one one."""
+        lo, hi = guidance_interval if guidance_interval is not None else (0.0, 1.0)
+        ts, ds = self.timesteps.tolist(), self.call_step_sizes().tolist()
+        return [(t, d, lo - 1e-6 <= t <= hi + 1e-6) for t, d in zip(ts, ds)]
+
 
 class FlowMatchEulerScheduler(_FlowMatchBase):
     """x_{k+1} = x_k + (t_{k+1} - t_k) v(x_k, t_k): N model calls for N steps, first order."""
@@ -121,6 +134,9 @@ class FlowMatchEulerScheduler(_FlowMatchBase):
         """Build the grid; ``timesteps`` = t_0 ... t_{N-1}, one per model call."""
         grid = self._make_grid(num_inference_steps, device)
         self.timesteps = grid[:-1]
+
+    def _call_interval(self) -> torch.Tensor:
+        return torch.arange(len(self.timesteps), device=self.t_grid.device)  # call k steps over interval k
 
     def step(
         self,
@@ -156,6 +172,9 @@ class FlowMatchHeunScheduler(_FlowMatchBase):
         self.timesteps = torch.cat([grid[:1], grid[1:-1].repeat_interleave(2)])  # (2N - 1,)
         self._x_start: torch.Tensor | None = None
         self._v_start: torch.Tensor | None = None
+
+    def _call_interval(self) -> torch.Tensor:  # predictor 2i and corrector 2i + 1 both belong to interval i
+        return torch.arange(len(self.timesteps), device=self.t_grid.device) // 2
 
     @property
     def state_in_first_order(self) -> bool:

@@ -33,9 +33,13 @@ def sample_modes(n: int, centres: torch.Tensor, std: float, generator: torch.Gen
 
 
 class VelocityMLP(nn.Module):
-    """v(x, t) for 2D points: [x, features(t)] -> SiLU MLP -> 2."""
+    """v(x, t) for 2D points: [x, features(t)] -> SiLU MLP -> 2.
 
-    def __init__(self, hidden: int, depth: int, time_embed_dim: int) -> None:
+    ``step_size_embedding``: also features of the step size d (a shortcut student, ``hf_cgpu.flow.shortcut``), fed
+    through first-layer columns that start at zero, so ``load_state_dict(teacher, strict=False)`` gives the teacher.
+    """
+
+    def __init__(self, hidden: int, depth: int, time_embed_dim: int, step_size_embedding: bool = False) -> None:
         super().__init__()
         self.time_embed_dim = time_embed_dim
         width_in = 2 + (time_embed_dim if time_embed_dim > 0 else 1)
@@ -43,6 +47,10 @@ class VelocityMLP(nn.Module):
         for _ in range(depth - 1):
             layers += [nn.Linear(hidden, hidden), nn.SiLU()]
         self.net = nn.Sequential(*layers, nn.Linear(hidden, 2))
+        self.step_in = None
+        if step_size_embedding:
+            self.step_in = nn.Linear(width_in - 2, hidden, bias=False)
+            nn.init.zeros_(self.step_in.weight)
 
     def time_features(self, t: torch.Tensor) -> torch.Tensor:
         """(N,) -> (N, F): the UNet's sinusoids of 1000 t, periods from ~2*pi/1000 to ~2*pi in t; or raw t."""
@@ -50,8 +58,11 @@ class VelocityMLP(nn.Module):
             return t[:, None]
         return sinusoidal_embedding(1000.0 * t, self.time_embed_dim, max_period=1000.0)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.net(torch.cat([x, self.time_features(t)], dim=1))  # (N, 2)
+    def forward(self, x: torch.Tensor, t: torch.Tensor, step_size: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.net[0](torch.cat([x, self.time_features(t)], dim=1))
+        if self.step_in is not None and step_size is not None:
+            h = h + self.step_in(self.time_features(step_size))
+        return self.net[1:](h)  # (N, 2)
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -138,6 +138,10 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         norm_num_groups: GroupNorm groups; must divide base_channels.
         num_classes: None for an unconditional model. Otherwise an embedding of num_classes + 1 rows is added
             to the time embedding; row ``num_classes`` is the null class used for classifier-free guidance.
+        step_size_embedding: also embed the step size d the caller is about to take (a shortcut model: the output
+            is the average velocity over [t, t + d], d = 0 the instantaneous one). An MLP like the time one whose last
+            layer starts at zero, so a trained velocity model loaded into it is unchanged until fine-tuned; off
+            (the default), the model and its weights are exactly those without the option.
     """
 
     _supports_gradient_checkpointing = True
@@ -153,6 +157,7 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         time_embed_dim: int = 256,
         norm_num_groups: int = 8,
         num_classes: int | None = None,
+        step_size_embedding: bool = False,
     ) -> None:
         super().__init__()
         if base_channels % norm_num_groups:
@@ -163,6 +168,11 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         tdim, g = time_embed_dim, norm_num_groups
         self.time_mlp = nn.Sequential(nn.Linear(tdim, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
         self.class_embedding = nn.Embedding(num_classes + 1, tdim) if num_classes is not None else None
+        self.step_mlp = None
+        if step_size_embedding:
+            self.step_mlp = nn.Sequential(nn.Linear(tdim, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
+            nn.init.zeros_(self.step_mlp[2].weight)
+            nn.init.zeros_(self.step_mlp[2].bias)
         self.in_conv = nn.Conv2d(in_channels, c1, 3, padding=1)
         self.d1 = ResBlock(c1, c1, tdim, g)
         self.down1 = nn.Conv2d(c1, c1, 3, stride=2, padding=1)
@@ -180,12 +190,19 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         return self.config.num_classes
 
     def _embed(
-        self, timestep: torch.Tensor | float, class_labels: torch.Tensor | None, batch: int, device: torch.device
+        self, timestep: torch.Tensor | float, class_labels: torch.Tensor | None, batch: int, device: torch.device,
+        step_size: torch.Tensor | float | None = None,
     ) -> torch.Tensor:
-        """(B, tdim) SiLU-activated time (+ class) embedding shared by every block."""
+        """(B, tdim) SiLU-activated time (+ step size) (+ class) embedding shared by every block."""
         t = torch.as_tensor(timestep, device=device, dtype=torch.float32).reshape(-1).expand(batch)  # (B,)
         emb = sinusoidal_embedding(t * 1000.0, self.config.time_embed_dim)  # (B, tdim) fp32
         emb = self.time_mlp(emb.to(self.time_mlp[0].weight.dtype))
+        if self.step_mlp is not None:  # step_size None = 0: the instantaneous velocity
+            d = torch.as_tensor(0.0 if step_size is None else step_size, device=device, dtype=torch.float32)
+            d_emb = sinusoidal_embedding(d.reshape(-1).expand(batch) * 1000.0, self.config.time_embed_dim)
+            emb = emb + self.step_mlp(d_emb.to(self.step_mlp[0].weight.dtype))
+        elif step_size is not None:
+            raise ValueError("step_size given to a FlowUNet2DModel without step_size_embedding")
         if self.class_embedding is not None:
             if class_labels is None:  # unconditional sampling of a conditional model
                 class_labels = torch.full((batch,), self.config.num_classes, device=device, dtype=torch.long)
@@ -205,9 +222,11 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         timestep: torch.Tensor | float,
         class_labels: torch.Tensor | None = None,
         return_dict: bool = True,
+        step_size: torch.Tensor | float | None = None,
     ) -> FlowUNet2DOutput | tuple[torch.Tensor]:
-        """sample (B, C, H, W), timestep t in [0, 1] of shape (B,) or scalar, class_labels (B,) int64 or None."""
-        emb = self._embed(timestep, class_labels, sample.shape[0], sample.device)  # (B, tdim)
+        """sample (B, C, H, W), timestep t in [0, 1] of shape (B,) or scalar, class_labels (B,) int64 or None,
+        step_size d of shape (B,) or scalar (only with ``step_size_embedding``; None = 0)."""
+        emb = self._embed(timestep, class_labels, sample.shape[0], sample.device, step_size)  # (B, tdim)
         h0 = self.in_conv(sample)  # (B, c1, H, W)
         h1 = self._block(self.d1, h0, emb)  # (B, c1, H, W)
         h2 = self._block(self.d2, self.down1(h1), emb)  # (B, c2, H/2, W/2)

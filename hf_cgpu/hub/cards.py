@@ -93,6 +93,9 @@ for _spec in (
     CardSpec("flow", "flow.md", "diffusers", "unconditional-image-generation", "model_index.json",
              pipeline_component_config, ("*/diffusion_pytorch_model*.safetensors",),
              (("val_loss", "mse", "validation flow-matching loss (velocity MSE)"),)),
+    CardSpec("flow-distill", "flow_distill.md", "diffusers", "unconditional-image-generation", "model_index.json",
+             pipeline_component_config, ("*/diffusion_pytorch_model*.safetensors",),
+             (("val_loss", "mse", "validation shortcut-distillation loss"),)),
     CardSpec("gpt", "gpt.md", "transformers", "text-generation", "config.json", read_config("config.json"),
              ("model*.safetensors",), LM_METRICS),
 ):

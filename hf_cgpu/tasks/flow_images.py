@@ -16,7 +16,7 @@ from ..errors import SettingsError
 from ..flow.matching import FlowMatcher
 from ..flow.pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
 from ..flow.sample import image_grid
-from ..flow.samplers import sampler_class
+from ..flow.samplers import parse_interval, sampler_class
 from ..flow.unet import FlowUNet2DModel
 from ..hub.checks import check_dataset
 from ..integrity import atomic_output
@@ -33,15 +33,15 @@ class FlowMatchingTask(Task):
     def __init__(self, cfg: FlowSettings):
         self.cfg = cfg
 
-    def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
+    def load_data(self, accelerator, labels: bool) -> None:
+        """Both splits of ``cfg.dataset`` as uint8 on the training device (with their labels when ``labels``)."""
         cfg = self.cfg
         check_dataset(cfg.dataset)
         with accelerator.main_process_first():
             train = load_image_dataset(cfg.dataset, split="train", image_column=cfg.image_column,
-                                       label_column=cfg.label_column if cfg.class_conditional else None,
-                                       limit=cfg.limit or None)
+                                       label_column=cfg.label_column if labels else None, limit=cfg.limit or None)
             val = load_image_dataset(cfg.dataset, split="test", image_column=cfg.image_column,
-                                     label_column=cfg.label_column if cfg.class_conditional else None,
+                                     label_column=cfg.label_column if labels else None,
                                      limit=min(1024, cfg.limit or 1024))
         if train.labels is not None and val.labels is not None:
             check_labels(val.labels, None, describe_source(cfg.dataset, "test"), num_classes=train.num_classes)
@@ -52,6 +52,17 @@ class FlowMatchingTask(Task):
         self.val_images = val.images.to(device)
         self.val_labels = val.labels.to(device) if val.labels is not None else None
         self.class_names = train.class_names
+
+    def eval_steps(self, settings: TrainSettings, accelerator) -> int:
+        """Optimizer steps between evaluations: ``sample_every_epochs`` epochs, or ``eval_steps`` where it is 0."""
+        if self.cfg.sample_every_epochs <= 0:
+            return settings.eval_steps
+        effective = settings.samples_per_step(accelerator.num_processes)
+        return max(1, round(self.cfg.sample_every_epochs * len(self.images) / effective))
+
+    def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
+        cfg = self.cfg
+        self.load_data(accelerator, labels=cfg.class_conditional)
         num_classes = None
         if cfg.class_conditional:
             if self.labels is None:
@@ -68,9 +79,7 @@ class FlowMatchingTask(Task):
             model = model.to(memory_format=torch.channels_last)
         model = model.train()
         effective = settings.samples_per_step(accelerator.num_processes)
-        eval_steps = settings.eval_steps
-        if cfg.sample_every_epochs > 0:
-            eval_steps = max(1, round(cfg.sample_every_epochs * len(self.images) / effective))
+        eval_steps = self.eval_steps(settings, accelerator)
         params = sum(p.numel() for p in model.parameters())
         self.show_progress, self.last_grid = settings.progress and accelerator.is_local_main_process, None
         accelerator.print(
@@ -88,7 +97,7 @@ class FlowMatchingTask(Task):
         idx = to_device_async(indices, self.images.device)
         x = augment_on_device(self.images[idx], generator=generator)  # (B, 3, H, W) in [-1, 1]
         batch = {"x1": x.contiguous(memory_format=torch.channels_last)}
-        if self.labels is not None and self.cfg.class_conditional:
+        if self.labels is not None:  # loaded only for a class-conditional model
             batch["labels"] = self.labels[idx]
         return batch
 
@@ -114,7 +123,7 @@ class FlowMatchingTask(Task):
             x1 = self.val_images[start : start + bs].float() / 127.5 - 1.0
             labels = self.val_labels[start : start + bs] if self.val_labels is not None else None
             batch = {"x1": x1.contiguous(memory_format=torch.channels_last)}
-            if labels is not None and self.cfg.class_conditional:
+            if labels is not None:
                 batch["labels"] = labels
             t, xt, ut = self.matcher.sample_location_and_conditional_flow(batch["x1"], generator=gen)
             v = model(xt, t, batch.get("labels")).sample
@@ -122,7 +131,11 @@ class FlowMatchingTask(Task):
         return {"val_loss": total / (n * self.val_images[0].numel())}
 
     def pipeline(self, model):
-        return FlowMatchPipeline(unet=model, scheduler=sampler_class(self.cfg.sampler)())
+        """The pipeline as saved: the run's sampler, and its grid settings as the folder's sampling defaults."""
+        cfg, conditional = self.cfg, bool(model.config.num_classes)
+        return FlowMatchPipeline(unet=model, scheduler=sampler_class(cfg.sampler)(),
+                                 num_inference_steps=cfg.sample_steps, guidance_scale=cfg.guidance_scale if conditional else 1.0,
+                                 guidance_interval=parse_interval(cfg.guidance_interval) if conditional else None)
 
     def on_evaluate(self, model, step: int, output_dir: Path) -> None:
         pipe = self.pipeline(model)
@@ -135,9 +148,8 @@ class FlowMatchingTask(Task):
         else:
             labels, rows = None, 8
         gen = torch.Generator(device=self.images.device).manual_seed(0)
-        out = pipe(batch_size=len(labels) if labels is not None else 64, num_inference_steps=self.cfg.sample_steps,
-                   generator=gen, class_labels=labels, guidance_scale=self.cfg.guidance_scale if n_classes else 1.0,
-                   output_type="np")
+        out = pipe(batch_size=len(labels) if labels is not None else 64, generator=gen, class_labels=labels,
+                   output_type="np")  # the saved defaults: sample_steps, guidance_scale and guidance_interval
         path = output_dir / "samples" / f"step_{step:07d}.png"
         with atomic_output(path) as tmp:  # the card shows it and the push uploads it: never half a PNG
             image_grid(out.images, rows).save(tmp, format="PNG")

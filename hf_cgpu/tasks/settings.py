@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from ..budget.shape import ModelShape, RunShape
 from ..errors import SettingsError
-from ..flow.samplers import check_sampler, sampler_names
+from ..flow.samplers import check_sampler, parse_interval, sampler_names
 from ..models import cgpt
 from ..models.cgpt.options_cgpt import CgptOptions
 from ..options import DATA_ORDERS, TIME_SAMPLINGS, check_choice
@@ -106,6 +106,9 @@ class FlowSettings:
     """Sampler steps for the sample grids (the default of ``hf-cgpu sample``)."""
     guidance_scale: float = 2.5
     """Classifier-free guidance scale of the sample grids (1 = no guidance)."""
+    guidance_interval: str = "full"
+    """Guidance of the sample grids only where t (0 = noise, 1 = data) lies in LO:HI, e.g. 0.15:0.8; full = every
+    step. Saved with sample_steps and guidance_scale as the pipeline's defaults."""
 
     def __post_init__(self) -> None:
         if self.time_sampling not in TIME_SAMPLINGS:
@@ -113,6 +116,54 @@ class FlowSettings:
         if not 0 <= self.cond_drop_prob < 1:
             raise SettingsError("cond_drop_prob must be in [0, 1)")
         check_sampler(self.sampler, "--sampler")
+        parse_interval(self.guidance_interval)
+
+
+@dataclass(frozen=True)
+class FlowDistillSettings:
+    """Teacher, data and objective of a few-step distillation run (``hf-cgpu train flow-distill``)."""
+
+    train_mode: ClassVar[str] = "finetune"
+
+    teacher: str = field(default="", metadata=FIXED)
+    """The trained FlowMatchPipeline folder (``hf-cgpu train flow`` output_dir) to distill; the student starts from its
+    weights."""
+    dataset: str = "uoft-cs/cifar10"
+    """Images the student's paths start from: the teacher's training set (a Hub id, a parquet folder or an
+    imagefolder)."""
+    image_column: str = "img"
+    """Column holding the images."""
+    label_column: str = "label"
+    """Column holding class labels (used when the teacher is class-conditional)."""
+    limit: int = 0
+    """Use only the first this many training images (0 = all); for smoke tests."""
+    guidance_scale: float = field(default=0.0, metadata=FIXED)
+    """Classifier-free guidance of the teacher, baked into the student (which samples with one call per step);
+    0 = the teacher folder's saved scale."""
+    guidance_interval: str = field(default="", metadata=FIXED)
+    """The teacher's guidance only where t (0 = noise, 1 = data) lies in LO:HI; full = every step; empty = the teacher
+    folder's saved interval."""
+    levels: int = field(default=7, metadata=FIXED)
+    """Step sizes 1, 1/2, ..., 2^-levels are trained; the smallest is bootstrapped from two Euler steps of the
+    teacher."""
+    consistency_fraction: float = field(default=0.25, metadata=FIXED)
+    """Share of each batch trained on self-consistency targets (d > 0); the rest match the guided teacher at d = 0."""
+    time_sampling: str = field(default="logit_normal", metadata=FIXED)
+    """Times of the d = 0 rows: uniform or logit_normal (the flow preset's training distribution)."""
+    sample_steps: int = 2
+    """Euler steps of the sample grids and the saved pipeline's default (1 or 2 network evaluations an image)."""
+    sample_every_epochs: float = 10.0
+    """Write a sample grid (EMA weights) and evaluate every this many epochs (0 = every --eval_steps)."""
+
+    def __post_init__(self) -> None:
+        if self.time_sampling not in TIME_SAMPLINGS:
+            raise SettingsError(f"time_sampling={self.time_sampling!r}; use uniform or logit_normal")
+        if self.levels < 1 or not 0 < self.consistency_fraction < 1:
+            raise SettingsError("--levels must be >= 1 and --consistency_fraction in (0, 1), e.g. 7 and 0.25")
+        if self.guidance_scale < 0 or self.sample_steps < 1:
+            raise SettingsError("--guidance_scale takes >= 1 (or 0: the teacher's) and --sample_steps >= 1")
+        if self.guidance_interval:
+            parse_interval(self.guidance_interval)
 
 
 @dataclass(frozen=True)
@@ -257,4 +308,5 @@ class Toy2DSettings:
         return budgets
 
 
-__all__ = ["ClassifierSettings", "FinetuneSettings", "FlowSettings", "GPTSettings", "Toy2DSettings"]
+__all__ = ["ClassifierSettings", "FinetuneSettings", "FlowDistillSettings", "FlowSettings", "GPTSettings",
+           "Toy2DSettings"]

@@ -1,0 +1,123 @@
+"""hf-cgpu train flow-distill on the synthetic CIFAR-shaped set (CPU): a teacher flow run, its distillation into a
+step-size conditioned student, the saved folder's defaults (Euler, 2 steps, one network evaluation each), exact
+resume, and the folder loading through diffusers where hf_cgpu is absent."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from isolation import WITHOUT_HF_CGPU
+from safetensors.torch import load_file, save_file
+
+from hf_cgpu import FlowMatchPipeline
+from hf_cgpu.cli import main as cli_main
+from hf_cgpu.flow.scheduling_flow_match import FlowMatchEulerScheduler
+from hf_cgpu.train.checkpoint import list_checkpoints
+
+
+def _train(name, out, *argv):
+    assert cli_main(["train", name, "--preset", "tiny", "--output_dir", str(out), "--progress", "false", *argv]) == 0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, synthetic_data):
+    root = tmp_path_factory.mktemp("distill")
+    _train("flow", root / "teacher", "--dataset", str(synthetic_data), "--base_channels", "8", "--max_steps", "4",
+           "--checkpointing_steps", "0", "--limit", "64", "--guidance_interval", "0.2:0.9")
+    _train("flow-distill", root / "student", "--teacher", str(root / "teacher"), "--dataset", str(synthetic_data))
+    return root
+
+
+def test_distilled_folder_samples_in_two_evaluations_with_guidance_baked_in(runs):
+    out = runs / "student"
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["steps"] == 12 and results["card"] == "flow-distill" and "base_val_loss" in results
+    assert results["teacher_guidance_scale"] == 2.5 and results["teacher_guidance_interval"] == "0.2:0.9"
+    pipe = FlowMatchPipeline.from_pretrained(out)
+    assert isinstance(pipe.scheduler, FlowMatchEulerScheduler) and pipe.unet.config.step_size_embedding
+    assert pipe.config.num_inference_steps == 2 and pipe.config.guidance_scale == 1.0
+    seen = []
+    pipe.unet.register_forward_pre_hook(lambda m, a, kw: seen.append((a[0].shape[0], kw["step_size"].tolist())),
+                                        with_kwargs=True)
+    pipe.set_progress_bar_config(disable=True)
+    images = pipe(class_labels=[1, 2], generator=torch.Generator().manual_seed(0), output_type="np").images
+    assert images.shape == (2, 32, 32, 3)
+    assert seen == [(2, [0.5, 0.5]), (2, [0.5, 0.5])]  # two calls, one row an image, each told its step of 1/2
+    teacher = FlowMatchPipeline.from_pretrained(runs / "teacher")
+    saved = load_file(str(out / "unet" / "diffusion_pytorch_model.safetensors"))
+    assert set(saved) - set(teacher.unet.state_dict()) == {k for k in saved if k.startswith("step_mlp.")} != set()
+    card = (out / "README.md").read_text()
+    assert "flow-distill" in card and "shortcut" in card
+
+
+def test_resume_from_mid_run_checkpoint_is_bit_identical(runs, synthetic_data, tmp_path):
+    full, cut = runs / "student", tmp_path / "cut"
+    shutil.copytree(full, cut)
+    for p in list_checkpoints(cut)[1:]:
+        shutil.rmtree(p)  # keep only step 6: as if the run had died after it
+    for name in ("all_results.json", "history.json"):
+        (cut / name).unlink()
+    _train("flow-distill", cut, "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data),
+           "--resume_from_checkpoint", "latest")
+    a = {h["step"]: h["train/loss"] for h in json.loads((full / "history.json").read_text()) if "train/loss" in h}
+    b = {h["step"]: h["train/loss"] for h in json.loads((cut / "history.json").read_text()) if "train/loss" in h}
+    assert sorted(b) == list(range(1, 13)) and all(a[k] == b[k] for k in b)
+    wa = load_file(str(full / "unet" / "diffusion_pytorch_model.safetensors"))
+    wb = load_file(str(cut / "unet" / "diffusion_pytorch_model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_resume_after_the_teacher_changed_is_refused(runs, synthetic_data, tmp_path, capsys):
+    """Same --teacher path, other weights (the folder retrained in place): the fingerprint's teacher hash refuses it."""
+    teacher, student = tmp_path / "teacher", tmp_path / "student"
+    shutil.copytree(runs / "teacher", teacher)
+    common = ["--teacher", str(teacher), "--dataset", str(synthetic_data)]
+    _train("flow-distill", student, *common, "--max_steps", "2", "--checkpointing_steps", "2")
+    unet = teacher / "unet" / "diffusion_pytorch_model.safetensors"
+    save_file({k: v + 1e-3 for k, v in load_file(str(unet)).items()}, str(unet))
+    rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(student), "--progress", "false",
+                   *common, "--max_steps", "4", "--resume_from_checkpoint", "latest"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "teacher_weights" in err, err
+
+
+def test_bad_teacher_is_one_line_and_exit_2(runs, synthetic_data, tmp_path, capsys):
+    for teacher, words in (("", "--teacher"), (str(tmp_path), "model_index.json"),
+                           (str(runs / "student"), "already a distilled")):
+        rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(tmp_path / "x"),
+                       "--teacher", teacher, "--dataset", str(synthetic_data), "--progress", "false"])
+        err = capsys.readouterr().err
+        assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_loads_through_diffusers_without_hf_cgpu(runs, tmp_path):
+    folder = runs / "student"
+    local = FlowMatchPipeline.from_pretrained(folder)
+    local.set_progress_bar_config(disable=True)
+    expected = local(class_labels=[0, 1], generator=torch.Generator().manual_seed(42), output_type="np").images
+    script = WITHOUT_HF_CGPU + textwrap.dedent(
+        f"""
+        import numpy as np, torch
+        from diffusers import DiffusionPipeline
+        d = {str(folder)!r}
+        pipe = DiffusionPipeline.from_pretrained(d, custom_pipeline=d, trust_remote_code=True)
+        pipe.set_progress_bar_config(disable=True)
+        assert type(pipe.unet).__module__.startswith("diffusers_modules"), type(pipe.unet).__module__
+        assert pipe.unet.config.step_size_embedding and pipe.config.num_inference_steps == 2
+        images = pipe(class_labels=[0, 1], generator=torch.Generator().manual_seed(42), output_type="np").images
+        np.save({str(tmp_path / "out.npy")!r}, images)
+        print("OK")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
+    assert np.allclose(np.load(tmp_path / "out.npy"), expected, atol=1e-5)
