@@ -15,3 +15,11 @@ def test_the_bitsandbytes_kernels_hint_alone_is_dropped(caplog):
                     "`pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
         log.warning("some other bitsandbytes warning")
     assert [r.getMessage() for r in caplog.records] == ["some other bitsandbytes warning"]
+
+
+def test_flow_grid_cadence_is_the_runs():
+    from hf_cgpu.tasks.flow_images import grid_cadence
+
+    assert grid_cadence(200, 20) == "sample grid at the end"  # a 20-step run never reaches step 200
+    assert grid_cadence(0, 20) == "sample grid at the end"
+    assert grid_cadence(5, 20) == "sample grid every 5 steps and at the end"
