@@ -23,3 +23,19 @@ def test_flow_grid_cadence_is_the_runs():
     assert grid_cadence(200, 20) == "sample grid at the end"  # a 20-step run never reaches step 200
     assert grid_cadence(0, 20) == "sample grid at the end"
     assert grid_cadence(5, 20) == "sample grid every 5 steps and at the end"
+
+
+def test_a_weak_judge_classifier_is_named_before_its_fd(tmp_path):
+    import json
+
+    from hf_cgpu.evaluation.flow import weak_judge_warning
+
+    (tmp_path / "all_results.json").write_text(json.dumps({"accuracy": 0.21}))
+    line = weak_judge_warning(tmp_path, measured=0.95)  # the run's held-out figure wins over this split's
+    assert line.startswith("warning: the classifier is 21% accurate") and "--preset cifar10" in line
+    assert "\n" not in line
+    (tmp_path / "all_results.json").write_text(json.dumps({"accuracy": 0.9}))
+    assert weak_judge_warning(tmp_path, measured=0.1) is None
+    (tmp_path / "all_results.json").unlink()
+    assert "50% accurate on held-out images (on the real images here)" in weak_judge_warning(tmp_path, measured=0.5)
+    assert weak_judge_warning(tmp_path, measured=None) is None
