@@ -208,6 +208,8 @@ class TrainState:
     """The schedule's length once ``--fit_schedule_to_time`` fixed it (0: ``max_steps``); a resumed run keeps it."""
     schedule_warmup: int = 0
     """The warmup the fitted length could hold, where it cut ``warmup_steps`` short (0: ``warmup_steps``)."""
+    cpu_threads: int = 0
+    """A CPU run's intra-op threads (0: not recorded): a matmul's sums, so its bits, depend on them."""
 
     @classmethod
     def start(cls, settings: Any, fingerprint: dict[str, Any], processes: int = 1) -> TrainState:
@@ -218,6 +220,21 @@ class TrainState:
     def last_step(self, settings: Any) -> int:
         """Where the run ends: the length ``--fit_schedule_to_time`` fixed, else ``max_steps``."""
         return self.schedule_steps or settings.max_steps
+
+    def use_cpu_threads(self, device: torch.device) -> str | None:
+        """A CPU run records its thread count; a resumed one takes it back, since ``accelerate launch --cpu``,
+        ``--cpu`` and a plain start may each pick another and the run would no longer be bit-identical. Returns the
+        line saying so when it changed the count."""
+        if device.type != "cpu":
+            return None
+        now = torch.get_num_threads()
+        if not self.cpu_threads:
+            self.cpu_threads = now
+        if self.cpu_threads == now:
+            return None
+        torch.set_num_threads(self.cpu_threads)
+        return (f"CPU threads: {self.cpu_threads}, as before the resume (this process started with {now}), so the "
+                "resumed run repeats the uninterrupted one bit for bit")
 
     def lr(self, step: int, settings: Any) -> float:
         """The learning rate of ``step`` on this run's schedule (its fitted length and warmup, if fixed)."""

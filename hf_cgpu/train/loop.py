@@ -125,6 +125,8 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     fingerprint = run_fingerprint(run.model_config, task.data_fingerprint(), *settings_of_run)
     fresh = TrainState.start(s, fingerprint, acc.num_processes)
     state = checkpointer.resume(s.resume_from_checkpoint, fresh)
+    if threads := state.use_cpu_threads(acc.device):
+        metrics.write(threads)
     order = task.sample_order(s.seed)
     stepper = Stepper(task, run.model, acc, order, s.seed, s.max_grad_norm,
                       cuda_graphs=s.compile and acc.device.type == "cuda" and s.compile_mode in CUDA_GRAPH_MODES)
