@@ -165,6 +165,12 @@ class InstructionRows:
     def __len__(self) -> int:
         return self.ids.shape[0]
 
+    def lengths(self) -> torch.Tensor:
+        """(N,) tokens of each example up to and including its last target (at least 2): a causal model's loss does
+        not see the padding after it."""
+        scored = (self.targets != IGNORE).flip(1).int()
+        return (self.targets.shape[1] - scored.argmax(1)).where(scored.any(1), 0).clamp(min=2)
+
 
 def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str, where: str = "the data") -> InstructionRows:
     """The rows of ``ds`` (``fmt``) as fixed-length examples; a row that is no chat is refused naming its index in
