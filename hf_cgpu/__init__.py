@@ -49,6 +49,27 @@ def _install_registration_hook() -> None:
     register_post_import_hook(_register_auto_classes, "transformers")
 
 
+BNB_KERNELS_LOGGER = "bitsandbytes.backends.cpu.ops"
+"""bitsandbytes' CPU backend, which on a CPU with AVX512-BF16 warns at import that the optional ``kernels`` package
+(a faster 4-bit matmul fetched from the Hub) is missing. diffusers and accelerate import bitsandbytes whatever the
+tier, so the line came with every command; the fallback it takes computes the same result."""
+
+
+class _NoKernelsHint:
+    """Drops exactly that warning; anything else bitsandbytes logs passes."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+def _quiet_bitsandbytes() -> None:
+    import logging
+
+    logging.getLogger(BNB_KERNELS_LOGGER).addFilter(_NoKernelsHint)
+
+
 _install_registration_hook()
+_quiet_bitsandbytes()
 
 __all__ = [*_LAZY]

@@ -36,7 +36,7 @@ def make_run(tmp_path: Path, kind: str) -> Path:
     else:
         (d / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "EleutherAI/pythia-1.4b",
                                                           "r": 16, "lora_alpha": 32, "peft_type": "LORA"}))
-        save_file(weights, str(d / "adapter_model.safetensors"))
+        save_file({f"x.lora_{k}.weight": t for k, t in weights.items()}, str(d / "adapter_model.safetensors"))
     (d / "checkpoints" / "step_100").mkdir(parents=True)
     save_file({"big": torch.zeros(1000)}, str(d / "checkpoints" / "step_100" / "model.safetensors"))
     return d
@@ -80,6 +80,35 @@ def test_card_without_results_or_hub_dataset(tmp_path):
 
 def test_count_parameters_skips_checkpoints(tmp_path):
     assert hub.count_parameters(make_run(tmp_path, "gpt")) == 205
+
+
+def test_card_counts_a_tied_gpt_as_num_parameters(tmp_path):
+    """The card's count is the model's own, also where the tied head was saved beside the embedding."""
+    from safetensors.torch import load_file
+
+    from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
+
+    torch.manual_seed(0)
+    model = CgptForCausalLM(CgptConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=300, n_positions=16))
+    model.save_pretrained(tmp_path)
+    expected = model.num_parameters()
+    assert hub.count_parameters(tmp_path, "gpt") == expected
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["lm_head.weight"] = weights["transformer.wte.weight"].clone()  # a writer that keeps both tied tensors
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    assert hub.count_parameters(tmp_path, "gpt") == expected
+
+
+def test_card_counts_the_adapters_tensors_as_peft_does(tmp_path, neox_dir):
+    """Only the adapter's tensors: not the embedding copies peft saves beside them (save_embedding_layers)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_cgpu.tiers import apply_lora
+
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(neox_dir), r=4, alpha=8)
+    trainable, _ = model.get_nb_trainable_parameters()
+    model.save_pretrained(tmp_path, save_embedding_layers=True)
+    assert hub.count_parameters(tmp_path, "lora") == trainable
 
 
 def test_detect_kind(tmp_path):

@@ -328,3 +328,33 @@ def test_lora_refuses_a_null_output_and_skips_it_with_the_setting(tiny_base, tmp
     assert (f"skipped 1 row without a string 'output' (first: row 12 of {tmp_path / 'data' / 'train.jsonl'}, "
             "line 13)") in out
     assert "train 56 instruction examples" in out  # 60 rows, 1 skipped, 3 carved for validation
+
+
+def test_rows_are_scored_padded_to_their_batch_not_to_seq_len():
+    """The same figures as scoring every example padded to 2,048 tokens, from batches cut after their longest
+    example's last target; no call ever sees more than one batch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_cgpu.evaluation.text import causal_lm_target_loss, score_rows
+
+    tok = byte_tok(CHAT)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2,
+                                         max_position_embeddings=2048)).eval()
+    texts = [("say " + "ab" * (7 * i % 23), "c" * (1 + 5 * i % 17)) for i in range(8)]
+    rows = build_rows(datasets.Dataset.from_dict({"prompt": [p for p, _ in texts], "response": [r for _, r in texts]}),
+                      tok, 2048, "prompt")
+    loss_fn = causal_lm_target_loss(model)
+    with torch.no_grad():
+        total = count = 0
+        for ids, targets in zip(rows.ids, rows.targets):  # as before: every example at its full 2,049 columns
+            n = int((targets[1:] != IGNORE).sum())
+            total, count = total + loss_fn(ids[None, :-1], targets[None, 1:]).double().item() * n, count + n
+        shapes = []
+        spy = lambda x, y: shapes.append(tuple(x.shape)) or loss_fn(x, y)  # noqa: E731
+        got = score_rows(spy, rows, 3, "cpu")
+    assert got["tokens"] == count and got["loss"] == pytest.approx(total / count, abs=1e-5)
+    longest = sorted(rows.lengths().tolist(), reverse=True)
+    assert shapes == [(3, longest[0] - 1), (3, longest[3] - 1), (2, longest[6] - 1)]
+    assert longest[0] < 100  # nothing near seq_len

@@ -363,6 +363,22 @@ def test_schedule_fitted_to_the_minutes_ends_its_cosine_inside_them(tmp_path, ti
     assert lr[15] == pytest.approx(lr_at(14, s, 29))
 
 
+def test_schedule_fitted_early_when_the_timing_would_end_after_the_deadline(tmp_path, ticking, capsys):
+    """A 200-step warmup at 2 s a step never reaches its timing point in 60 s: the schedule is fixed from the first
+    steps, the warmup cut to fit, and the learning rate still ends at its floor."""
+    s = fitted(tmp_path, warmup_steps=200)
+    results = fit(ToyTask(), s)
+    # timed from step 1 to 2 (2 s a step), 57 s left -> 2 + int(0.97 * 57 / 2) = 29; warmup cut to 29 // 2
+    assert results["schedule_steps"] == 29 and results["steps"] == 29
+    assert "the cosine ends at step 29 (max_steps 1,000), warmup cut to 14 steps" in capsys.readouterr().out
+    hist = json.loads((tmp_path / "history.json").read_text())
+    lr = {h["step"]: h["train/lr"] for h in hist if "train/lr" in h}
+    assert lr[14] == pytest.approx(s.learning_rate)  # the peak is reached
+    assert lr[29] == pytest.approx(lr_at(28, s, 29, 14)) and lr[29] < 1.1 * s.min_lr_ratio * s.learning_rate
+    state = json.loads((ckpt_io.list_checkpoints(tmp_path)[-1] / "trainer_state.json").read_text())
+    assert (state["schedule_steps"], state["schedule_warmup"]) == (29, 14)  # a resumed run keeps both
+
+
 def test_fitted_schedule_resumes_with_the_saved_length(tmp_path, ticking):
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     fit(ToyTask(), fitted(full_dir))

@@ -104,3 +104,32 @@ def test_flow_data_by_content_relative_path_resumes_replaced_images_refused(synt
     Dataset.from_dict({"img": images, "label": labels}, features=features).to_parquet(data / "train.parquet")
     with pytest.raises(CheckpointError, match=r"'train_data': \("):
         fit(FlowMatchingTask(flow), train)
+
+
+def tiny_fit(out, resume=""):
+    """The tiny preset for four steps, a checkpoint every two."""
+    gpt, train = parse_settings((GPTSettings, TrainSettings), [
+        "--preset", "tiny", "--max_steps", "4", "--checkpointing_steps", "2", "--eval_steps", "0", "--progress",
+        "false", "--max_new_tokens", "1", "--output_dir", str(out), "--resume_from_checkpoint", resume], family="gpt")
+    return fit(CausalLMTask(gpt), train)
+
+
+def test_a_cpu_run_resumed_with_other_threads_takes_its_own_back(tmp_path, capsys):
+    """Resumed by a launcher that picks another thread count (accelerate launch --cpu, --cpu, a plain start), the run
+    still repeats the uninterrupted one bit for bit, and says that it set the count."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        tiny_fit(tmp_path / "full")
+        cut = tmp_path / "cut"
+        shutil.copytree(tmp_path / "full", cut)
+        shutil.rmtree(cut / "checkpoints" / "step_0000004")
+        torch.set_num_threads(1)
+        tiny_fit(cut, resume=str(cut / "checkpoints" / "step_0000002"))
+        assert "CPU threads: 2, as before the resume (this process started with 1)" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)
+    full, resumed = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(cut / "model.safetensors"))
+    assert all(torch.equal(full[k], resumed[k]) for k in full)

@@ -3,6 +3,7 @@ best-by-validation weights, early stopping, the epoch plan, and `hf-cgpu eval` f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -227,6 +228,12 @@ def test_epoch_plan_warns_beyond_four_epochs():
     many = epoch_plan(s, seq_len=128, corpus_tokens=100 * 8 * 128 // 10, num_params=10**6)
     assert "10.0 epochs" in many[0] and many[1].startswith("warning: 10 epochs")
     assert f"~{100 * 8 * 128 // 10 / 20 / 1e6:.2f}M-parameter" in many[1]
+    assert "--max_steps 40 for 4 epochs" in many[1] and "--dropout 0.1" in many[1] and "preset" not in many[1]
+    taken = epoch_plan(dataclasses.replace(s, eval_steps=10, load_best_at_end=True), seq_len=128,
+                       corpus_tokens=100 * 8 * 128 // 10, num_params=10**6, dropout=0.1)
+    assert "--dropout" not in taken[1] and "--load_best_at_end" not in taken[1]  # nothing the run already does
+    assert "--load_best_at_end true" in epoch_plan(dataclasses.replace(s, eval_steps=10), seq_len=128,
+                                                   corpus_tokens=1024, num_params=10**6)[1]
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

@@ -286,3 +286,17 @@ def test_load_base_model_lora_is_frozen_bf16(neox_dir):
 def test_apply_tiers_qlora_needs_4bit_base(neox_dir):
     with pytest.raises(ValueError, match="load_base_model"):
         apply_tiers(load_fp32(neox_dir), TrainSettings(tier="qlora"))
+
+
+def test_a_lora_base_on_a_cpu_without_bf16_arithmetic_is_fp32(neox_dir, monkeypatch):
+    """bf16 where the device computes it (a GPU, a CPU with AVX512-BF16 or AMX); fp32 on other CPUs, where each bf16
+    matmul is emulated. QLoRA and the full tiers keep their own dtypes."""
+    from hf_cgpu.tiers.load import base_dtype
+
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: False)
+    assert load_base_model(str(neox_dir), "lora", device="cpu").dtype == torch.float32
+    assert base_dtype("lora", "cuda") == base_dtype("lora") == base_dtype("qlora", "cpu") == torch.bfloat16
+    assert base_dtype("full", "cpu") == torch.float32
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert load_base_model(str(neox_dir), "lora", device="cpu").dtype == torch.bfloat16

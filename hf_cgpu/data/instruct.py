@@ -172,6 +172,12 @@ class InstructionRows:
     def __len__(self) -> int:
         return self.ids.shape[0]
 
+    def lengths(self) -> torch.Tensor:
+        """(N,) tokens of each example up to and including its last target (at least 2): a causal model's loss does
+        not see the padding after it."""
+        scored = (self.targets != IGNORE).flip(1).int()
+        return (self.targets.shape[1] - scored.argmax(1)).where(scored.any(1), 0).clamp(min=2)
+
 
 @dataclass
 class _Example:

@@ -332,6 +332,23 @@ def real_reference(classifier, classifier_dir: str | Path, s: ImageEvalSettings,
 
 
 # ----------------------------------------------------------------------------- weights in a run folder
+WEAK_JUDGE = 0.8
+"""Held-out accuracy below which the classifier's features are too poor a judge to trust an FD from them."""
+
+
+def weak_judge_warning(classifier_dir: str | Path, measured: float | None) -> str | None:
+    """One line when the classifier is a weak judge: its held-out accuracy (its run's ``all_results.json``, else
+    the one measured on the real split here) is below ``WEAK_JUDGE``; None otherwise."""
+    results = Path(classifier_dir) / "all_results.json"
+    recorded = json.loads(results.read_text()).get("accuracy") if results.is_file() else None
+    accuracy, where = (recorded, str(results)) if recorded is not None else (measured, "on the real images here")
+    if accuracy is None or accuracy >= WEAK_JUDGE:
+        return None
+    return (f"warning: the classifier is {accuracy:.0%} accurate on held-out images ({where}), a weak judge: its FD "
+            f"and label accuracy say little; train a better one with hf-cgpu train classifier --preset cifar10 "
+            f"--dataset DATA --output_dir DIR on a GPU and pass --classifier DIR")
+
+
 def weight_variants(run_dir: Path) -> tuple[dict[str, Path | None], list[str]]:
     """{name: raw-weights file to load into the saved UNet, or None for the saved weights}, plus notes.
 
@@ -468,6 +485,8 @@ def _main(argv: list[str] | None) -> int:
     out_dir = Path(s.output_dir or run_dir / "eval")
     out_dir.mkdir(parents=True, exist_ok=True)
     real = real_reference(classifier, s.classifier, s)
+    if warning := weak_judge_warning(s.classifier, real["classifier_accuracy"]):
+        print(warning)
     common = {"run_dir": str(run_dir), "classifier": s.classifier, "classifier_hash": real["classifier_hash"],
               "split": s.split, "num_real": real["num_real"], "real_classifier_accuracy": real["classifier_accuracy"],
               "real_features_cache": real["cache"]}

@@ -1,7 +1,8 @@
 """Language-model evaluation: loss, perplexity and bits per character over a whole split.
 
 Every token of the split's stream (documents joined by EOS) is scored exactly once, with up to ``seq_len`` tokens
-of context (``hf_cgpu.data.windows.eval_windows``), in fixed-shape batches (compiled models do not recompile).
+of context (``hf_cgpu.data.windows.eval_windows``), in fixed-shape batches (compiled models do not recompile);
+instruction rows are scored in batches of similar length instead (``score_rows``).
 Bits per character = summed cross-entropy in bits / characters of the split's documents: unlike loss per token it
 does not depend on the tokenizer, so models with different vocabularies compare on one scale.
 
@@ -71,17 +72,20 @@ def score_stream(
 
 
 def score_rows(loss_fn: LossFn, rows, batch_size: int, device, prefix: str = "", progress: bool = False) -> dict:
-    """Score fixed-length examples (``hf_cgpu.data.instruct.InstructionRows``) on their target tokens only."""
-    n = len(rows)
+    """Score examples (``hf_cgpu.data.instruct.InstructionRows``) on their target tokens only: longest first, in
+    batches of ``batch_size`` cut after the batch's last target, so an example pads to its batch's longest one
+    instead of ``seq_len`` (the figures are the same: a causal model's loss does not see the padding). One batch's
+    logits at a time, at most; only the running sums are kept."""
+    lengths = rows.lengths()
+    order = torch.argsort(lengths, descending=True, stable=True)
 
     def batches():
-        for first in range(0, n, batch_size):
-            take = torch.arange(first, first + batch_size).clamp(max=n - 1)  # padded to a fixed shape
-            targets = rows.targets[take].clone()
-            targets[min(batch_size, n - first) :] = -100
-            yield rows.ids[take], targets
+        for first in range(0, len(rows), batch_size):
+            take = order[first : first + batch_size]
+            width = int(lengths[take].max())
+            yield rows.ids[take, :width], rows.targets[take, :width]
 
-    total, count = _score(loss_fn, batches(), device, -(-n // batch_size), progress)
+    total, count = _score(loss_fn, batches(), device, -(-len(rows) // batch_size), progress)
     return _figures(total, count, rows.n_chars or None, prefix)
 
 

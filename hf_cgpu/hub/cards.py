@@ -12,6 +12,7 @@ docs; setup.py maps that folder to the package ``hf_cgpu.model_cards``, so an in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -65,6 +66,9 @@ class CardSpec:
     """The run's own figures in the card's model-index: (all_results.json key, metric type, metric name)."""
     adapter: bool = False
     """Weights that load on a base model (the card names it as ``base_model``)."""
+    counted: tuple[str, ...] = ()
+    """Parts of the tensor names the parameter count keeps (empty: every tensor): an adapter's own tensors, not the
+    copies of base layers peft may save beside them."""
 
     def template_path(self) -> Path | Traversable:
         path = Path(self.template).expanduser()
@@ -89,7 +93,8 @@ LM_METRICS = (("val_loss", "loss", "validation loss (nats/token)"),
 
 for _spec in (
     CardSpec("lora", "lora.md", "peft", "text-generation", "adapter_config.json", read_config("adapter_config.json"),
-             ("adapter_model.safetensors",), (LM_METRICS[0], LM_METRICS[2]), adapter=True),
+             ("adapter_model.safetensors",), (LM_METRICS[0], LM_METRICS[2]), adapter=True,
+             counted=("lora_", "modules_to_save")),
     CardSpec("flow", "flow.md", "diffusers", "unconditional-image-generation", "model_index.json",
              pipeline_component_config, ("*/diffusion_pytorch_model*.safetensors",),
              (("val_loss", "mse", "validation flow-matching loss (velocity MSE)"),)),
@@ -117,17 +122,35 @@ def detect_kind(output_dir: str | os.PathLike) -> str:
 
 
 def count_parameters(output_dir: str | os.PathLike, kind: str | None = None) -> int:
-    """Parameters of the folder's own weights (its card kind's ``weights`` files), read from the safetensors headers
-    (no weights loaded)."""
+    """Parameters of the folder's own weights (its card kind's ``weights`` files, the tensors named by ``counted``),
+    read from the safetensors headers; a tied tensor saved twice (the input embedding and the head, both
+    ``vocab_size`` rows, same bytes) counts once, as ``num_parameters()`` counts it."""
     d = Path(output_dir)
     spec = card_spec(kind or detect_kind(d))
+    vocab = spec.config(d).get("vocab_size")
     total = 0
     for path in sorted({p for pattern in spec.weights for p in d.glob(pattern)}):
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
-        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+            tensors = {k: t for k, t in header.items() if k != "__metadata__"
+                       and (not spec.counted or any(part in k for part in spec.counted))}
+            tied = _tied_copies(f, 8 + size, [t for t in tensors.values() if t["shape"][:1] == [vocab]])
+        total += sum(math.prod(t["shape"]) for t in tensors.values()) - tied
     return total
+
+
+def _tied_copies(f, start: int, tensors: list[dict[str, Any]]) -> int:
+    """Parameters of the ``tensors`` (safetensors header entries of file ``f``, data from byte ``start``) that repeat
+    an earlier one byte for byte."""
+    seen, repeated = set(), 0
+    for t in tensors:
+        begin, end = t["data_offsets"]
+        f.seek(start + begin)
+        key = (t["dtype"], tuple(t["shape"]), hashlib.sha256(f.read(end - begin)).hexdigest())
+        repeated += math.prod(t["shape"]) if key in seen else 0
+        seen.add(key)
+    return repeated
 
 
 def template_dir() -> Traversable:

@@ -37,8 +37,10 @@ TOKENS_PER_PARAM = 20
 """Chinchilla's compute-optimal tokens per parameter."""
 
 
-def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_params: int, processes: int = 1) -> list[str]:
-    """Lines saying how many epochs the planned tokens are, and a warning where that many epochs over-fit."""
+def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_params: int, processes: int = 1,
+               dropout: float = 0.0) -> list[str]:
+    """Lines saying how many epochs the planned tokens are, and a warning where that many epochs over-fit, with the
+    remedies this run has not taken yet."""
     per_step = settings.samples_per_step(processes) * seq_len
     planned = settings.max_steps * per_step
     epochs = planned / max(1, corpus_tokens)
@@ -52,12 +54,20 @@ def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_pa
         lines.append(
             f"warning: {epochs:.0f} epochs of one corpus over-fit (beyond ~{MANY_EPOCHS} epochs repeated tokens are "
             f"worth much less than new ones); at {TOKENS_PER_PARAM} tokens/parameter this corpus supports a "
-            f"~{supported / 1e6:.2f}M-parameter model per epoch (this one has {num_params / 1e6:.1f}M). Use more "
-            f"data, a smaller model, dropout (--dropout 0.1) or a strong weight decay (the zh-poetry-modern preset "
-            f"is tuned for many epochs); validation picks the best weights (--load_best_at_end true, "
-            f"--early_stopping_patience N)"
-        )
+            f"~{supported / 1e6:.2f}M-parameter model per epoch (this one has {num_params / 1e6:.1f}M). "
+            + "; ".join(_over_fit_remedies(settings, per_step, corpus_tokens, dropout)))
     return lines
+
+
+def _over_fit_remedies(settings: TrainSettings, per_step: int, corpus_tokens: int, dropout: float) -> list[str]:
+    """What this run could change against over-fitting, leaving out what it already does."""
+    steps = max(1, int(MANY_EPOCHS * corpus_tokens / per_step))
+    remedies = [f"Use more data, or --max_steps {steps:,} for {MANY_EPOCHS} epochs"]
+    if dropout == 0:
+        remedies.append("--dropout 0.1")
+    if settings.eval_steps and not settings.load_best_at_end:
+        remedies.append("--load_best_at_end true keeps the weights that validated best")
+    return remedies
 
 
 class CausalLMTask(PackedTokensTask):
@@ -97,7 +107,7 @@ class CausalLMTask(PackedTokensTask):
         if self.val_data.n_tokens < cfg.seq_len + 1:
             raise SettingsError(f"validation split has fewer than seq_len+1={cfg.seq_len + 1} tokens; lower --seq_len")
         for line in epoch_plan(settings, cfg.seq_len, self.train_data.n_tokens, num_params,
-                               accelerator.num_processes):
+                               accelerator.num_processes, cfg.dropout):
             accelerator.print(line)
         return TaskPlan(model, expected_initial_loss=math.log(vocab), shape=cgpt_run_shape(config))
 

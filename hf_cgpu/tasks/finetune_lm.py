@@ -52,7 +52,11 @@ class FinetuneTask(PackedTokensTask):
         if self.tokenizer.eos_token_id is None:  # which file lost it, else that documents could not be separated
             raise DataError(no_eos_message(self.tokenizer, f"tokenizer of {cfg.model}"))
         device_map = {"": accelerator.device} if settings.tier == "qlora" and accelerator.device.type == "cuda" else None
-        model = load_base_model(self.base, settings.tier, device_map=device_map, trust_remote_code=cfg.trust_remote_code)
+        model = load_base_model(self.base, settings.tier, device_map=device_map, trust_remote_code=cfg.trust_remote_code,
+                                device=accelerator.device)
+        if settings.tier == "lora" and model.dtype == torch.float32:
+            accelerator.print("lora on a CPU without bf16 arithmetic (AVX512-BF16, AMX): the frozen base is kept in "
+                              "fp32, where bf16 matmuls would be emulated several times slower")
         shape = self._model_shape(model.config)
         limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
         if shape is None and limit and cfg.seq_len > limit:

@@ -26,6 +26,13 @@ from ..train.metrics import counted_training_flops
 from .settings import FlowSettings
 
 
+def grid_cadence(eval_steps: int, max_steps: int) -> str:
+    """When the run draws its sample grids (with its validation loss): every ``eval_steps`` and at the end."""
+    if 0 < eval_steps < max_steps:
+        return f"sample grid every {eval_steps:,} steps and at the end"
+    return "sample grid at the end"
+
+
 class FlowMatchingTask(Task):
     unit = "img"
     card = "flow"
@@ -86,7 +93,7 @@ class FlowMatchingTask(Task):
             f"FlowUNet2DModel base {cfg.base_channels}: {params / 1e6:.2f}M parameters, "
             f"{'class-conditional (' + str(num_classes) + ' classes)' if num_classes else 'unconditional'}; "
             f"{len(self.images):,} training images ({effective} per step, "
-            f"{len(self.images) / effective:.1f} steps per epoch); sample grid every {eval_steps} steps"
+            f"{len(self.images) / effective:.1f} steps per epoch); {grid_cadence(eval_steps, settings.max_steps)}"
         )
         return TaskPlan(model, eval_steps=eval_steps, flops_per_unit=flops)
 

@@ -48,6 +48,7 @@ from ..errors import CheckpointError, IntegrityError, UserError
 from ..integrity import MANIFEST, as_disk_error, build_manifest, fsync_dir, fsync_file, verify_folder, write_manifest
 from .fingerprint import difference
 from .parallel import gather_list, is_sharded, local
+from .schedule import lr_at
 
 TRAINER_STATE = "trainer_state.json"
 HISTORY = "history.json"
@@ -205,6 +206,10 @@ class TrainState:
     """Every change of micro-batch/accumulation/processes with its step and reason (OOM retry, resume)."""
     schedule_steps: int = 0
     """The schedule's length once ``--fit_schedule_to_time`` fixed it (0: ``max_steps``); a resumed run keeps it."""
+    schedule_warmup: int = 0
+    """The warmup the fitted length could hold, where it cut ``warmup_steps`` short (0: ``warmup_steps``)."""
+    cpu_threads: int = 0
+    """A CPU run's intra-op threads (0: not recorded): a matmul's sums, so its bits, depend on them."""
 
     @classmethod
     def start(cls, settings: Any, fingerprint: dict[str, Any], processes: int = 1) -> TrainState:
@@ -215,6 +220,25 @@ class TrainState:
     def last_step(self, settings: Any) -> int:
         """Where the run ends: the length ``--fit_schedule_to_time`` fixed, else ``max_steps``."""
         return self.schedule_steps or settings.max_steps
+
+    def use_cpu_threads(self, device: torch.device) -> str | None:
+        """A CPU run records its thread count; a resumed one takes it back, since ``accelerate launch --cpu``,
+        ``--cpu`` and a plain start may each pick another and the run would no longer be bit-identical. Returns the
+        line saying so when it changed the count."""
+        if device.type != "cpu":
+            return None
+        now = torch.get_num_threads()
+        if not self.cpu_threads:
+            self.cpu_threads = now
+        if self.cpu_threads == now:
+            return None
+        torch.set_num_threads(self.cpu_threads)
+        return (f"CPU threads: {self.cpu_threads}, as before the resume (this process started with {now}), so the "
+                "resumed run repeats the uninterrupted one bit for bit")
+
+    def lr(self, step: int, settings: Any) -> float:
+        """The learning rate of ``step`` on this run's schedule (its fitted length and warmup, if fixed)."""
+        return lr_at(step, settings, self.last_step(settings), self.schedule_warmup or None)
 
     @property
     def effective_batch(self) -> int:

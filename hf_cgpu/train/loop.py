@@ -41,7 +41,7 @@ from .outdir import LOCK_NAME
 from .parallel import end_processes, full_model, gather_list, is_sharded, peak_memory_per_process
 from .prepare import Run, prepare
 from .quiet import quiet_saves
-from .schedule import TimeFit, lr_at, set_lr
+from .schedule import TimeFit, set_lr
 from .step import Stepper
 from .stopping import Stopping
 from .task import Task
@@ -125,6 +125,8 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     fingerprint = run_fingerprint(run.model_config, task.data_fingerprint(), *settings_of_run)
     fresh = TrainState.start(s, fingerprint, acc.num_processes)
     state = checkpointer.resume(s.resume_from_checkpoint, fresh)
+    if threads := state.use_cpu_threads(acc.device):
+        metrics.write(threads)
     order = task.sample_order(s.seed)
     stepper = Stepper(task, run.model, acc, order, s.seed, s.max_grad_norm,
                       cuda_graphs=s.compile and acc.device.type == "cuda" and s.compile_mode in CUDA_GRAPH_MODES)
@@ -179,7 +181,7 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
 
     try:
         while state.step < state.last_step(s):
-            step, lr = state.step, lr_at(state.step, s, state.last_step(s))
+            step, lr = state.step, state.lr(state.step, s)
             set_lr(optimizer, lr)
             try:
                 result = stepper.run(step, state.micro_batch_size, state.gradient_accumulation_steps)
@@ -215,7 +217,8 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
             signalled, out_of_time = stopping.poll(acc)
             if out_of_time:
                 account(updater.flush())
-                metrics.write(f"--max_minutes {s.max_minutes} reached at step {step}; finishing the run here")
+                metrics.write(f"--max_minutes {s.max_minutes} reached at step {step}; finishing the run here"
+                              + fit_time.unfitted())
                 break
             if signalled:
                 account(updater.flush())
@@ -240,7 +243,7 @@ def _stop_unless_finite(run: Run, state: TrainState, checkpointer: Checkpointer,
     bad = gather_list(acc, nonfinite_tensors(run.model, None, run.ema if with_ema else None))
     if bad:
         checkpointer.wait()
-        lr = lr_at(max(0, state.step - 1), run.settings, state.last_step(run.settings))
+        lr = state.lr(max(0, state.step - 1), run.settings)
         raise TrainingStopped(f"{diverged(state.step, lr, checkpointer.good)} Nothing was evaluated, saved or sealed "
                               f"at the end ({len(bad)} tensors, first: {bad[0]}).")
 

@@ -15,13 +15,14 @@ import torch
 from ..errors import DataError
 
 
-def lr_at(step: int, s, total: int = 0) -> float:
-    """Linear warmup to ``learning_rate``, then cosine to ``min_lr_ratio * learning_rate`` at ``total`` steps
-    (0: ``max_steps``)."""
-    if step < s.warmup_steps:
-        return s.learning_rate * (step + 1) / s.warmup_steps
+def lr_at(step: int, s, total: int = 0, warmup: int | None = None) -> float:
+    """Linear warmup to ``learning_rate`` over ``warmup`` steps (None: ``warmup_steps``), then cosine to
+    ``min_lr_ratio * learning_rate`` at ``total`` steps (0: ``max_steps``)."""
+    warmup = s.warmup_steps if warmup is None else warmup
+    if step < warmup:
+        return s.learning_rate * (step + 1) / warmup
     total = total or s.max_steps
-    progress = min(1.0, (step - s.warmup_steps) / max(1, total - s.warmup_steps))
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
     floor = s.min_lr_ratio * s.learning_rate
     return floor + 0.5 * (s.learning_rate - floor) * (1 + math.cos(math.pi * progress))
 
@@ -40,9 +41,19 @@ def fitted_length(step: int, seconds_per_step: float, seconds_left: float, max_s
     return max(step + 1, min(max_steps, step + more))
 
 
+def fitted_warmup(step: int, length: int, warmup: int) -> int:
+    """The warmup of a schedule fixed at ``step`` with ``length`` steps: ``warmup`` while the decay keeps at least as
+    many steps, else cut to end at half the length (never before ``step``, whose learning rate is already used)."""
+    return warmup if length - warmup >= warmup else min(warmup, max(step, length // 2))
+
+
 class TimeFit:
     """``--fit_schedule_to_time``: times the steps of this process from the end of its first one (compilation is not
-    a step's cost) to ``calibration_step``, then fixes ``state.schedule_steps`` (the same on every process)."""
+    a step's cost) to ``calibration_step``, then fixes ``state.schedule_steps`` (the same on every process).
+
+    When the steps so far say the calibration step would come after half the minutes left (a slow machine, a long
+    warmup), the schedule is fixed at once from them, and a warmup the fitted length cannot hold is shortened
+    (``fitted_warmup``), so the learning rate still decays to its end by the deadline."""
 
     def __init__(self, settings, state, clock: Callable[[], float]):
         self.settings, self.clock = settings, clock
@@ -59,18 +70,40 @@ class TimeFit:
         if self.t0 is None:
             self.t0, self.step0 = t, step
             return None
-        if step < max(self.at, self.step0 + 3) and step < self.settings.max_steps:
+        timed = step >= max(self.at, self.step0 + 3) or step >= self.settings.max_steps
+        early = step < self.at
+        if early and not timed:  # every process must take the same decision at the same step: rank 0's
+            per_step = (t - self.t0) / (step - self.step0)
+            early = _share(accelerator, (self.at - step) * per_step > 0.5 * (deadline - t))
+        if not (timed or early):
             return None
         per_step = (t - self.t0) / (step - self.step0)
-        length = fitted_length(step, per_step, deadline - t, self.settings.max_steps)
-        if accelerator is not None and accelerator.num_processes > 1:  # every rank takes rank 0's figure
-            from accelerate.utils import broadcast_object_list
-
-            length = broadcast_object_list([length])[0]
+        length = _share(accelerator, fitted_length(step, per_step, deadline - t, self.settings.max_steps))
+        warmup = fitted_warmup(step, length, self.settings.warmup_steps)
         state.schedule_steps, self.enabled = length, False
-        return (f"schedule fitted to --max_minutes {self.settings.max_minutes:g}: {per_step:.3f} s per step over "
-                f"steps {self.step0}-{step}, {deadline - t:,.0f} s left -> the cosine ends at step {length:,}"
-                + (f" (max_steps {self.settings.max_steps:,})" if length < self.settings.max_steps else ""))
+        state.schedule_warmup = warmup if warmup != self.settings.warmup_steps else 0
+        why = (f" (step {self.at:,}, the end of the timing, would come after half of them)"
+               if step < min(self.at, self.settings.max_steps) else "")
+        return (f"schedule fitted to --max_minutes {self.settings.max_minutes:g}{why}: {per_step:.3f} s per step "
+                f"over steps {self.step0}-{step}, {deadline - t:,.0f} s left -> the cosine ends at step {length:,}"
+                + (f" (max_steps {self.settings.max_steps:,})" if length < self.settings.max_steps else "")
+                + (f", warmup cut to {warmup:,} steps" if state.schedule_warmup else ""))
+
+    def unfitted(self) -> str:
+        """The note for a deadline that came before any step was timed ('' when the schedule was fixed)."""
+        if not self.enabled:
+            return ""
+        return ("; the schedule was never fitted (the deadline came before a second step was timed), so the "
+                "learning rate did not decay: raise --max_minutes")
+
+
+def _share(accelerator, value):
+    """Rank 0's ``value`` on every process."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0]
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
