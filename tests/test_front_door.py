@@ -1,0 +1,48 @@
+"""What a new user meets first: Ctrl-C, a base model that is no model, a GGUF file to chat with, text data and its
+columns, the mode of the files a run writes, one spelling of errors, and every command's --help."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+TINY = ["--preset", "tiny", "--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--seq_len", "32",
+        "--vocab_size", "300", "--micro_batch_size", "4", "--log_steps", "1", "--progress", "false",
+        "--eval_steps", "0", "--max_new_tokens", "4", "--cpu"]
+
+
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a test runner in the background may pass SIGINT ignored
+
+
+# ---------------------------------------------------------------------------------------------------- Ctrl-C
+def test_ctrl_c_is_one_line_exit_130_naming_the_checkpoint_and_the_command(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hf_cgpu.cli", "train", "gpt", *TINY, "--max_steps", "5000",
+           "--checkpointing_steps", "0", "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**ENV, "HF_CGPU_CACHE": str(tmp_path / "cache")},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    for line in proc.stdout:
+        if line.startswith("step 3:"):
+            break
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and sum(line.startswith("error:") for line in stderr.splitlines()) == 1
+    last = stderr.strip().splitlines()[-1]
+    found = re.fullmatch(r"error: interrupted \(Ctrl-C\) at step (\d+); checkpoint (\S+) is kept: resume with: (.+)",
+                         last)
+    assert found, last
+    step, kept, again = int(found[1]), Path(found[2]), shlex.split(found[3])
+    assert kept == out / "checkpoints" / f"step_{step:07d}" and (kept / "manifest.json").is_file()
+    assert again == [Path(sys.executable).name, *cmd[1:], "--resume_from_checkpoint", "latest"]
