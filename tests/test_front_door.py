@@ -46,3 +46,14 @@ def test_ctrl_c_is_one_line_exit_130_naming_the_checkpoint_and_the_command(tmp_p
     step, kept, again = int(found[1]), Path(found[2]), shlex.split(found[3])
     assert kept == out / "checkpoints" / f"step_{step:07d}" and (kept / "manifest.json").is_file()
     assert again == [Path(sys.executable).name, *cmd[1:], "--resume_from_checkpoint", "latest"]
+
+
+# ---------------------------------------------------------------------------------------------------- a base model
+def test_a_base_needs_weights_and_tokenizer_files_a_real_one_passes(neox_dir, tiny_base):
+    from hf_cgpu.errors import SettingsError
+    from hf_cgpu.finetune import check_base
+
+    with pytest.raises(SettingsError, match="has weights but no tokenizer files"):
+        check_base(str(neox_dir))  # transformers would load it with a 2-token tokenizer
+    check_base(str(tiny_base))
+    check_base("owner/name")  # a Hub id is checked on the Hub
