@@ -57,3 +57,14 @@ def test_a_base_needs_weights_and_tokenizer_files_a_real_one_passes(neox_dir, ti
         check_base(str(neox_dir))  # transformers would load it with a 2-token tokenizer
     check_base(str(tiny_base))
     check_base("owner/name")  # a Hub id is checked on the Hub
+
+
+# ---------------------------------------------------------------------------------------------------- a GGUF file
+def test_generate_takes_a_gguf_file_and_names_the_missing_package(tmp_path, monkeypatch, capsys):
+    from hf_cgpu.cli import main
+
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # not installed
+    assert main(["generate", str(tmp_path / "model.gguf"), "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs the gguf package: pip install gguf" in err, err
