@@ -262,6 +262,18 @@ def test_eval_cli_scores_the_whole_split(saved_gpt, tmp_path, capsys):
     assert 0 < r["loss"] < 2 * math.log(257)
 
 
+def test_eval_of_a_split_too_short_for_one_window_names_the_split(saved_gpt, tmp_path, capsys):
+    from hf_cgpu.cli import main
+
+    docs = tmp_path / "data"
+    docs.mkdir()
+    (docs / "train.jsonl").write_text("".join(json.dumps({"text": "abc " * 20}) + "\n" for i in range(5)))
+    (docs / "validation.jsonl").write_text(json.dumps({"text": "short"}) + "\n")
+    assert main(["eval", str(saved_gpt), "--dataset", str(docs), "--seq_len", "32", "--device", "cpu",
+                 "--cache_dir", str(tmp_path / "cache")]) == 2
+    assert "error: the validation split has only 6 tokens" in capsys.readouterr().err
+
+
 def test_eval_cli_bad_input_is_one_line_exit_2(saved_gpt, tmp_path, capsys):
     from hf_cgpu.cli import main
 

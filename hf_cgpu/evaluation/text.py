@@ -180,7 +180,7 @@ def evaluate_language_model(
                 "examples": n, "cut_at_seq_len": rows.n_truncated, "characters": rows.n_chars, **scores,
                 "whole_split": n == len(rows_split)}
     ds = load_text_dataset(source, text_column=text_column)
-    data = pack_dataset(ds[split], tokenizer, seq_len, cache_dir=cache_dir, text_column=text_column)
+    data = pack_dataset(ds[split], tokenizer, seq_len, cache_dir=cache_dir, text_column=text_column, split=split)
     with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
         scores = score_stream(causal_lm_target_loss(model), data, seq_len, batch_size, dev,
                               max_windows=max_windows or None, progress=progress)
