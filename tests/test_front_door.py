@@ -8,8 +8,8 @@ import re
 import shlex
 import signal
 import subprocess
+import ast
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +68,22 @@ def test_generate_takes_a_gguf_file_and_names_the_missing_package(tmp_path, monk
     assert main(["generate", str(tmp_path / "model.gguf"), "hello"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs the gguf package: pip install gguf" in err, err
+
+
+# ---------------------------------------------------------------------------------------------------- one spelling
+def _strings(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            yield node.lineno, str(node.values[0].value)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.lineno, node.value
+
+
+def test_errors_and_warnings_are_spelled_one_way():
+    """`error: ...` (run_main) and `warning: ...` / `note: ...` lines: no message of the package or its scripts starts
+    with another spelling (Error:, ERROR, Warning:)."""
+    other = ("Error:", "ERROR", "Warning:", "WARNING", "Note:", "NOTE:")
+    files = [*sorted((ROOT / "hf_cgpu").rglob("*.py")), *sorted((ROOT / "recipes").glob("*.py"))]
+    found = [f"{f.relative_to(ROOT)}:{line}: {text[:40]!r}" for f in files for line, text in _strings(f)
+             if text.lstrip("\n ").startswith(other)]
+    assert not found, found
