@@ -17,6 +17,7 @@ from torch import nn
 
 from .errors import SettingsError
 from .gguf import gguf_location
+from .integrity import usual_modes
 from .paths import gguf_cache
 from .tiers.lora import peft_quiet
 
@@ -144,6 +145,7 @@ def resolve_base(model: str, gguf_file: str = "", cache_dir: str | Path | None =
         del base.config.quantization_config
     base.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
+    usual_modes(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.replace(folder)
     return str(folder), info

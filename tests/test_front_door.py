@@ -87,3 +87,28 @@ def test_errors_and_warnings_are_spelled_one_way():
     found = [f"{f.relative_to(ROOT)}:{line}: {text[:40]!r}" for f in files for line, text in _strings(f)
              if text.lstrip("\n ").startswith(other)]
     assert not found, found
+
+
+# ---------------------------------------------------------------------------------------------------- file modes
+def test_every_file_a_run_writes_has_an_ordinary_files_mode(tmp_path):
+    """safetensors writes 0600; checkpoints, best weights and the model folder end as ordinary files (0666 less
+    the umask), as the rest of the run's files."""
+    from safetensors.torch import save_file
+
+    from hf_cgpu.integrity import file_mode
+    from hf_cgpu.train import fit
+    from test_loop import ToyTask, settings
+
+    class SafetensorsToy(ToyTask):
+        def save_pretrained(self, model, output_dir):
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(output_dir / "toy.safetensors"))
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert file_mode() == 0o666 & ~umask
+    fit(SafetensorsToy(), settings(tmp_path, max_steps=4, eval_steps=2, save_best=True))
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != ".hf_cgpu.lock"]
+    assert any(p.suffix == ".safetensors" and "checkpoints" in p.parts for p in files)
+    assert (tmp_path / "toy.safetensors").is_file()
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
+    assert set(modes.values()) == {oct(file_mode())}, modes
