@@ -13,6 +13,7 @@ import argparse
 import difflib
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -69,6 +70,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)  # keeps ``about``'s lines
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
@@ -90,6 +92,13 @@ class ArgumentParser(argparse.ArgumentParser):
             if close:
                 return f" (did you mean {close[0]}?)"
         return ""
+
+
+def about(what: str, *examples: str, more: str = "") -> str:
+    """The start of every command's ``--help``: what it does in one sentence, then its example command(s), then
+    ``more``."""
+    head = "examples:" if len(examples) > 1 else "example:"
+    return "\n\n".join(x for x in (textwrap.fill(what, 100), head + "\n" + "\n".join(f"  {e}" for e in examples), more.strip()) if x)
 
 
 def require_model(spec: str, what: str = "model folder") -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .data.tokenizer import check_vocab
-from .errors import MissingPathError, SettingsError, UserError, require_model
+from .errors import MissingPathError, SettingsError, UserError, about, require_model
 from .finetune import TOKENIZER_FILES, load_adapter, resolve_base
 from .gguf import gguf_location
 from .hub.checks import check_hub_model
@@ -101,9 +101,10 @@ class GenerateSettings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser((GenerateSettings,), description="Continue text with a saved model: a run's output_dir "
-                          "(or its best/ or merged/ folder), any causal LM folder, a .gguf file or a Hub id.",
-                          prog="hf-cgpu generate")
+    parser = build_parser((GenerateSettings,), description=about(
+        "Continue text, or answer in the model's chat template, with a saved model: a run's output_dir (or its best/ "
+        "or merged/ folder), any causal LM folder, a .gguf file or a Hub id.",
+        'hf-cgpu generate runs/tiny "The meaning of" --max_new_tokens 40'), prog="hf-cgpu generate")
     parser.add_argument("model_dir", help="a trained run's output_dir, its best/ or merged/ folder, a causal LM "
                         "folder, a .gguf file or a Hub id")
     parser.add_argument("prompt", nargs="+", help="one or more prompts, each continued separately")

@@ -112,3 +112,39 @@ def test_every_file_a_run_writes_has_an_ordinary_files_mode(tmp_path):
     assert (tmp_path / "toy.safetensors").is_file()
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
     assert set(modes.values()) == {oct(file_mode())}, modes
+
+
+# ---------------------------------------------------------------------------------------------------- --help
+def _help(argv, capsys) -> str:
+    from hf_cgpu.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 0
+    return capsys.readouterr().out
+
+
+def _helps():
+    from hf_cgpu.cli import COMMANDS
+    from hf_cgpu.recipes import RECIPES
+
+    return [[name, "--help"] for name in COMMANDS] + [["train", name, "--help"] for name in RECIPES]
+
+
+@pytest.mark.parametrize("argv", _helps(), ids=" ".join)
+def test_every_help_starts_with_what_the_command_does_and_an_example(argv, capsys):
+    paragraphs = _help(argv, capsys).split("\n\n")
+    assert paragraphs[0].startswith("usage: hf-cgpu")
+    what, example = " ".join(paragraphs[1].split()), paragraphs[2].splitlines()
+    assert what.endswith(".") and ". " not in what.rstrip("."), what  # one sentence
+    assert example[0] in ("example:", "examples:") and example[1].startswith("  hf-cgpu "), example
+
+
+def test_eval_help_covers_both_modes_with_their_own_flags(capsys):
+    text = _help(["eval", "--help"], capsys)
+    lm, images = text.split("=== text mode", 1)[1].split("=== image mode", 1)
+    assert all(flag in lm for flag in ("--dataset", "--split", "--text_column", "--max_windows", "--data_format"))
+    assert all(flag in images for flag in ("--classifier", "--sweep", "--num_images", "--scheduler"))
+    assert "--classifier" not in lm and "--text_column" not in images

@@ -10,7 +10,6 @@ does not depend on the tokenizer, so models with different vocabularies compare 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -23,7 +22,7 @@ from ..data.corpus import BUILTIN, load_text_dataset
 from ..data.instruct import build_rows, instruction_splits
 from ..data.packing import pack_dataset
 from ..data.windows import eval_windows
-from ..errors import ArgumentParser, run_main
+from ..errors import ArgumentParser, about, run_main
 from ..generate import load_causal_lm
 from ..models.causal_lm_loss import causal_lm_loss_from_hidden, unwrap_model
 from ..settings import SettingsError
@@ -193,9 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(_main, argv)
 
 
-def _main(argv: list[str] | None) -> int:
-    p = ArgumentParser(prog="hf-cgpu eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+TEXT_MODE = ("Score a language model (a run's output_dir, a causal LM folder, an adapter folder, a .gguf file or a Hub "
+             "id) on a split of text or instruction data: loss, perplexity and bits per character.")
+
+
+def parser() -> ArgumentParser:
+    """The text mode's flags (``hf-cgpu eval MODEL_DIR --dataset DATA``)."""
+    p = ArgumentParser(prog="hf-cgpu eval", description=about(
+        TEXT_MODE, "hf-cgpu eval runs/zh --dataset ../shared/data/zh-poetry --split validation",
+        more=__doc__.split("\n\n", 1)[1].split("\n\n    hf-cgpu")[0]))
     p.add_argument("model_dir", help="a trained run's output_dir (or its best/ folder), any causal LM folder or Hub id")
     p.add_argument("--dataset", required=True, help="text data as for training: a folder of parquet/json/txt, files, a Hub id or builtin")
     p.add_argument("--split", default="validation", help="train or validation (a missing validation split is carved from train exactly as training does)")
@@ -209,7 +214,11 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--output_json", default=None, help="also write the figures to this JSON file")
     p.add_argument("--data_format", default="auto", help="auto (instruction columns -> the responses, as the "
                    "fine-tuning run scores them; else text), instruct or text")
-    a = p.parse_args(argv)
+    return p
+
+
+def _main(argv: list[str] | None) -> int:
+    a = parser().parse_args(argv)
     out = evaluate_language_model(a.model_dir, a.dataset, a.split, a.text_column, a.seq_len, a.batch_size,
                                   a.max_windows, a.device, a.cache_dir, a.trust_remote_code, data_format=a.data_format)
     text = json.dumps(out, indent=2)
