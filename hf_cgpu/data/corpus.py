@@ -38,6 +38,7 @@ def load_text_dataset(
     seed: int = 0,
     limit: int | None = None,
     log: Callable[[str], None] | None = None,
+    carve: bool = True,
 ) -> datasets.DatasetDict:
     """Load a text corpus as ``DatasetDict(train=..., validation=...)`` holding only ``text_column``.
 
@@ -53,11 +54,13 @@ def load_text_dataset(
     least 20k characters so a small corpus still gives a few evaluation blocks). Null, empty and whitespace-only
     documents are dropped, counted per split in one line to ``log`` (default: stderr). ``limit`` keeps the first
     ``limit`` documents of each split, for quick runs and tests, before the validation split is carved.
+    ``carve`` False (evaluating files named one by one): a source without a validation split is its own validation
+    split, whole.
     """
     if not 0.0 < validation_fraction < 1.0:
         raise DataError(f"validation_fraction={validation_fraction} must be in (0, 1); e.g. 0.005")
     splits = load_splits(source, text_column)
-    if named_as_train(source):
+    if carve and named_as_train(source):
         (log or _stderr)(named_as_train(source))
     name = source or BUILTIN
     for split, ds in splits.items():
@@ -80,8 +83,10 @@ def load_text_dataset(
     train = splits["train"]
     if "validation" in splits:
         validation = splits["validation"]
-    else:
+    elif carve:
         train, validation = carve_validation(train, text_column, validation_fraction, seed, name)
+    else:
+        validation = train
     if len(train) == 0 or len(validation) == 0:
         empty = "train" if len(train) == 0 else "validation"
         raise DataError(f"dataset {name!r}: its {empty} split holds no non-empty document (rows: "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.corpus import BUILTIN, load_text_dataset
+from ..data.corpus import BUILTIN, load_text_dataset, named_as_train
 from ..data.instruct import build_rows, instruction_splits
 from ..data.packing import pack_dataset
 from ..data.windows import eval_windows
@@ -178,7 +178,9 @@ def evaluate_language_model(
         return {"model": model_dir, "dataset": dataset, "split": split, "seq_len": seq_len, "format": fmt,
                 "examples": n, "cut_at_seq_len": rows.n_truncated, "characters": rows.n_chars, **scores,
                 "whole_split": n == len(rows_split)}
-    ds = load_text_dataset(source, text_column=text_column)
+    whole = bool(named_as_train(source))  # files named one by one, none train* by name: scored whole, as named
+    ds = load_text_dataset(source, text_column=text_column, carve=not whole)
+    split, ds = (source, {source: ds["validation"]}) if whole else (split, ds)
     data = pack_dataset(ds[split], tokenizer, seq_len, cache_dir=cache_dir, text_column=text_column, split=split)
     with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
         scores = score_stream(causal_lm_target_loss(model), data, seq_len, batch_size, dev,
