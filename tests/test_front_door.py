@@ -36,7 +36,7 @@ def test_ctrl_c_is_one_line_exit_130_naming_the_checkpoint_and_the_command(tmp_p
         if line.startswith("step 3:"):
             break
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and sum(line.startswith("error:") for line in stderr.splitlines()) == 1
     last = stderr.strip().splitlines()[-1]
