@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ArgumentParser, SettingsError, UserError
+from .errors import ArgumentParser, SettingsError, UserError, about
 from .paths import bench_file
 
 COPY_BYTES = 256 * 1024**2
@@ -212,7 +212,7 @@ def format_result(r: BenchResult) -> str:
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(prog="hf-cgpu bench", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="hf-cgpu bench", description=about(__doc__.splitlines()[0], "hf-cgpu bench"))
     p.add_argument("--sizes", default=",".join(map(str, MATMUL_SIZES)), help="matmul sizes, comma separated")
     p.add_argument("--copy_mib", type=int, default=COPY_BYTES // 1024**2, help="copied tensor size in MiB")
     p.add_argument("--iters", type=int, default=ITERS, help="calls per timed repeat")

@@ -2,8 +2,9 @@
 
 Every recipe and every ``hf-cgpu`` subcommand runs its ``main`` through ``run_main``. A ``UserError`` (bad settings,
 data, checkpoint or Hub input, or a run stopped on purpose) prints ``error: <message>`` on stderr and returns 2,
-the exit code argparse uses for bad arguments. Anything else is a bug and keeps its traceback.
-``HF_CGPU_DEBUG=1`` shows the traceback of user errors too.
+the exit code argparse uses for bad arguments; Ctrl-C (``KeyboardInterrupt``, or ``Interrupted`` from a run that
+saved a checkpoint first) prints its one line and returns 130, as a shell reports a process stopped by SIGINT.
+Anything else is a bug and keeps its traceback. ``HF_CGPU_DEBUG=1`` shows the traceback of user errors too.
 """
 
 from __future__ import annotations
@@ -12,14 +13,19 @@ import argparse
 import difflib
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 USER_ERROR_EXIT = 2
+INTERRUPTED_EXIT = 130
+"""128 + SIGINT: what a shell reports for a process that Ctrl-C stopped."""
 
 
 class UserError(Exception):
     """Something the user can fix; the message is one line that names the fix."""
+
+    exit_code = USER_ERROR_EXIT
 
 
 class SettingsError(UserError, ValueError):
@@ -50,6 +56,13 @@ class TrainingStopped(UserError, RuntimeError):
     """The run stopped on purpose (diverged, out of memory at micro-batch 1, SIGTERM); a checkpoint was saved first."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during a run; the message names the checkpoint that is kept and the command that resumes from
+    it. A ``KeyboardInterrupt``, so that no ``except Exception`` on the way up swallows it."""
+
+    exit_code = INTERRUPTED_EXIT
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with the one error path: a bad flag or value is a ``SettingsError`` (one line, exit 2), not
     argparse's usage block (dozens of lines for a settings parser) followed by the message. Flags are never taken by
@@ -57,6 +70,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)  # keeps ``about``'s lines
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
@@ -80,6 +94,13 @@ class ArgumentParser(argparse.ArgumentParser):
         return ""
 
 
+def about(what: str, *examples: str, more: str = "") -> str:
+    """The start of every command's ``--help``: what it does in one sentence, then its example command(s), then
+    ``more``."""
+    head = "examples:" if len(examples) > 1 else "example:"
+    return "\n\n".join(x for x in (textwrap.fill(what, 100), head + "\n" + "\n".join(f"  {e}" for e in examples), more.strip()) if x)
+
+
 def require_model(spec: str, what: str = "model folder") -> None:
     """A ``spec`` that looks like a local path must exist. ``owner/name`` is left to the Hub loader, unless ``owner``
     is a local folder (``runs/nope``: a mistyped run, not a Hub id) or the Hub is switched off (HF_HUB_OFFLINE)."""
@@ -93,11 +114,13 @@ def require_model(spec: str, what: str = "model folder") -> None:
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
-    """Run ``main(argv)``; a ``UserError`` ends in one line on stderr and exit code 2 (``HF_CGPU_DEBUG=1``: raise)."""
+    """Run ``main(argv)``; a ``UserError`` ends in one line on stderr and its exit code (2; Ctrl-C: 130), and so
+    does Ctrl-C anywhere (``HF_CGPU_DEBUG=1``: raise)."""
     try:
         return int(main(argv) or 0)
-    except UserError as err:
+    except (UserError, KeyboardInterrupt) as err:
         if os.environ.get("HF_CGPU_DEBUG"):
             raise
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return USER_ERROR_EXIT
+        message = str(err) or "interrupted (Ctrl-C)"
+        print(f"error: {' '.join(message.split())}", file=sys.stderr)
+        return getattr(err, "exit_code", INTERRUPTED_EXIT)

@@ -15,11 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import SettingsError
 from .gguf import gguf_location
+from .integrity import usual_modes
 from .paths import gguf_cache
 from .tiers.lora import peft_quiet
 
-__all__ = ["load_adapter", "merge_and_save", "resolve_base", "save_adapter"]
+__all__ = ["check_base", "load_adapter", "merge_and_save", "resolve_base", "save_adapter"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -30,6 +32,38 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
 )
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+"""The files ``from_pretrained`` takes weights from (an index names shards of these kinds)."""
+
+
+def check_base(model: str, gguf_file: str = "") -> None:
+    """A local ``--model`` is what ``from_pretrained`` loads a base from: a GGUF file (``gguf_location``) or a
+    folder with config.json, weights and tokenizer files. Anything else (a config.json path, an adapter, a folder
+    of something else) ends in one line naming what was found and what to pass, before transformers reports it in
+    a traceback (a folder without tokenizer files even loads as a 2-token tokenizer)."""
+    path = Path(model).expanduser()
+    if not path.exists() or gguf_location(model, gguf_file) is not None:
+        return
+    wanted = "pass a causal LM folder (config.json, weights and tokenizer files), a .gguf file or a Hub id"
+    if path.is_file():
+        if path.name == "config.json":
+            raise SettingsError(f"--model {model} is a config file; pass the folder that holds it: --model {path.parent}")
+        raise SettingsError(f"--model {model} is a file, not a model; {wanted}")
+    names = sorted(p.name for p in path.iterdir() if not p.name.startswith("."))
+    if "config.json" not in names:
+        kind = ("a LoRA adapter (adapter_config.json): pass the base it was trained on" if "adapter_config.json" in names
+                else "a FlowMatchPipeline (model_index.json), not a language model" if "model_index.json" in names
+                else f"no model: it holds no config.json ({', '.join(names[:4]) or 'nothing'}"
+                     f"{', ...' if len(names) > 4 else ''})")
+        raise SettingsError(f"--model {model} is {kind}; {wanted}")
+    if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        raise SettingsError(f"--model {model} holds config.json but no weights (*.safetensors, *.bin); pass a folder "
+                            "saved with save_pretrained (`hf-cgpu budget --config` prices a bare config)")
+    if not any(name in names for name in TOKENIZER_FILES):
+        raise SettingsError(f"--model {model} has weights but no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}); "
+                            "save the base's tokenizer beside them (tokenizer.save_pretrained(folder))")
 
 
 def save_adapter(model: nn.Module, output_dir: str | Path) -> Path:
@@ -111,6 +145,7 @@ def resolve_base(model: str, gguf_file: str = "", cache_dir: str | Path | None =
         del base.config.quantization_config
     base.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
+    usual_modes(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.replace(folder)
     return str(folder), info

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from .data.tokenizer import check_vocab
-from .errors import MissingPathError, SettingsError, UserError, require_model
+from .errors import MissingPathError, SettingsError, UserError, about, require_model
 from .finetune import TOKENIZER_FILES, load_adapter, resolve_base
+from .gguf import gguf_location
 from .hub.checks import check_hub_model
 from .models import cgpt
 from .settings import build_parser
@@ -82,6 +83,9 @@ class GenerateSettings:
     """Seed of the sampling (prompt i uses seed + i)."""
     trust_remote_code: bool = False
     """Allow the model's own code from its folder or repo (not needed for hf_cgpu's GPT)."""
+    gguf_file: str = ""
+    """GGUF file inside MODEL_DIR (a folder or Hub id); a .gguf path as MODEL_DIR needs none. De-quantised once into
+    the cache (needs the gguf package), as train lora does."""
     chat: str = "auto"
     """auto: a tokenizer with a chat template (an instruction model, a chat fine-tune) gets each prompt as a user
     turn and prints the answer; true: require the template; false: continue the raw text."""
@@ -97,15 +101,18 @@ class GenerateSettings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser((GenerateSettings,), description="Continue text with a saved model: a run's output_dir "
-                          "(or its best/ or merged/ folder), any causal LM folder or a Hub id.", prog="hf-cgpu generate")
-    parser.add_argument("model_dir", help="a trained run's output_dir, its best/ or merged/ folder, or a Hub id")
+    parser = build_parser((GenerateSettings,), description=about(
+        "Continue text, or answer in the model's chat template, with a saved model: a run's output_dir (or its best/ "
+        "or merged/ folder), any causal LM folder, a .gguf file or a Hub id.",
+        'hf-cgpu generate runs/tiny "The meaning of" --max_new_tokens 40'), prog="hf-cgpu generate")
+    parser.add_argument("model_dir", help="a trained run's output_dir, its best/ or merged/ folder, a causal LM "
+                        "folder, a .gguf file or a Hub id")
     parser.add_argument("prompt", nargs="+", help="one or more prompts, each continued separately")
     parser.usage = "%(prog)s MODEL_DIR PROMPT [PROMPT ...] [--SETTING VALUE ...]"
     ns = vars(parser.parse_args(argv))
     model_dir, prompts = ns.pop("model_dir"), ns.pop("prompt")
     s = GenerateSettings(**{k: v for k, v in ns.items() if v is not None})
-    tok, model = load_causal_lm(model_dir, s.trust_remote_code)
+    tok, model = load_causal_lm(model_dir, s.trust_remote_code, gguf_file=s.gguf_file)
     templated = bool(getattr(tok, "chat_template", None))
     if s.chat == "true" and not templated:
         raise SettingsError(f"--chat true: the tokenizer of {model_dir} has no chat template; use --chat false")
@@ -122,10 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None):
+def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None,
+                   gguf_file: str = ""):
     """(tokenizer, model) of a causal LM folder, a LoRA/QLoRA run's adapter folder (its base + the adapter, through
-    peft) or a Hub id; what is not one ends in a one-line ``UserError``."""
+    peft), a GGUF checkpoint (a .gguf file, or a folder/Hub id with ``gguf_file``: its de-quantised copy, as
+    ``finetune.resolve_base`` makes for fine-tuning) or a Hub id; what is not one ends in a one-line ``UserError``."""
     require_model(model_dir)
+    if gguf_location(model_dir, gguf_file) is not None:
+        if not Path(model_dir).expanduser().exists():
+            check_hub_model(model_dir, filename=gguf_file)
+        model_dir, _ = resolve_base(model_dir, gguf_file)
     path = Path(model_dir).expanduser()
     base = None
     own_tokenizer = path.is_dir() and any((path / n).is_file() for n in TOKENIZER_FILES)

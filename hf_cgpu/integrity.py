@@ -11,11 +11,16 @@ file's size and SHA-256, the folder's kind and step. ``verify_folder`` re-reads 
 naming the file, anything missing, truncated or changed by as little as one byte. Sealing a checkpoint and
 verifying it at resume each read its bytes once on one core; hashlib releases the GIL, so a background thread hashes
 while training goes on.
+
+File modes: safetensors (0.8) writes its files 0600, private, while every other file is 0644 under the usual umask.
+Writing a manifest sets every file it lists to the mode of an ordinary new file (``0o666`` less the umask), so the
+weights of a checkpoint, the best weights and the model folder can be read by whoever can read the rest.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -227,7 +232,31 @@ def build_manifest(folder: str | os.PathLike, kind: str, files: list[str] | None
 
 
 def write_manifest(folder: str | os.PathLike, manifest: Manifest) -> None:
+    """Write ``manifest`` into ``folder``, after giving the files it lists an ordinary file's mode (``usual_modes``)."""
+    usual_modes(folder, list(manifest.files))
     atomic_write_text(Path(folder) / MANIFEST, manifest.to_json())
+
+
+@functools.cache
+def file_mode() -> int:
+    """The mode of an ordinary new file: ``0o666`` less the process's umask (read from /proc where the kernel has
+    it: ``os.umask`` can only be read by setting it, which races with threads creating files)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        umask = int(re.search(r"^Umask:\s*([0-7]+)", status, re.M).group(1), 8)  # type: ignore[union-attr]
+    except (OSError, AttributeError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
+def usual_modes(folder: str | os.PathLike, names: list[str] | None = None) -> None:
+    """Give ``names`` (default: every regular file under ``folder``) the mode of an ordinary new file."""
+    folder = Path(folder)
+    for rel in regular_files(folder) if names is None else names:
+        path = folder / rel
+        if path.stat().st_mode & 0o777 != file_mode():
+            path.chmod(file_mode())
 
 
 def read_manifest(folder: str | os.PathLike) -> Manifest:
@@ -288,6 +317,7 @@ __all__ = [
     "replace_dir",
     "sha256_file",
     "update_manifest",
+    "usual_modes",
     "verify_folder",
     "write_manifest",
 ]

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .errors import SettingsError
+from .errors import SettingsError, about
 from .registry import Registry
 from .settings import TrainSettings, parse_settings
 from .tasks.settings import (ClassifierSettings, FinetuneSettings, FlowDistillSettings, FlowSettings, GPTSettings,
@@ -73,6 +73,8 @@ class Recipe:
     """Preset used when the command line names none."""
     script: str = ""
     """The script under recipes/ that runs this row, if any."""
+    example: str = ""
+    """One command line that runs this row, shown under the description in ``--help``."""
 
     def task_class(self) -> type:
         if isinstance(self.task, type):
@@ -82,7 +84,8 @@ class Recipe:
 
     def description(self) -> str:
         where = f" (recipes/{self.script})" if self.script else ""
-        return f"{self.summary[0].upper()}{self.summary[1:]}{where}."
+        what = f"{self.summary[0].upper()}{self.summary[1:]}{where}."
+        return about(what, self.example) if self.example else what
 
 
 RECIPES: Registry[Recipe] = Registry("recipe")
@@ -91,20 +94,29 @@ RECIPES: Registry[Recipe] = Registry("recipe")
 
 for _recipe in (
     Recipe("gpt", "pretrain the hf_cgpu GPT from scratch: tokenizer, packing, the one loop, continuations",
-           GPTSettings, "hf_cgpu.tasks.causal_lm:CausalLMTask", presets="gpt", script="train_gpt.py"),
+           GPTSettings, "hf_cgpu.tasks.causal_lm:CausalLMTask", presets="gpt", script="train_gpt.py",
+           example="hf-cgpu train gpt --preset tiny --output_dir runs/tiny"),
     Recipe("flow", "train a flow-matching UNet on CIFAR-10-style images; saves a FlowMatchPipeline", FlowSettings,
-           "hf_cgpu.tasks.flow_images:FlowMatchingTask", presets="flow", script="train_flow.py"),
+           "hf_cgpu.tasks.flow_images:FlowMatchingTask", presets="flow", script="train_flow.py",
+           example="hf-cgpu train flow --preset cifar10 --dataset ../shared/data/cifar10 --output_dir runs/flow"),
     Recipe("flow-distill", "distill a trained flow pipeline into a 1-2 step one (shortcut model, guidance baked in)",
            FlowDistillSettings, "hf_cgpu.tasks.flow_distill:FlowDistillTask", presets="flow-distill",
-           script="train_flow_distill.py"),
+           script="train_flow_distill.py",
+           example="hf-cgpu train flow-distill --preset cifar10 --teacher runs/flow --dataset ../shared/data/cifar10 "
+                   "--output_dir runs/flow-1step"),
     Recipe("lora", "LoRA / QLoRA (or full) fine-tuning of an open causal LM", FinetuneSettings,
            "hf_cgpu.tasks.finetune_lm:FinetuneTask", presets="finetune", default_preset="lora",
-           script="finetune_lora.py"),
+           script="finetune_lora.py",
+           example="hf-cgpu train lora --model EleutherAI/pythia-1.4b --dataset examples/instructions.jsonl "
+                   "--output_dir runs/pythia-lora"),
     Recipe("classifier", "train the CIFAR-10 classifier whose features `hf-cgpu eval` scores images with",
            ClassifierSettings, "hf_cgpu.tasks.classifier:ClassifierTask", presets="classifier",
-           script="train_classifier.py"),
+           script="train_classifier.py",
+           example="hf-cgpu train classifier --preset cifar10 --dataset ../shared/data/cifar10 "
+                   "--output_dir runs/classifier"),
     Recipe("flow2d", "the 2D flow-matching toy on CPU: a table and a scatter plot", Toy2DSettings,
-           "hf_cgpu.tasks.flow_toy2d:Toy2DTask", presets="flow2d", default_preset="toy", script="flow2d.py"),
+           "hf_cgpu.tasks.flow_toy2d:Toy2DTask", presets="flow2d", default_preset="toy", script="flow2d.py",
+           example="hf-cgpu flow2d --output_dir runs/toy2d"),
 ):
     RECIPES.add(_recipe.name, _recipe)
 
@@ -186,8 +198,10 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         lines = [f"  {r.name:<11} {r.summary}" + (f" (recipes/{r.script})" if r.script else "")
                  for r in RECIPES.values()]
-        print("usage: hf-cgpu train NAME [--preset P] [--FLAG VALUE ...]\n\ntrain a model with the one loop:\n"
-              + "\n".join(lines) + "\n\n`hf-cgpu train NAME --help` lists every setting with its docs and default.")
+        print("usage: hf-cgpu train NAME [--preset P] [--FLAG VALUE ...]\n\n"
+              + about("Train a model of one of the families below with the one training loop.",
+                      RECIPES["gpt"].example, more="models:\n" + "\n".join(lines))
+              + "\n\n`hf-cgpu train NAME --help` lists every setting with its docs and default.")
         return 0
     name = argv[0]
     if name not in RECIPES:

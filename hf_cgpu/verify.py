@@ -11,10 +11,9 @@ cannot be checked (a save cut off before its manifest, or files put there by han
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from .errors import ArgumentParser, IntegrityError, MissingPathError
+from .errors import ArgumentParser, IntegrityError, MissingPathError, about
 from .integrity import MANIFEST, verify_folder
 from .train.artifacts import STAGING
 from .train.checkpoint import checkpoint_root, list_checkpoints
@@ -50,8 +49,9 @@ def check(folder: Path, hashes: bool = True) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="hf-cgpu verify", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="hf-cgpu verify", description=about(
+        "Check a model, best-weights or checkpoint folder (or a whole output folder) against the checksum manifests "
+        "hf_cgpu wrote, file by file.", "hf-cgpu verify runs/zh"))
     parser.add_argument("folder", help="an output folder, a model folder, best/, or a checkpoint step_N folder")
     parser.add_argument("--sizes_only", action="store_true", help="check presence and sizes, not checksums (fast)")
     args = parser.parse_args(argv)

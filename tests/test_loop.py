@@ -4,12 +4,13 @@ import json
 import math
 import pickle
 import shutil
+import signal
 
 import pytest
 import torch
 
 from hf_cgpu.commands.budget import preset_shape
-from hf_cgpu.errors import SettingsError, TrainingStopped
+from hf_cgpu.errors import Interrupted, SettingsError, TrainingStopped
 from hf_cgpu.integrity import build_manifest, write_manifest
 from hf_cgpu.settings import TrainSettings
 from hf_cgpu.train import SampleOrder, Task, TaskPlan, fit, lr_at
@@ -106,8 +107,8 @@ def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, optimizer, re
         optimizer = "adamw"
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     fit(ToyTask(), settings(full_dir, optimizer=optimizer))
-    with pytest.raises(KeyboardInterrupt):
-        fit(InterruptAt(6), settings(cut_dir, optimizer=optimizer))  # dies mid-run (after step 5's progress)
+    with pytest.raises(Interrupted):
+        fit(InterruptAt(6), settings(cut_dir, optimizer=optimizer))  # Ctrl-C during step 6
     # the interrupt saved step 6; drop it to resume from the periodic checkpoint at step 4 (mid-epoch)
     shutil.rmtree(ckpt_io.checkpoint_root(cut_dir) / "step_0000006")
     assert [p.name for p in ckpt_io.list_checkpoints(cut_dir)] == ["step_0000004"]
@@ -128,14 +129,34 @@ def assert_same_run(full_dir, cut_dir, steps):
 
 
 class InterruptAt(ToyTask):
-    def __init__(self, step):
+    """Ctrl-C (a real SIGINT) in the middle of step ``step`` (1-based), ``times`` times in a row."""
+
+    def __init__(self, step, times=1):
         super().__init__()
-        self.stop_step = step
+        self.stop_step, self.times = step, times
 
     def loss(self, model, batch, generator):
-        if self.calls == self.stop_step * 2:  # two micro-batches per step
-            raise KeyboardInterrupt
+        if self.calls == (self.stop_step - 1) * 2 + 1:  # two micro-batches per step: the second one
+            for _ in range(self.times):
+                signal.raise_signal(signal.SIGINT)
         return super().loss(model, batch, generator)
+
+
+def test_ctrl_c_ends_the_step_checkpoints_and_names_the_resume_command(tmp_path, capfd):
+    with pytest.raises(Interrupted, match=r"interrupted \(Ctrl-C\) at step 6; checkpoint \S+step_0000006 is kept: "
+                                          r"resume with: .* --resume_from_checkpoint latest$"):
+        fit(InterruptAt(6), settings(tmp_path, max_steps=12))
+    assert "Ctrl-C again stops at once" in capfd.readouterr().err
+    assert [p.name for p in ckpt_io.list_checkpoints(tmp_path)] == ["step_0000004", "step_0000006"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_stops_at_once_and_names_the_newest_checkpoint(tmp_path):
+    with pytest.raises(Interrupted, match=r"interrupted \(Ctrl-C\); checkpoint \S+step_0000004 is kept"):
+        fit(InterruptAt(6, times=2), settings(tmp_path, max_steps=12))
+    assert [p.name for p in ckpt_io.list_checkpoints(tmp_path)] == ["step_0000004"]  # the half-done step 6: no
+    with pytest.raises(Interrupted, match="before the first checkpoint; start again with: .* --resume_from_checkpoin"):
+        fit(InterruptAt(2, times=2), settings(tmp_path / "early", max_steps=12))
 
 
 def test_nan_step_is_skipped_and_weights_unchanged(tmp_path, skip_on):
@@ -201,7 +222,7 @@ def test_checkpoint_from_other_config_is_refused(tmp_path):
 def test_ema_is_checkpointed_and_resumes_exactly(tmp_path, skip_on):
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     fit(ToyTask(), settings(full_dir, ema_decay=0.9))
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted):
         fit(InterruptAt(7), settings(cut_dir, ema_decay=0.9))  # Ctrl-C: a checkpoint of step 7 is written first
     assert ckpt_io.list_checkpoints(cut_dir)[-1].name == "step_0000007"
     fit(ToyTask(), settings(cut_dir, ema_decay=0.9, resume_from_checkpoint="latest"))
@@ -382,7 +403,7 @@ def test_schedule_fitted_early_when_the_timing_would_end_after_the_deadline(tmp_
 def test_fitted_schedule_resumes_with_the_saved_length(tmp_path, ticking):
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     fit(ToyTask(), fitted(full_dir))
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted):
         fit(InterruptAt(18), fitted(cut_dir))
     state = ckpt_io.list_checkpoints(cut_dir)[-1]
     assert json.loads((state / "trainer_state.json").read_text())["schedule_steps"] == 29

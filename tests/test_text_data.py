@@ -128,6 +128,32 @@ def test_explicit_comma_separated_files_named_by_split(tmp_path):
     assert sorted(ds["train"]["text"]) == ["one", "three", "two"] and list(ds["validation"]["text"]) == ["held out"]
 
 
+def test_a_file_named_alone_is_trained_on_whatever_its_name_and_a_folder_still_needs_a_train_file(tmp_path):
+    """--dataset data/validation.jsonl: named to be trained on; its validation split is carved (said in one line).
+    Beside a train* file it is the validation split; in a folder it is no training data."""
+    rows = "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(40))
+    (tmp_path / "validation.jsonl").write_text(rows, encoding="utf-8")
+    notes = []
+    ds = load_text_dataset(str(tmp_path / "validation.jsonl"), log=notes.append)
+    assert sorted([*ds["train"]["text"], *ds["validation"]["text"]]) == sorted(f"document {i}" for i in range(40))
+    assert len(ds["train"]) and len(ds["validation"])
+    assert len(notes) == 1 and "trained on as the train split" in notes[0] and "carved" in notes[0]
+    (tmp_path / "train.jsonl").write_text('{"text": "one"}\n', encoding="utf-8")
+    ds = load_text_dataset(f"{tmp_path / 'train.jsonl'},{tmp_path / 'validation.jsonl'}", log=notes.append)
+    assert list(ds["train"]["text"]) == ["one"] and len(ds["validation"]) == 40 and len(notes) == 1
+    (tmp_path / "train.jsonl").unlink()
+    with pytest.raises(ValueError, match="no training files among"):
+        load_text_dataset(str(tmp_path))
+
+
+def test_text_column_on_text_without_columns_is_refused(tmp_path):
+    (tmp_path / "corpus.txt").write_text("one\n\ntwo", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"--text_column body: \.txt files .* have no columns"):
+        load_text_dataset(str(tmp_path / "corpus.txt"), text_column="body")
+    with pytest.raises(ValueError, match="the builtin corpus .* has no columns; pass --dataset"):
+        load_text_dataset(None, text_column="body")
+
+
 def test_non_utf8_text_file_is_refused_naming_the_file(tmp_path):
     bad = tmp_path / "gbk.txt"
     bad.write_bytes("床前明月光\n\n疑是地上霜".encode("gbk"))

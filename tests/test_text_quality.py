@@ -269,6 +269,33 @@ def test_eval_cli_scores_the_whole_split(saved_gpt, tmp_path, capsys):
     assert 0 < r["loss"] < 2 * math.log(257)
 
 
+def test_eval_of_a_split_too_short_for_one_window_names_the_split(saved_gpt, tmp_path, capsys):
+    from hf_cgpu.cli import main
+
+    docs = tmp_path / "data"
+    docs.mkdir()
+    (docs / "train.jsonl").write_text("".join(json.dumps({"text": "abc " * 20}) + "\n" for i in range(5)))
+    (docs / "validation.jsonl").write_text(json.dumps({"text": "short"}) + "\n")
+    assert main(["eval", str(saved_gpt), "--dataset", str(docs), "--seq_len", "32", "--device", "cpu",
+                 "--cache_dir", str(tmp_path / "cache")]) == 2
+    assert "error: the validation split has only 6 tokens" in capsys.readouterr().err
+
+
+def test_eval_of_a_file_named_alone_scores_all_of_it(saved_gpt, tmp_path, capsys):
+    """--dataset data/validation.jsonl: no validation split is carved from it (training would); every document is
+    scored, whatever --split says."""
+    from hf_cgpu.cli import main
+
+    path = tmp_path / "validation.jsonl"
+    path.write_text("".join(json.dumps({"text": "cab " * 15 + str(i)}) + "\n" for i in range(9)))
+    out_json = tmp_path / "eval.json"
+    assert main(["eval", str(saved_gpt), "--dataset", str(path), "--seq_len", "32", "--device", "cpu",
+                 "--cache_dir", str(tmp_path / "cache"), "--output_json", str(out_json)]) == 0
+    r = json.loads(out_json.read_text())
+    assert r["documents"] == 9 and r["split"] == str(path) and r["whole_split"]
+    assert "carved" not in capsys.readouterr().err
+
+
 def test_eval_cli_bad_input_is_one_line_exit_2(saved_gpt, tmp_path, capsys):
     from hf_cgpu.cli import main
 

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -144,6 +145,32 @@ def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
 
     log = run([*common, "--output_dir", str(cut), "--resume_from_checkpoint", "latest"], cache)
     assert re.search(r"resumed from \S+step_00000[24]0 at step [24]0", log), log[-2000:]
+    _assert_same_run(full, cut)
+
+
+def test_ctrl_c_under_accelerate_launch_names_a_resume_command_that_finishes_the_run(uninterrupted, tmp_path):
+    """A terminal's Ctrl-C reaches the launcher and its child: the child ends its step, checkpoints and prints one
+    line naming the checkpoint and the launcher's command with --resume_from_checkpoint latest; that command, run
+    as printed, ends as the uninterrupted run."""
+    full, common, cache = uninterrupted
+    cut = tmp_path / "cut"
+    proc = launch([*common, "--output_dir", str(cut)], cache, start_new_session=True,
+                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    _wait_for(cut / "checkpoints" / "step_0000020" / "manifest.json", proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    found = re.fullmatch(r"error: interrupted \(Ctrl-C\) at step (\d+); checkpoint (\S+) is kept: resume with: (.+)",
+                         errors[0]) if len(errors) == 1 else None
+    assert found, out[-3000:]
+    step, again = int(found[1]), shlex.split(found[3])
+    assert 20 <= step < 60 and Path(found[2]) == cut / "checkpoints" / f"step_{step:07d}"
+    assert again[1:3] == ["-m", "accelerate.commands.launch"] and again[-2:] == ["--resume_from_checkpoint", "latest"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, *again[1:]], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and f"at step {step}" in done.stdout, (done.stdout + done.stderr)[-3000:]
     _assert_same_run(full, cut)
 
 

@@ -26,7 +26,7 @@ from ..budget.time import (
     peak_tflops,
     training_hours,
 )
-from ..errors import MissingPathError, SettingsError
+from ..errors import MissingPathError, SettingsError, about
 from ..gguf import gguf_location
 from ..settings import TrainSettings, list_presets, load_preset, parse_settings, preset_description
 from ..tasks.settings import FinetuneSettings, GPTSettings
@@ -40,6 +40,11 @@ DEFAULT_MEMORY_CAP = "16GB"
 ALIASES = {"--accumulation": "--gradient_accumulation_steps", "--lora_rank": "--lora_r",
            "--lora_targets": "--lora_target_modules", "--loss_chunk": "--loss_chunk_size"}
 """The ledger's earlier flag names, read as the trainer's."""
+
+DESCRIPTION = about("Print whether a training run fits in a GPU's memory (the ledger: every kind of memory one "
+                    "step holds) and how long it takes.", "hf-cgpu budget --preset 350m --memory_cap 16GB --autofit",
+                    "hf-cgpu budget --preset pythia-1.4b --tier qlora",
+                    more=__doc__.split("\n\n", 1)[1])
 
 
 @dataclass(frozen=True)
@@ -168,7 +173,7 @@ def describe_run(argv: Sequence[str] | None = None):
                             "--config PATH")
     if not (other or preset in finetune_preset_names()):
         gpt, train, opts = parse_settings((GPTSettings, TrainSettings, BudgetSettings), args, family="gpt",
-                                          description=__doc__, prog="hf-cgpu budget", default_preset=DEFAULT_PRESET,
+                                          description=DESCRIPTION, prog="hf-cgpu budget", default_preset=DEFAULT_PRESET,
                                           epilog=budget_epilog(), fixed={"train_mode": "pretrain"})
         return gpt.run_shape(name=preset or DEFAULT_PRESET), train, opts
     shape_flags = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in GPT_SHAPE_FLAGS]
@@ -176,7 +181,7 @@ def describe_run(argv: Sequence[str] | None = None):
         raise SettingsError(f"{', '.join(shape_flags)} shape a from-scratch GPT (--preset); with --model or "
                             "--config the model's own config sets the shape: drop them")
     cfg, train, opts = parse_settings((FinetuneSettings, TrainSettings, BudgetSettings), args, family="finetune",
-                                      description=__doc__, prog="hf-cgpu budget", default_preset="lora",
+                                      description=DESCRIPTION, prog="hf-cgpu budget", default_preset="lora",
                                       epilog=budget_epilog(), fixed={"train_mode": "finetune"})
     if opts.config:
         model = ModelShape.from_config_file(opts.config)

@@ -38,6 +38,7 @@ def load_text_dataset(
     seed: int = 0,
     limit: int | None = None,
     log: Callable[[str], None] | None = None,
+    carve: bool = True,
 ) -> datasets.DatasetDict:
     """Load a text corpus as ``DatasetDict(train=..., validation=...)`` holding only ``text_column``.
 
@@ -53,10 +54,14 @@ def load_text_dataset(
     least 20k characters so a small corpus still gives a few evaluation blocks). Null, empty and whitespace-only
     documents are dropped, counted per split in one line to ``log`` (default: stderr). ``limit`` keeps the first
     ``limit`` documents of each split, for quick runs and tests, before the validation split is carved.
+    ``carve`` False (evaluating files named one by one): a source without a validation split is its own validation
+    split, whole.
     """
     if not 0.0 < validation_fraction < 1.0:
         raise DataError(f"validation_fraction={validation_fraction} must be in (0, 1); e.g. 0.005")
     splits = load_splits(source, text_column)
+    if carve and named_as_train(source):
+        (log or _stderr)(named_as_train(source))
     name = source or BUILTIN
     for split, ds in splits.items():
         if text_column not in ds.column_names:
@@ -78,8 +83,10 @@ def load_text_dataset(
     train = splits["train"]
     if "validation" in splits:
         validation = splits["validation"]
-    else:
+    elif carve:
         train, validation = carve_validation(train, text_column, validation_fraction, seed, name)
+    else:
+        validation = train
     if len(train) == 0 or len(validation) == 0:
         empty = "train" if len(train) == 0 else "validation"
         raise DataError(f"dataset {name!r}: its {empty} split holds no non-empty document (rows: "
@@ -154,11 +161,29 @@ def builtin_corpus() -> list[str]:
 def load_splits(source: str | None, text_column: str) -> dict[str, datasets.Dataset]:
     """Return the splits the source has (``train`` always, ``validation`` when present)."""
     if not source or source == BUILTIN:
-        return {"train": datasets.Dataset.from_dict({text_column: builtin_corpus()})}
+        _no_columns(text_column, "the builtin corpus (no --dataset given) has", "pass --dataset with your data")
+        return {"train": datasets.Dataset.from_dict({"text": builtin_corpus()})}
     local = _local_files(source)
     if local is None:
         return _load_hub(source)
     return _load_files(*local, text_column)
+
+
+def _no_columns(text_column: str, what: str, fix: str) -> None:
+    """Text without columns (the builtin corpus, .txt files) is read into the column ``text``; another
+    ``--text_column`` would be ignored, so it is refused."""
+    if text_column != "text":
+        raise DataError(f"--text_column {text_column}: {what} no columns; {fix}, or leave --text_column out")
+
+
+def named_as_train(source: str | None) -> str:
+    """The note for files named on the command line of which none is training data by its name, which are all
+    trained on (``_by_split``); '' otherwise."""
+    local = _local_files(source) if source and source != BUILTIN else None
+    if local is None or local[1] is not None or any(_split_of(f) in (None, "train") for f in local[0]):
+        return ""
+    return (f"note: {source} is trained on as the train split, as named on the command line; a validation split is "
+            "carved from it (pass it after a train* file, comma-separated, to validate on it instead)")
 
 
 def split_files(source: str | None) -> dict[str, list[Path]]:
@@ -193,11 +218,15 @@ def _local_files(source: str) -> tuple[list[Path], Path | None] | None:
 
 
 def _by_split(files: Sequence[Path], root: Path | None = None) -> dict[str, list[Path]]:
-    """Files by the split their names give (unnamed ones are training data); test files are left out."""
+    """Files by the split their names give (unnamed ones are training data); test files are left out. Files named
+    one by one (no ``root``) of which none is training data by its name are all training data: they were named to
+    be trained on (``--dataset data/validation.parquet``)."""
     by_split: dict[str, list[Path]] = {}
     for f in files:
         by_split.setdefault(_split_of(f, root) or "train", []).append(f)
     by_split.pop("test", None)
+    if root is None and "train" not in by_split:
+        return {"train": list(files)}
     return by_split
 
 
@@ -226,6 +255,9 @@ def _load_files(files: Sequence[Path], root: Path | None, text_column: str) -> d
             f"of one type"
         )
     builder = builders.pop()
+    if builder == "text":
+        _no_columns(text_column, f".txt files ({', '.join(map(str, files))[:200]}: a document per paragraph) have",
+                    "pass parquet/json/jsonl data with that column")
     if builder in ("text", "json"):
         for f in files:
             _check_utf8(f)
@@ -242,10 +274,7 @@ def _load_files(files: Sequence[Path], root: Path | None, text_column: str) -> d
         loaded = datasets.load_dataset(builder, data_files=by_split, **kwargs)
     except (Exception, StopIteration) as err:  # datasets wraps the cause (a bad jsonl line...) in a generic error
         raise explain_load_error(err, [f for names in by_split.values() for f in names]) from err
-    out = dict(loaded.items())
-    if builder == "text" and text_column != "text":
-        out = {k: v.rename_column("text", text_column) for k, v in out.items()}
-    return out
+    return dict(loaded.items())
 
 
 def _load_hub(repo_id: str) -> dict[str, datasets.Dataset]:
@@ -400,4 +429,4 @@ def _drop_empty(ds: datasets.Dataset, text_column: str) -> datasets.Dataset:
 
 
 __all__ = ["BUILTIN", "MIN_VALIDATION_CHARS", "TEXT_FILE_FORMATS", "builtin_corpus", "carve_validation", "load_splits",
-           "load_text_dataset", "split_files"]
+           "load_text_dataset", "named_as_train", "split_files"]

@@ -26,7 +26,7 @@ import torch
 from ..errors import DataError
 from ..registry import Registry
 from .bins import best_fit_decreasing
-from .corpus import load_splits, split_files
+from .corpus import load_splits, named_as_train, split_files
 from .files import json_kind, locate_row
 
 IGNORE = -100
@@ -256,6 +256,8 @@ def instruction_splits(source: str | None, data_format: str = "auto", text_colum
             f"{source!r} has columns {', '.join(splits['train'].column_names)}: no messages, instruction/output or "
             "prompt/response; use --data_format text for plain text"
         )
+    if named_as_train(source):
+        (log or _stderr)(named_as_train(source))
     files = split_files(source)
     splits = {split: _usable_rows(ds, fmt, split, files.get(split, []), source, skip_bad_rows, log or _stderr)
               for split, ds in splits.items()}

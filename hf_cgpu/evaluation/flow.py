@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..data.images import cache_file, load_image_dataset
-from ..errors import run_main
+from ..errors import about, run_main
 from ..flow.pipeline_flow_match import FlowMatchPipeline
 from ..flow.sample import image_grid
 from ..flow.sample import saved_sampling
@@ -453,11 +453,23 @@ def grid_name(weights: str, sched: str, steps: int, scale: float, interval) -> s
     return f"grid_{weights}_{sched}{steps}_w{scale:g}{suffix}.png"
 
 
+IMAGE_MODE = ("Score a saved FlowMatchPipeline (a flow run's output_dir) in a CIFAR classifier's features: Fréchet "
+              "distance, precision/recall, class histogram and label accuracy, or a sweep of samplers and steps.")
+
+
+def parser():
+    """The image mode's flags (``hf-cgpu eval RUN_DIR --classifier DIR``)."""
+    p = build_parser((ImageEvalSettings,), prog="hf-cgpu eval", description=about(
+        IMAGE_MODE, "hf-cgpu eval runs/flow --classifier runs/classifier --dataset ../shared/data/cifar10",
+        "hf-cgpu eval runs/flow --classifier runs/classifier --dataset ../shared/data/cifar10 --sweep",
+        more=__doc__.split("\n\n", 2)[2]))
+    p.usage = "%(prog)s RUN_DIR --classifier DIR [--SETTING VALUE ...]"
+    p.add_argument("run_dir", help="folder of a saved FlowMatchPipeline (model_index.json)")
+    return p
+
+
 def parse(argv: list[str]) -> tuple[Path, ImageEvalSettings]:
-    parser = build_parser((ImageEvalSettings,), description=__doc__)
-    parser.prog = "hf-cgpu eval"
-    parser.add_argument("run_dir", help="folder of a saved FlowMatchPipeline (model_index.json)")
-    ns = vars(parser.parse_args(argv))
+    ns = vars(parser().parse_args(argv))
     run_dir = Path(ns.pop("run_dir"))
     return run_dir, ImageEvalSettings(**{k: v for k, v in ns.items() if v is not None})
 

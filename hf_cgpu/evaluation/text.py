@@ -11,7 +11,6 @@ does not depend on the tokenizer, so models with different vocabularies compare 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -20,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from ..data.corpus import BUILTIN, load_text_dataset
+from ..data.corpus import BUILTIN, load_text_dataset, named_as_train
 from ..data.instruct import build_rows, instruction_splits
 from ..data.packing import pack_dataset
 from ..data.windows import eval_windows
-from ..errors import ArgumentParser, run_main
+from ..errors import ArgumentParser, about, run_main
 from ..generate import load_causal_lm
 from ..models.causal_lm_loss import causal_lm_loss_from_hidden, unwrap_model
 from ..settings import SettingsError
@@ -183,8 +182,10 @@ def evaluate_language_model(
         return {"model": model_dir, "dataset": dataset, "split": split, "seq_len": seq_len, "format": fmt,
                 "examples": n, "cut_at_seq_len": rows.n_truncated, "characters": rows.n_chars, **scores,
                 "whole_split": n == len(rows_split)}
-    ds = load_text_dataset(source, text_column=text_column)
-    data = pack_dataset(ds[split], tokenizer, seq_len, cache_dir=cache_dir, text_column=text_column)
+    whole = bool(named_as_train(source))  # files named one by one, none train* by name: scored whole, as named
+    ds = load_text_dataset(source, text_column=text_column, carve=not whole)
+    split, ds = (source, {source: ds["validation"]}) if whole else (split, ds)
+    data = pack_dataset(ds[split], tokenizer, seq_len, cache_dir=cache_dir, text_column=text_column, split=split)
     with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
         scores = score_stream(causal_lm_target_loss(model), data, seq_len, batch_size, dev,
                               max_windows=max_windows or None, progress=progress)
@@ -197,9 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(_main, argv)
 
 
-def _main(argv: list[str] | None) -> int:
-    p = ArgumentParser(prog="hf-cgpu eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+TEXT_MODE = ("Score a language model (a run's output_dir, a causal LM folder, an adapter folder, a .gguf file or a Hub "
+             "id) on a split of text or instruction data: loss, perplexity and bits per character.")
+
+
+def parser() -> ArgumentParser:
+    """The text mode's flags (``hf-cgpu eval MODEL_DIR --dataset DATA``)."""
+    p = ArgumentParser(prog="hf-cgpu eval", description=about(
+        TEXT_MODE, "hf-cgpu eval runs/zh --dataset ../shared/data/zh-poetry --split validation",
+        more=__doc__.split("\n\n", 1)[1].split("\n\n    hf-cgpu")[0]))
     p.add_argument("model_dir", help="a trained run's output_dir (or its best/ folder), any causal LM folder or Hub id")
     p.add_argument("--dataset", required=True, help="text data as for training: a folder of parquet/json/txt, files, a Hub id or builtin")
     p.add_argument("--split", default="validation", help="train or validation (a missing validation split is carved from train exactly as training does)")
@@ -213,7 +220,11 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--output_json", default=None, help="also write the figures to this JSON file")
     p.add_argument("--data_format", default="auto", help="auto (instruction columns -> the responses, as the "
                    "fine-tuning run scores them; else text), instruct or text")
-    a = p.parse_args(argv)
+    return p
+
+
+def _main(argv: list[str] | None) -> int:
+    a = parser().parse_args(argv)
     out = evaluate_language_model(a.model_dir, a.dataset, a.split, a.text_column, a.seq_len, a.batch_size,
                                   a.max_windows, a.device, a.cache_dir, a.trust_remote_code, data_format=a.data_format)
     text = json.dumps(out, indent=2)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..errors import MissingPathError, SettingsError, require_model
+from ..errors import MissingPathError, SettingsError, about, require_model
 from ..hub.checks import check_hub_model
 from ..settings import build_parser
 from .pipeline_flow_match import FlowMatchPipeline
@@ -122,7 +122,9 @@ def check_pipeline_folder(model_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser((SampleSettings,), description=__doc__, prog="hf-cgpu sample")
+    parser = build_parser((SampleSettings,), prog="hf-cgpu sample", description=about(
+        "Sample images from a saved FlowMatchPipeline: a grid PNG and one PNG per image.",
+        "hf-cgpu sample runs/flow --class_labels cat,dog --num_images 16"))
     parser.add_argument("model_dir", help="output_dir of a flow run (a saved FlowMatchPipeline) or a Hub id")
     parser.usage = "%(prog)s MODEL_DIR [--SETTING VALUE ...]"
     ns = vars(parser.parse_args(argv))

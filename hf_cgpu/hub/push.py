@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import ArgumentParser, IntegrityError
+from ..errors import ArgumentParser, IntegrityError, about
 from ..integrity import MANIFEST, verify_folder
 from .cards import detect_kind, render_model_card
 from .checks import HubError, one_line
@@ -186,8 +186,8 @@ class HubPusher:
 def main(argv: list[str] | None = None) -> int:
     """``hf-cgpu push DIR REPO_ID [--private] [--token T] [--commit_message M]``."""
     parser = ArgumentParser(
-        prog="hf-cgpu push", description="Upload a trained output directory to the Hub with a model card."
-    )
+        prog="hf-cgpu push", description=about("Upload a trained output directory to the Hub with a model card.",
+                                               "hf-cgpu push runs/zh your-name/cgpt-zh-poetry --private"))
     parser.add_argument("output_dir", help="a finished run's output directory")
     parser.add_argument("repo_id", help="target model repo, e.g. your-name/cgpt-zh-poetry")
     parser.add_argument("--private", action="store_true", help="create the repo private")

@@ -21,7 +21,7 @@ from ..data.packing import pack_dataset
 from ..data.tokenizer import no_eos_message, tokenizer_hash
 from ..errors import DataError, SettingsError, require_model
 from ..evaluation.text import score_rows
-from ..finetune import merge_and_save, resolve_base, save_adapter
+from ..finetune import check_base, merge_and_save, resolve_base, save_adapter
 from ..hub.checks import check_dataset, check_hub_model
 from ..models.causal_lm_loss import causal_lm_loss_from_hidden
 from ..options import ADAPTER_TIERS
@@ -43,6 +43,7 @@ class FinetuneTask(PackedTokensTask):
             accelerator.print(f"note: --merge folds an adapter into its base; tier {settings.tier} trains every "
                               "weight, so the saved model is already whole (no merged/ folder)")
         require_model(cfg.model, "base model")
+        check_base(cfg.model, cfg.gguf_file)
         if not Path(cfg.model).expanduser().exists():
             check_hub_model(cfg.model, "base model", filename=cfg.gguf_file or "config.json")
         check_dataset(cfg.dataset)

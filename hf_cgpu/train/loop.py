@@ -7,7 +7,7 @@
     guards       non-finite, spike, label leak, OOM
     metrics      logging window, MFU, trackers, history, progress bar
     validation   cadence, EMA weights in place, best weights, early stopping
-    stopping     --max_minutes, SIGTERM (also when only the launcher received it)
+    stopping     --max_minutes, SIGTERM (also when only the launcher received it), Ctrl-C
     artifacts    the model, all_results.json, history, curves, card
 
 Exact resume by construction: the data order, the learning rate and every random draw of step ``k`` are functions
@@ -26,7 +26,7 @@ import torch
 
 from ..bench import training_peak
 from ..budget import TrainSetup, oom_advice
-from ..errors import OutputDirError, TrainingStopped, UserError
+from ..errors import Interrupted, OutputDirError, TrainingStopped, UserError
 from ..hub.push import HubPusher
 from ..integrity import as_disk_error
 from ..settings import TrainSettings, to_dict
@@ -43,7 +43,7 @@ from .prepare import Run, prepare
 from .quiet import quiet_saves
 from .schedule import TimeFit, set_lr
 from .step import Stepper
-from .stopping import Stopping
+from .stopping import Stopping, resume_command
 from .task import Task
 from .update import Updater
 from .validation import BestKeeper, Validator
@@ -58,10 +58,21 @@ def fit(task: Task, settings: TrainSettings) -> dict[str, Any]:
     try:
         with task.running():
             return _run(task, settings)
-    except BaseException:
+    except BaseException as err:
         if created:
             remove_if_empty(out)
+        if type(err) is KeyboardInterrupt:  # a Ctrl-C outside the steps, or a second one: stopped at once
+            raise Interrupted(interruption("interrupted (Ctrl-C)", out)) from None
         raise
+
+
+def interruption(what: str, output_dir: Path, saved: Path | None = None) -> str:
+    """``what``, the checkpoint that is kept (``saved``, else the newest in ``output_dir``) and the command that
+    resumes from it."""
+    kept = saved or next(iter(reversed(list_checkpoints(output_dir))), None)
+    if kept is None:
+        return f"{what} before the first checkpoint; start again with: {resume_command()}"
+    return f"{what}; checkpoint {kept} is kept: resume with: {resume_command()}"
 
 
 def remove_if_empty(folder: Path) -> None:
@@ -222,16 +233,16 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
                 break
             if signalled:
                 account(updater.flush())
-                checkpointer.save(step, state)
+                if step > checkpointer.last_saved:
+                    checkpointer.save(step, state)
                 checkpointer.wait()
+                if stopping.signal_name == "SIGINT":  # the newest whole checkpoint: this step's unless not finite
+                    raise Interrupted(interruption(f"interrupted (Ctrl-C) at step {step}", checkpointer.output_dir,
+                                                   checkpointer.good))
                 raise TrainingStopped(f"stopped by {stopping.signal_name} at step {step}; checkpoint saved, resume "
-                                      "with --resume_from_checkpoint latest")
+                                      f"with: {resume_command()}")
         account(updater.flush())
-    except KeyboardInterrupt:
-        account(updater.flush())
-        if state.step > checkpointer.last_saved:
-            metrics.write(f"interrupted at step {state.step}: saving a checkpoint first")
-            checkpointer.save(state.step, state)
+    except KeyboardInterrupt:  # a second Ctrl-C: the step under way may be half done, so it is not saved
         checkpointer.close(raise_errors=False)
         raise
 
