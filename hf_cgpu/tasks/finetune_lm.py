@@ -135,7 +135,8 @@ class FinetuneTask(PackedTokensTask):
             self.tokenizer.save_pretrained(str(output_dir))  # before merging: merged/ gets a copy
             if self.cfg.merge:
                 merge_and_save(self.base, output_dir, output_dir / "merged", dtype=getattr(torch, self.cfg.merge_dtype),
-                               trust_remote_code=self.cfg.trust_remote_code)
+                               trust_remote_code=self.cfg.trust_remote_code, quantized=self.settings.tier == "qlora",
+                               log=self.accelerator.print)
                 self.tokenizer.save_pretrained(str(output_dir / "merged"))
         else:
             model.save_pretrained(str(output_dir))
@@ -143,13 +144,15 @@ class FinetuneTask(PackedTokensTask):
 
     def _record_base(self, folder: Path) -> None:
         """adapter_config.json names the folder the base loads from (the de-quantised GGUF, say), and the card
-        reads ``base_model`` (the Hub id given, else --model) from ``base_model.json``."""
+        reads ``base_model`` (the Hub id given, else --model) from ``base_model.json``, which also records the tier (a
+        QLoRA adapter is merged into the de-quantised nf4 weights it was trained against)."""
         path = folder / "adapter_config.json"
         config = json.loads(path.read_text())
         config["base_model_name_or_path"] = self.base
         path.write_text(json.dumps(config, indent=2))
         (folder / "base_model.json").write_text(json.dumps(
-            {"base_model": self.cfg.base_model_name or self.cfg.model, "load_from": self.base, **self.base_info},
+            {"base_model": self.cfg.base_model_name or self.cfg.model, "load_from": self.base, **self.base_info,
+             "tier": self.settings.tier},
             indent=2))
 
     def save_best(self, model, folder: Path) -> None:
