@@ -10,8 +10,8 @@ around). A merge that rounds away part of the update (into bf16 weights) says so
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +23,8 @@ from .paths import gguf_cache
 from .tiers.load import load_base_model
 from .tiers.lora import peft_quiet
 
-__all__ = ["load_adapter", "merge_and_save", "merge_base", "merge_rounding", "merged_model", "resolve_base", "save_adapter"]
+__all__ = ["load_adapter", "merge_and_save", "merge_base", "merge_rounding", "merged_model", "resolve_base",
+           "save_adapter"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -196,8 +196,8 @@ def test_a_merge_that_rounds_the_update_away_says_so(neox_dir, tmp_path):
     save_adapter(model, tmp_path / "adapter")
     lines: list[str] = []
     merge_and_save(str(neox_dir), tmp_path / "adapter", tmp_path / "m16", dtype=torch.bfloat16, log=lines.append)
-    assert lines == ["note: merging into bfloat16 weights rounds away 100% of the adapter's update (its norm); "
-                     "--merge_dtype float32 keeps it"]
+    assert lines == [("note: merging into bfloat16 weights rounds away 100% of the adapter's update (its norm); "
+                      "--merge_dtype float32 keeps it")]
     lines.clear()
     merge_and_save(str(neox_dir), tmp_path / "adapter", tmp_path / "m32", dtype=torch.float32, log=lines.append)
     assert lines == []
