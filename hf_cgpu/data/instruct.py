@@ -121,8 +121,14 @@ PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
 
-def render(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation's text and the character spans the loss covers (the assistant turns)."""
+def render(tokenizer, messages: list[dict[str, str]], append_eos: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text and the character spans the loss covers (the assistant turns); ``append_eos``: the
+    EOS follows each assistant turn, inside its span (for a template that ends a turn with no special token)."""
+    if append_eos:
+        full, spans = render(tokenizer, messages)
+        eos, cuts = tokenizer.eos_token, [0] + [end for _, end in spans] + [None]
+        text = eos.join(full[a:b] for a, b in zip(cuts, cuts[1:]))
+        return text, [(a + k * len(eos), b + (k + 1) * len(eos)) for k, (a, b) in enumerate(spans)]
     if getattr(tokenizer, "chat_template", None):
         def text(msgs, gen):
             return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
@@ -143,10 +149,10 @@ def render(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[i
     return prompt + answer + eos, [(len(prompt), len(prompt) + len(answer) + len(eos))]
 
 
-def encode(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[bool], int]:
+def encode(tokenizer, messages: list[dict[str, str]], append_eos: bool = False) -> tuple[list[int], list[bool], int]:
     """Token ids, a target flag per token (its characters start inside an assistant span), and the characters of
     the answers (their content; end-of-turn markers are scored but not counted as characters)."""
-    full, spans = render(tokenizer, messages)
+    full, spans = render(tokenizer, messages, append_eos)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     flags = [any(a <= start < b for a, b in spans) and end > start for start, end in enc["offset_mapping"]]
     return enc["input_ids"], flags, sum(len(m["content"]) for m in messages if m["role"] == "assistant")
@@ -166,9 +172,11 @@ class InstructionRows:
         return self.ids.shape[0]
 
 
-def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str, where: str = "the data") -> InstructionRows:
+def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str, where: str = "the data",
+               append_eos: bool = False) -> InstructionRows:
     """The rows of ``ds`` (``fmt``) as fixed-length examples; a row that is no chat is refused naming its index in
-    ``where`` (``instruction_splits`` has refused or skipped those already, naming their files)."""
+    ``where`` (``instruction_splits`` has refused or skipped those already, naming their files). ``append_eos``: see
+    ``render`` (``data.chat.prepare_chat`` decides)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = seq_len + 1
     ids = np.full((len(ds), width), pad, dtype=np.int64)
@@ -179,7 +187,7 @@ def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str, where: s
             messages = to_messages(row, fmt)
         except RowError as err:
             raise DataError(f"row {i} of {where}: {err}; fix or remove that row") from None
-        tok, flags, n_chars = encode(tokenizer, messages)
+        tok, flags, n_chars = encode(tokenizer, messages, append_eos)
         n_targets = max(1, sum(flags))
         if len(tok) > width:  # cut: the characters scored are taken in proportion to the target tokens kept
             truncated += 1
