@@ -27,7 +27,7 @@ OUTTYPES = {"bf16": ("BF16", "MOSTLY_BF16"), "f16": ("F16", "MOSTLY_F16"), "q8_0
 """--outtype -> (gguf.GGMLQuantizationType of the matrices, gguf.LlamaFileType of the file)."""
 
 ARCHITECTURES = {"llama": "LLAMA"}
-"""config.model_type -> gguf.MODEL_ARCH: the llama family (SmolLM2, TinyLlama, Llama 2/3 and their fine-tunes)."""
+"""config.model_type -> gguf.MODEL_ARCH: the llama family (SmolLM2, Llama 3 and their fine-tunes)."""
 
 PRE_TOKENIZERS = {
     "gpt-2": [{"type": "ByteLevel", "use_regex": True}],
@@ -85,7 +85,7 @@ def check_architecture(config, folder: Path) -> None:
     kind = getattr(config, "model_type", None)
     if kind not in ARCHITECTURES:
         raise SettingsError(f"{folder} is a {kind} model; GGUF export writes the llama family only "
-                            f"({', '.join(ARCHITECTURES)}: SmolLM2, TinyLlama, Llama 2/3)")
+                            f"({', '.join(ARCHITECTURES)}: SmolLM2, Llama 3 and their fine-tunes)")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise SettingsError(f"{folder} uses {rope.get('rope_type') or rope.get('type')} rope scaling; GGUF export "
@@ -168,6 +168,9 @@ def pre_tokenizer_name(tokenizer) -> str:
                             f"is {(spec.get('model') or {}).get('type') or type(tokenizer).__name__}")
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if spec["model"].get("byte_fallback") or any(s.get("type") == "Metaspace" for s in steps):
+        raise SettingsError("GGUF export writes byte-level BPE tokenizers (SmolLM2, Llama 3, GPT-2 style); this one "
+                            "is a SentencePiece-style BPE (Llama 2, TinyLlama)")
     for name, want in PRE_TOKENIZERS.items():
         if len(steps) == len(want) and all(all(s.get(k) == v for k, v in w.items()) for s, w in zip(steps, want)):
             return name

@@ -129,13 +129,17 @@ def test_other_architectures_and_tokenizers_are_refused_in_one_line(tiny_base, l
     monkeypatch.delenv("HF_CGPU_DEBUG", raising=False)
     assert export(tiny_base, tmp_path / "x.gguf") == 2
     err = capsys.readouterr().err
-    assert "is a gpt_neox model; GGUF export writes the llama family only (llama: SmolLM2" in err
+    assert "is a gpt_neox model; GGUF export writes the llama family only (llama: SmolLM2, Llama 3" in err
     assert not (tmp_path / "x.gguf").exists()
     assert cli_main(["export", str(lora_run[0])]) == 2
     assert "error: hf-cgpu export writes GGUF only: add --gguf" in capsys.readouterr().err
     wordpiece = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1})))
     with pytest.raises(ValueError, match="writes byte-level BPE tokenizers .*; this one is WordPiece"):
         pre_tokenizer_name(wordpiece)
+    sentencepiece = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE({"a": 0, "<unk>": 1}, [],
+                                                                                   byte_fallback=True, unk_token="<unk>")))
+    with pytest.raises(ValueError, match="this one is a SentencePiece-style BPE"):
+        pre_tokenizer_name(sentencepiece)
 
 
 def test_pre_tokenizers_get_llama_cpp_names():
