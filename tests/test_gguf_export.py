@@ -136,8 +136,8 @@ def test_other_architectures_and_tokenizers_are_refused_in_one_line(tiny_base, l
     wordpiece = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1})))
     with pytest.raises(ValueError, match="writes byte-level BPE tokenizers .*; this one is WordPiece"):
         pre_tokenizer_name(wordpiece)
-    sentencepiece = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE({"a": 0, "<unk>": 1}, [],
-                                                                                   byte_fallback=True, unk_token="<unk>")))
+    bpe = models.BPE({"a": 0, "<unk>": 1}, [], byte_fallback=True, unk_token="<unk>")
+    sentencepiece = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(bpe))
     with pytest.raises(ValueError, match="this one is a SentencePiece-style BPE"):
         pre_tokenizer_name(sentencepiece)
 
