@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("hf_cgpu.generate:main", "continue text with a saved GPT (or any causal LM)"),
     "sample": ("hf_cgpu.flow.sample:main", "sample images from a saved FlowMatchPipeline"),
     "eval": ("hf_cgpu.evaluation.cli:main", "evaluate a saved model: LM loss/perplexity/bits per char, or image FD"),
+    "export": ("hf_cgpu.gguf_export:main", "write a fine-tuned run or a model as one GGUF file (llama.cpp, Ollama)"),
     "push": ("hf_cgpu.hub.push:main", "push a trained directory to the Hub with a model card"),
     "verify": ("hf_cgpu.verify:main", "check a model or checkpoint folder against its checksum manifest"),
     "flow2d": ("hf_cgpu.recipes:flow2d_main", "the 2D flow-matching toy on CPU (seconds): table + scatter plot"),

@@ -1,14 +1,16 @@
 """Fine-tuning pieces a LoRA recipe needs besides the training loop.
 
-Adapters are saved alone (a few MB) and merged into a bf16 copy of the base afterwards. Merging is
-never done into a 4-bit base: folding B @ A into nf4 weights would re-quantize them and lose most of
-the update. QLoRA adapters are merged into the bf16 original of their base; the small gap between the
-nf4 weights they were trained on and the bf16 ones is the known QLoRA merge caveat (evaluate after).
+Adapters are saved alone (a few MB) and merged into a copy of the base afterwards. Merging is never done into
+a 4-bit base: folding B @ A into nf4 weights would re-quantize them and lose most of the update. A QLoRA adapter
+is merged into the nf4 weights it was trained against, de-quantised to bf16/fp32, so the merged model computes what
+the adapter model did (merging into the bf16 original instead adds the quantisation error the adapter learned
+around). A merge that rounds away part of the update (into bf16 weights) says so in one line.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,11 @@ from .errors import SettingsError
 from .gguf import gguf_location
 from .integrity import usual_modes
 from .paths import gguf_cache
+from .tiers.load import load_base_model
 from .tiers.lora import peft_quiet
 
-__all__ = ["check_base", "load_adapter", "merge_and_save", "resolve_base", "save_adapter"]
+__all__ = ["check_base", "load_adapter", "merge_and_save", "merge_base", "merge_rounding", "merged_model",
+           "resolve_base", "save_adapter"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -86,23 +90,74 @@ def load_adapter(base: nn.Module, adapter_dir: str | Path):
         return PeftModel.from_pretrained(base, str(adapter_dir))
 
 
+def merge_base(base_name_or_path: str, dtype: torch.dtype = torch.float32, quantized: bool = False,
+               trust_remote_code: bool = False, log: Callable[[str], None] = print) -> nn.Module:
+    """The weights an adapter is merged into, in ``dtype`` (never 4-bit: folding B @ A into nf4 would re-quantise
+    the sum and lose most of the update). ``quantized`` (a QLoRA adapter, or a base stored quantised): the nf4
+    weights the adapter was trained against, de-quantised, so the merged model computes what the adapter model
+    computed rather than what the bf16 original plus the adapter would."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not dtype.is_floating_point or dtype.itemsize < 2:
+        raise SettingsError(f"merge into bfloat16, float16 or float32 weights, not {dtype}: merging into 4/8-bit "
+                            "weights re-quantises the sum and loses the update")
+    config = AutoConfig.from_pretrained(base_name_or_path, trust_remote_code=trust_remote_code)
+    stored = getattr(config, "quantization_config", None)
+    if not quantized and stored is None:
+        return AutoModelForCausalLM.from_pretrained(base_name_or_path, dtype=dtype,
+                                                    trust_remote_code=trust_remote_code)
+    device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
+    model = load_base_model(base_name_or_path, "qlora" if stored is None else "lora", device_map=device_map,
+                            trust_remote_code=trust_remote_code)
+    why = "a QLoRA adapter" if stored is None else "the base is stored quantised"
+    log(f"{why}: merging into the 4-bit weights it was trained against, de-quantised to {_dtype_name(dtype)}")
+    # before any forward: bitsandbytes' CPU path re-packs 4-bit weights on the first call, which dequantize misreads
+    return model.dequantize().to("cpu", dtype)
+
+
+def merge_rounding(peft_model: nn.Module, dtype: torch.dtype) -> float:
+    """The fraction of the adapter's update (its norm, over every adapted weight) that merging into ``dtype``
+    weights rounds away: ``||round(W + dW) - W - dW|| / ||dW||``, with W already in ``dtype``."""
+    from peft.tuners.lora import LoraLayer
+
+    lost = total = 0.0
+    for module in peft_model.modules():
+        if not isinstance(module, LoraLayer) or not module.active_adapters:
+            continue
+        weight = module.get_base_layer().weight.detach().float()
+        delta = sum(module.get_delta_weight(name).detach().float() for name in module.active_adapters)
+        merged = (weight + delta).to(dtype).float()
+        lost += float(((merged - weight) - delta).square().sum())
+        total += float(delta.square().sum())
+    return (lost / total) ** 0.5 if total else 0.0
+
+
+def merged_model(adapter_dir: str | Path, base_name_or_path: str, dtype: torch.dtype = torch.bfloat16,
+                 quantized: bool = False, trust_remote_code: bool = False,
+                 log: Callable[[str], None] = print) -> nn.Module:
+    """The base (``merge_base``) with the adapter of ``adapter_dir`` folded in, as a plain transformers model; one
+    line when ``dtype`` rounds away more than 1% of the adapter's update."""
+    base = merge_base(base_name_or_path, dtype, quantized, trust_remote_code, log)
+    model = load_adapter(base, adapter_dir)
+    lost = merge_rounding(model, dtype)
+    if lost > 0.01:
+        log(f"note: merging into {_dtype_name(dtype)} weights rounds away {lost:.0%} of the adapter's update "
+            "(its norm); --merge_dtype float32 keeps it")
+    return model.merge_and_unload()
+
+
 def merge_and_save(
     base_name_or_path: str,
     adapter_dir: str | Path,
     output_dir: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     trust_remote_code: bool = False,
+    quantized: bool = False,
+    log: Callable[[str], None] = print,
 ) -> Path:
-    """Reload the base in `dtype` (never 4-bit), apply the adapter, merge it and save safetensors.
-
-    Tokenizer files found next to the adapter are copied so the merged folder loads on its own.
-    """
-    from transformers import AutoModelForCausalLM
-
-    if not dtype.is_floating_point or dtype.itemsize < 2:
-        raise ValueError(f"merge into a bf16/fp16/fp32 base, not {dtype}: merging into 4/8-bit weights loses the update")
-    base = AutoModelForCausalLM.from_pretrained(base_name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
-    merged = load_adapter(base, adapter_dir).merge_and_unload()
+    """``merged_model`` saved as safetensors; tokenizer files found next to the adapter are copied so the merged
+    folder loads on its own."""
+    merged = merged_model(adapter_dir, base_name_or_path, dtype, quantized, trust_remote_code, log)
     output_dir = Path(output_dir)
     merged.save_pretrained(str(output_dir))
     for name in TOKENIZER_FILES:
@@ -110,6 +165,10 @@ def merge_and_save(
         if src.is_file():
             shutil.copy2(src, output_dir / name)
     return output_dir
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def resolve_base(model: str, gguf_file: str = "", cache_dir: str | Path | None = None) -> tuple[str, dict[str, Any]]:

@@ -156,7 +156,7 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch
                                    "(tokenizer.save_pretrained(dir))")
     else:
         check_hub_model(model_dir)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     cgpt.register()  # the cgpt model type in the Auto classes, whatever was imported first
 
@@ -170,6 +170,8 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch
                                                 trust_remote_code=trust_remote_code)
             model = load_adapter(
                 AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code), path)
+            if (path / "generation_config.json").is_file():  # the run's: its end-of-turn token stops generation
+                model.generation_config = GenerationConfig.from_pretrained(path)
     except (OSError, ValueError) as e:  # a Hub id that does not resolve, offline, a gated repo, a foreign config
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise UserError(f"cannot load {model_dir!r} as a causal LM ({first[:160]}); pass a trained run's output_dir "

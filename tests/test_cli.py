@@ -197,6 +197,11 @@ BAD: dict[str, list[tuple]] = {
              (["eval", "{tmp}", "--dataset", "builtin", "--batch_size", "0"], "--batch_size must be >= 1"),
              (["eval", "{tmp}", "--dataset", "builtin", "--device", "cuda"], "no CUDA GPU")],
     "push": [(["push", "{tmp}/nope", "someone/x"], "not a directory")],
+    "export": [(["export", "{tmp}/nope", "--gguf"], "is no folder"),
+               (["export", _not_a_model, "--gguf"], "holds no config.json or adapter_config.json"),
+               (["export", _gpt_folder, "--gguf"], "writes the llama family only"),
+               (["export", "{tmp}"], "add --gguf"),
+               (["export", "{tmp}", "--gguf", "--outtype", "q4_k"], "choose bf16, f16, q8_0")],
 }
 CASES = [(cmd, argv, fix) for cmd, cases in BAD.items() for argv, fix in cases]
 

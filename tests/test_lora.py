@@ -117,7 +117,7 @@ def test_merge_and_unload_matches_adapter_logits(neox_dir, tmp_path):
 
 
 def test_merge_refuses_quantized_dtype(neox_dir, tmp_path):
-    with pytest.raises(ValueError, match="bf16/fp16/fp32"):
+    with pytest.raises(ValueError, match="not torch.uint8: merging into 4/8-bit"):
         merge_and_save(str(neox_dir), tmp_path, tmp_path / "m", dtype=torch.uint8)
 
 
@@ -159,6 +159,48 @@ def test_qlora_trains_on_cpu(neox_dir, tmp_path):
 
     adapter = save_adapter(model, tmp_path / "qlora_adapter")
     assert (adapter / "adapter_model.safetensors").is_file()
+
+
+def test_qlora_merge_is_into_the_dequantised_nf4_weights_it_was_trained_on(neox_dir, tmp_path):
+    """A QLoRA adapter merged into its de-quantised nf4 base computes what the adapter model computed (to bf16
+    activation rounding); merged into the bf16 original instead, the nf4 quantisation error comes back."""
+    model = apply_lora(load_base_model(str(neox_dir), "qlora"), r=4, alpha=8)
+    randomize_lora_b(model)
+    x = ids()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = logits(model, x)
+    save_adapter(model, tmp_path / "adapter")
+    lines: list[str] = []
+    merged = merge_and_save(str(neox_dir), tmp_path / "adapter", tmp_path / "merged", dtype=torch.float32,
+                            quantized=True, log=lines.append)
+    assert lines == ["a QLoRA adapter: merging into the 4-bit weights it was trained against, de-quantised to float32"]
+    merged = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    assert not any(type(m).__name__ == "Linear4bit" for m in merged.modules())
+    naive = merge_and_save(str(neox_dir), tmp_path / "adapter", tmp_path / "naive", dtype=torch.float32)
+    naive = AutoModelForCausalLM.from_pretrained(naive, dtype=torch.float32)
+    err = (logits(merged, x) - expected).abs().max().item()
+    naive_err = (logits(naive, x) - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert err < 0.02 * scale and err < naive_err / 4, (err, naive_err, scale)
+
+
+def test_a_merge_that_rounds_the_update_away_says_so(neox_dir, tmp_path):
+    """An update far below bf16's spacing of the weights is lost entirely in a bf16 merge (rounding = 100%), kept
+    in fp32; the bf16 merge prints one line naming --merge_dtype float32."""
+    from hf_cgpu.finetune import merge_rounding
+
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(neox_dir, dtype=torch.bfloat16), r=4, alpha=8)
+    randomize_lora_b(model, std=1e-6)
+    assert merge_rounding(model, torch.bfloat16) > 0.99  # all but the updates of weights near zero
+    assert merge_rounding(model, torch.float32) < 0.01
+    save_adapter(model, tmp_path / "adapter")
+    lines: list[str] = []
+    merge_and_save(str(neox_dir), tmp_path / "adapter", tmp_path / "m16", dtype=torch.bfloat16, log=lines.append)
+    assert lines == [("note: merging into bfloat16 weights rounds away 100% of the adapter's update (its norm); "
+                      "--merge_dtype float32 keeps it")]
+    lines.clear()
+    merge_and_save(str(neox_dir), tmp_path / "adapter", tmp_path / "m32", dtype=torch.float32, log=lines.append)
+    assert lines == []
 
 
 # --- instruction formatting ------------------------------------------------------------------------

@@ -123,8 +123,14 @@ PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
 
-def render(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation's text and the character spans the loss covers (the assistant turns)."""
+def render(tokenizer, messages: list[dict[str, str]], append_eos: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text and the character spans the loss covers (the assistant turns); ``append_eos``: the
+    EOS follows each assistant turn, inside its span (for a template that ends a turn with no special token)."""
+    if append_eos:
+        full, spans = render(tokenizer, messages)
+        eos, cuts = tokenizer.eos_token, [0] + [end for _, end in spans] + [None]
+        text = eos.join(full[a:b] for a, b in zip(cuts, cuts[1:]))
+        return text, [(a + k * len(eos), b + (k + 1) * len(eos)) for k, (a, b) in enumerate(spans)]
     if getattr(tokenizer, "chat_template", None):
         def text(msgs, gen):
             return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
@@ -145,10 +151,10 @@ def render(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[i
     return prompt + answer + eos, [(len(prompt), len(prompt) + len(answer) + len(eos))]
 
 
-def encode(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[bool], int]:
+def encode(tokenizer, messages: list[dict[str, str]], append_eos: bool = False) -> tuple[list[int], list[bool], int]:
     """Token ids, a target flag per token (its characters start inside an assistant span), and the characters of
     the answers (their content; end-of-turn markers are scored but not counted as characters)."""
-    full, spans = render(tokenizer, messages)
+    full, spans = render(tokenizer, messages, append_eos)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     flags = [any(a <= start < b for a, b in spans) and end > start for start, end in enc["offset_mapping"]]
     return enc["input_ids"], flags, sum(len(m["content"]) for m in messages if m["role"] == "assistant")
@@ -186,26 +192,27 @@ class _Example:
     n_chars: int
 
 
-def _encode_all(ds: datasets.Dataset, tokenizer, fmt: str, where: str) -> list[_Example]:
+def _encode_all(ds: datasets.Dataset, tokenizer, fmt: str, where: str, append_eos: bool) -> list[_Example]:
     out = []
     for i, row in enumerate(ds):
         try:
             messages = to_messages(row, fmt)
         except RowError as err:
             raise DataError(f"row {i} of {where}: {err}; fix or remove that row") from None
-        out.append(_Example(*encode(tokenizer, messages)))
+        out.append(_Example(*encode(tokenizer, messages, append_eos)))
     return out
 
 
 def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str, where: str = "the data",
-               packing: bool = False) -> InstructionRows:
+               append_eos: bool = False, packing: bool = False) -> InstructionRows:
     """The rows of ``ds`` (``fmt``) as fixed-length rows of ``seq_len + 1`` tokens: one example each, padded, or with
     ``packing`` several whole examples each (``best_fit_decreasing``). An example longer than a row is cut (counted in
     ``n_truncated``), never continued in another row. A row that is no chat is refused naming its index in ``where``
-    (``instruction_splits`` has refused or skipped those already, naming their files)."""
+    (``instruction_splits`` has refused or skipped those already, naming their files). ``append_eos``: see ``render``
+    (``data.chat.prepare_chat`` decides)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = seq_len + 1
-    examples = _encode_all(ds, tokenizer, fmt, where)
+    examples = _encode_all(ds, tokenizer, fmt, where, append_eos)
     lengths = [len(e.tokens) for e in examples]
     bins = best_fit_decreasing(lengths, width) if packing else [[i] for i in range(len(examples))]
     ids = np.full((len(bins), width), pad, dtype=np.int64)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.chat import prepare_chat
 from ..data.corpus import BUILTIN, load_text_dataset, named_as_train
 from ..data.instruct import build_rows, instruction_splits
 from ..data.packing import pack_dataset
@@ -176,7 +177,8 @@ def evaluate_language_model(
         splits, fmt = found
         rows_split = splits[split]
         n = len(rows_split) if not max_windows else min(max_windows, len(rows_split))
-        rows = build_rows(rows_split.select(range(n)), tokenizer, seq_len, fmt)
+        _, append_eos = prepare_chat(tokenizer, model_dir, log=_stderr)  # the template and EOS a run would use
+        rows = build_rows(rows_split.select(range(n)), tokenizer, seq_len, fmt, append_eos=append_eos)
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             scores = score_rows(causal_lm_target_loss(model), rows, batch_size, dev, progress=progress)
         return {"model": model_dir, "dataset": dataset, "split": split, "seq_len": seq_len, "format": fmt,
@@ -192,6 +194,10 @@ def evaluate_language_model(
     return {"model": model_dir, "dataset": dataset, "split": split, "seq_len": seq_len,
             "documents": len(ds[split]), "characters": data.n_chars, **scores,
             "whole_split": not max_windows or scores.get("tokens") == data.n_tokens - 1}
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ..budget.shape import ModelShape, RunShape
+from ..data.chat import prepare_chat, save_generation_config
 from ..data.corpus import load_text_dataset
 from ..data.instruct import build_rows, instruction_splits
 from ..data.packing import pack_dataset
@@ -52,6 +53,7 @@ class FinetuneTask(PackedTokensTask):
         self.tokenizer = AutoTokenizer.from_pretrained(self.base, trust_remote_code=cfg.trust_remote_code)
         if self.tokenizer.eos_token_id is None:  # which file lost it, else that documents could not be separated
             raise DataError(no_eos_message(self.tokenizer, f"tokenizer of {cfg.model}"))
+        self.end_of_turn = self.tokenizer.eos_token_id  # an instruction run: what closes its template's turns
         device_map = {"": accelerator.device} if settings.tier == "qlora" and accelerator.device.type == "cuda" else None
         model = load_base_model(self.base, settings.tier, device_map=device_map, trust_remote_code=cfg.trust_remote_code,
                                 device=accelerator.device)
@@ -85,10 +87,11 @@ class FinetuneTask(PackedTokensTask):
                                    log=accelerator.print)
         if found is not None:
             splits, self.fmt = found
+            self.end_of_turn, append = prepare_chat(self.tokenizer, cfg.model, accelerator.print)
             self.train_rows = build_rows(splits["train"], self.tokenizer, cfg.seq_len, self.fmt, "the train split",
-                                         packing=cfg.packing)
+                                         append, packing=cfg.packing)
             self.val_rows = build_rows(splits["validation"], self.tokenizer, cfg.seq_len, self.fmt,
-                                       "the validation split")
+                                       "the validation split", append)
             return True
         ds = load_text_dataset(source, text_column=cfg.text_column, log=accelerator.print)
         with accelerator.main_process_first():
@@ -162,21 +165,31 @@ class FinetuneTask(PackedTokensTask):
             self.tokenizer.save_pretrained(str(output_dir))  # before merging: merged/ gets a copy
             if self.cfg.merge:
                 merge_and_save(self.base, output_dir, output_dir / "merged", dtype=getattr(torch, self.cfg.merge_dtype),
-                               trust_remote_code=self.cfg.trust_remote_code)
+                               trust_remote_code=self.cfg.trust_remote_code, quantized=self.settings.tier == "qlora",
+                               log=self.accelerator.print)
                 self.tokenizer.save_pretrained(str(output_dir / "merged"))
+                self._save_generation_config(output_dir / "merged")
         else:
             model.save_pretrained(str(output_dir))
             self.tokenizer.save_pretrained(str(output_dir))
+        self._save_generation_config(output_dir)
+
+    def _save_generation_config(self, folder: Path) -> None:
+        """The base's generation config with the end-of-turn id among its EOS ids: generation stops there."""
+        save_generation_config(folder, self.base, [self.end_of_turn, self.tokenizer.eos_token_id],
+                               self.tokenizer.pad_token_id)
 
     def _record_base(self, folder: Path) -> None:
         """adapter_config.json names the folder the base loads from (the de-quantised GGUF, say), and the card
-        reads ``base_model`` (the Hub id given, else --model) from ``base_model.json``."""
+        reads ``base_model`` (the Hub id given, else --model) from ``base_model.json``, which also records the tier (a
+        QLoRA adapter is merged into the de-quantised nf4 weights it was trained against)."""
         path = folder / "adapter_config.json"
         config = json.loads(path.read_text())
         config["base_model_name_or_path"] = self.base
         path.write_text(json.dumps(config, indent=2))
         (folder / "base_model.json").write_text(json.dumps(
-            {"base_model": self.cfg.base_model_name or self.cfg.model, "load_from": self.base, **self.base_info},
+            {"base_model": self.cfg.base_model_name or self.cfg.model, "load_from": self.base, **self.base_info,
+             "tier": self.settings.tier},
             indent=2))
 
     def save_best(self, model, folder: Path) -> None:
@@ -187,6 +200,7 @@ class FinetuneTask(PackedTokensTask):
         else:
             model.save_pretrained(str(folder))
         self.tokenizer.save_pretrained(str(folder))
+        self._save_generation_config(folder)
 
     def data_fingerprint(self) -> dict[str, Any]:
         """The tokenizer's content and the training data's content (the rows or the packed stream)."""
