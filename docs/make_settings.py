@@ -18,6 +18,7 @@ from hf_cgpu.commands.budget import BudgetSettings
 from hf_cgpu.evaluation.flow import ImageEvalSettings
 from hf_cgpu.flow.sample import SampleSettings
 from hf_cgpu.generate import GenerateSettings
+from hf_cgpu.gguf_export import ExportSettings
 from hf_cgpu.optim import OPTIMIZERS
 from hf_cgpu.recipes import RECIPES, LaunchSettings
 from hf_cgpu.settings import TrainSettings, cli_fields, field_docs, list_presets, load_preset
@@ -94,6 +95,7 @@ def commands_table(optimizer_classes: list[type]) -> str:
         f"| `hf-cgpu generate MODEL PROMPT ...` | {link(GenerateSettings)} |",
         f"| `hf-cgpu sample RUN` | {link(SampleSettings)} |",
         f"| `hf-cgpu eval RUN --classifier DIR` (images) | {link(ImageEvalSettings)} |",
+        f"| `hf-cgpu export DIR --gguf` | {link(ExportSettings)} |",
     ]
     return "\n".join(rows)
 
@@ -160,6 +162,8 @@ def render() -> str:
         settings_table(SampleSettings),
         "",
         settings_table(ImageEvalSettings),
+        "",
+        settings_table(ExportSettings),
         "",
     ]
     return "\n".join(parts)
