@@ -3,6 +3,8 @@ subcommand's bad inputs ending in one line and exit code 2, imports kept lazy, a
 
 from __future__ import annotations
 
+import json
+
 import os
 import runpy
 import subprocess
@@ -148,6 +150,14 @@ def _flow_folder(tmp):
     return str(tmp / "flow")
 
 
+def _gpt2_config(tmp) -> str:
+    """A GPT-2 config.json (1024 learned positions) in ``tmp``."""
+    path = tmp / "gpt2.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 100,
+                                "n_positions": 1024}))
+    return str(path)
+
+
 # (argv with {tmp} placeholders or a callable, the fix the message names); a new subcommand needs its cases here
 BAD: dict[str, list[tuple]] = {
     "train": [
@@ -178,7 +188,7 @@ BAD: dict[str, list[tuple]] = {
     "flow2d": [(["flow2d", "--nfe_budgets", "2;5"], "comma-separated"),
                (["flow2d", "--time_sampling", "cosine"], "uniform or logit_normal")],
     "budget": [(["budget", "--preset", "13b"], "choose one of tiny"),
-               (["budget", "--preset", "pythia-1.4b", "--seq_len", "4096"], "use --seq_len 2048"),
+               (["budget", "--config", _gpt2_config, "--seq_len", "4096"], "use --seq_len 1024"),  # a position table
                (["budget", "--config", "{tmp}/none.json"], "no config.json"),
                (["budget", "--memory_cap", "16XB"], "e.g. 16GB")],
     "bench": [(["bench"], "no CUDA device"), (["bench", "--iters", "x"], "invalid int value")],
