@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import MissingPathError, SettingsError
+from .errors import MissingPathError, SettingsError, about
 from .finetune import merged_model
 from .generate import adapter_base
 from .integrity import atomic_output
@@ -248,8 +248,9 @@ def compare_logits(model, tokenizer_dir: Path, path: Path) -> dict[str, float | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser((ExportSettings,), prog="hf-cgpu export", description="Write a fine-tuned run (its adapter "
-                          "merged into its base) or a model folder as one GGUF file for llama.cpp and Ollama.")
+    parser = build_parser((ExportSettings,), prog="hf-cgpu export", description=about(
+        "Write a fine-tuned run (its adapter merged into its base) or a llama-family model folder as one GGUF file "
+        "for llama.cpp and Ollama, with its tokenizer and chat template.", "hf-cgpu export runs/smol-lora --gguf"))
     parser.add_argument("model_dir", help="a fine-tuning run's output_dir (or best/, merged/) or a model folder")
     parser.usage = "%(prog)s MODEL_DIR --gguf [--outtype bf16|f16|q8_0] [--SETTING VALUE ...]"
     ns = vars(parser.parse_args(argv))

@@ -4,7 +4,6 @@ subcommand's bad inputs ending in one line and exit code 2, imports kept lazy, a
 from __future__ import annotations
 
 import json
-
 import os
 import runpy
 import subprocess
@@ -263,9 +262,9 @@ def test_recipe_under_accelerate_launch_quiet_is_one_line(tmp_path):
 
 
 def test_max_new_tokens_beyond_the_context_says_so():
+    from hf_cgpu.data.tokenizer import train_tokenizer
     from hf_cgpu.generate import continue_texts
     from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
-    from hf_cgpu.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer(["some text to learn a few merges from, again and again"] * 20, vocab_size=300,
                           show_progress=False)
