@@ -445,6 +445,7 @@ def test_an_unreachable_hub_id_is_one_request_not_a_minute_of_retries(monkeypatc
     from hf_cgpu.hub.checks import HubError
 
     calls = []
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # CI runs offline; this case is online
     monkeypatch.setattr(huggingface_hub, "repo_info", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
         ConnectionError("Name or service not known")))
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: pytest.fail("retried"))
