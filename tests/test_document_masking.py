@@ -77,11 +77,16 @@ def test_the_masked_loss_is_the_documents_loss_and_off_is_the_plain_call():
 
 
 def test_a_compiled_model_takes_windows_of_any_layout_without_recompiling():
-    """Dynamo's eager backend (the guards inductor gets, no codegen): three windows with their EOS in different
-    places, forward and backward, compile once and never again."""
+    """One graph, no graph break; then dynamo's eager backend (the guards inductor gets, no codegen): three windows
+    with their EOS in different places, forward and backward, compile once and never again."""
     model = _model("rotary", "sdpa").train()
-    model.compile(dynamic=False, backend="eager")
     g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 32, (2, 24), generator=g)
+    ids[:, 5] = EOS
+    explained = torch._dynamo.explain(model)(input_ids=ids, position_ids=document_position_ids(ids, EOS),
+                                             shift_labels=ids, use_cache=False, return_logits=False)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    model.compile(dynamic=False, backend="eager")
     with RecompileWatch(lambda line: None) as watch:
         for _ in range(3):
             ids = torch.randint(1, 32, (2, 25), generator=g)
