@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from hf_cgpu.train.compiled import RecompileWatch
 ATOL = 2e-5  # fp32 logits of a document alone vs inside a window: only the summation order differs
 EOS = 0
 DOCS = [[5, 9, 3, EOS], [7, 7, 8, 2, 6, EOS], [4, EOS], [11, 12, 13, 14, 15]]  # the last one runs past the window
+WINDOW = [token for doc in DOCS for token in doc]
 
 
 def test_positions_restart_after_each_eos():
@@ -45,7 +47,7 @@ def test_a_document_in_a_masked_window_has_the_logits_it_has_alone(pe, attn):
     """Each document's logits inside the window equal its logits run alone (ATOL); the same window without the
     positions (a planted cross-document leak) differs from the second document on."""
     model = _model(pe, attn)
-    ids = torch.tensor([sum(DOCS, [])])
+    ids = torch.tensor([WINDOW])
     with torch.no_grad():
         masked = model(ids, position_ids=document_position_ids(ids, EOS), use_cache=False).logits[0]
         at = 0
@@ -62,7 +64,7 @@ def test_the_masked_loss_is_the_documents_loss_and_off_is_the_plain_call():
     """The summed loss of a window with document masking is the sum of each document's loss alone (EOS predicts the
     next document's first token from its own document); off, ``cgpt_target_loss`` is the model's plain call, bit for bit."""
     model = _model("learned", "sdpa")
-    ids = torch.tensor([sum(DOCS, [])])
+    ids = torch.tensor([WINDOW])
     x, y = ids[:, :-1], ids[:, 1:]
     with torch.no_grad():
         total = cgpt_target_loss(model, x, y, EOS) * y.numel()
@@ -148,13 +150,13 @@ def test_the_run_records_the_setting_and_eval_scores_as_it_validated(written):
 
 
 def test_a_masked_run_resumes_bit_identical_and_the_setting_is_fixed(written):
+    """Resumed at step 2, the run ends with the uninterrupted run's weights bit for bit; resuming with the setting
+    off is refused naming it."""
     from safetensors.torch import load_file
 
     root, gpt, _ = written
     cut = root / "cut"
     (cut / "checkpoints").mkdir(parents=True)
-    import shutil
-
     shutil.copytree(root / "full" / "checkpoints" / "step_0000002", cut / "checkpoints" / "step_0000002")
     fit(CausalLMTask(gpt), TrainSettings(**TRAIN, output_dir=str(cut), resume_from_checkpoint="latest"))
     a, b = load_file(root / "full" / "model.safetensors"), load_file(cut / "model.safetensors")
