@@ -9,11 +9,15 @@ per step and one pass over the same examples for every row. Rows, each in a fres
   trl_packed   SFTTrainer with packing=True (best-fit decreasing, padding-free position_ids)
   ours_padded  hf-cgpu train lora --packing false (one example per row, padded to --seq_len)
   ours_packed  hf-cgpu train lora --packing true
+  ours_packed_recompute  the same with --recompute true --compile_mode default (the low-memory rung: the memory
+               target against trl_padded is at most half its peak)
   long16k      hf-cgpu train lora at 16,384 tokens per sequence under set_per_process_memory_fraction(16 GiB),
                with the ledger's prediction beside the measured peak
 
-Reported per row: response tokens trained per second (the responses' tokens of the pass / training seconds), peak
-memory reserved and allocated, held-out response loss after the pass. Results go to OUT/sft_vs_trl.jsonl and
+Reported per row: response tokens trained per second (the responses' tokens of the pass / training seconds), the same
+after the first optimizer step (compile, warm-up), peak memory reserved and allocated, held-out response loss after the
+pass. Every training row's steps are timed by one clock (``StepClock``: the loop's start, then each optimizer step's
+end after a CUDA sync), so ours and TRL's "after 1st step" figures are measured the same way. Results go to OUT/sft_vs_trl.jsonl and
 OUT/sft_vs_trl.md as each row ends, every row's log to OUT/rows.log. --smoke runs a tiny shape on the CPU (the
 TRL rows need `pip install trl`; hf_cgpu itself never imports it).
 """
@@ -35,7 +39,7 @@ PYTHIA = dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], hidde
               num_attention_heads=16, intermediate_size=8192, vocab_size=50304, tie_word_embeddings=False,
               max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True)
 TINY = dict(PYTHIA, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
-ROWS = ("ours_packed", "trl_padded", "trl_packed", "long16k", "ours_padded")  # most telling first
+ROWS = ("ours_packed", "trl_padded", "trl_packed", "long16k", "ours_padded", "ours_packed_recompute")  # most telling first
 GiB = 2**30
 
 
@@ -44,7 +48,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--zh", default=".data/zh-poetry", help="zh-poetry folder (train.parquet, validation.parquet)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/sft_vs_trl"))
     p.add_argument("--work", default="/tmp/sft_vs_trl_work")
-    p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--rows", default=",".join(ROWS), help="rows to run, in this order")
+    p.add_argument("--first", default="", help="rows moved to the front of --rows, in this order (the rest keep theirs)")
     p.add_argument("--examples", type=int, default=3000, help="training examples (one pass)")
     p.add_argument("--eval_examples", type=int, default=256)
     p.add_argument("--seq_len", type=int, default=1024)
@@ -58,10 +63,20 @@ def parse() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU, few examples")
     p.add_argument("--row", help=argparse.SUPPRESS)  # a child process: run this row, print one JSON line
     a = p.parse_args()
+    a.order = row_order(a.rows, a.first)
     if a.smoke:
         a.examples, a.eval_examples, a.seq_len, a.batch, a.long_seq, a.long_steps = 48, 8, 512, 4, 1024, 1
         a.compile = "false"
     return a
+
+
+def row_order(rows: str, first: str) -> list[str]:
+    """``rows`` with the rows named in ``first`` moved to the front; an unknown name stops the call at once."""
+    names, front = [r for r in rows.split(",") if r], [r for r in first.split(",") if r]
+    unknown = sorted(set(names + front) - set(ROWS))
+    if unknown:
+        raise SystemExit(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(ROWS)}")
+    return front + [r for r in names if r not in front]
 
 
 # ---------------------------------------------------------------------------------------------- data and the model
@@ -131,8 +146,9 @@ def prepare(a) -> dict:
 # ------------------------------------------------------------------------------------------------------ the rows
 
 
-def ours(a, info: dict, packing: bool) -> dict:
-    """hf-cgpu train lora over one pass of the examples: as many steps as the (packed) rows fill at ``a.batch``."""
+def ours(a, info: dict, packing: bool, recompute: bool = False) -> dict:
+    """hf-cgpu train lora over one pass of the examples: as many steps as the (packed) rows fill at ``a.batch``;
+    ``recompute``: --recompute true --compile_mode default (the preset's own otherwise)."""
     import datasets
     from transformers import AutoTokenizer
 
@@ -143,34 +159,75 @@ def ours(a, info: dict, packing: bool) -> dict:
     ds = datasets.load_dataset("json", data_files=str(Path(info["data"]) / "train.jsonl"), split="train")
     n_rows = len(build_rows(ds, tok, a.seq_len, "instruction", packing=packing))
     micro = min(4, a.batch)
-    out = Path(a.work) / f"ours_{'packed' if packing else 'padded'}"
+    out = Path(a.work) / f"ours_{'packed' if packing else 'padded'}{'_recompute' if recompute else ''}"
     argv = ["train", "lora", "--preset", "lora", "--model", info["model"], "--dataset", info["data"],
             "--seq_len", str(a.seq_len), "--packing", str(packing).lower(), "--micro_batch_size", str(micro),
             "--gradient_accumulation_steps", str(a.batch // micro), "--max_steps", str(math.ceil(n_rows / a.batch)),
             "--learning_rate", str(a.lr), "--warmup_steps", "0", "--eval_steps", "0", "--checkpointing_steps", "0",
             "--progress", "false", "--compile", a.compile, "--lora_r", "16", "--output_dir", str(out),
             "--overwrite_output_dir", "true"]
+    if recompute:
+        argv += ["--recompute", "true", "--compile_mode", "default"]
+    clock = StepClock().watch_our_loop()
     code = cli_main(argv)
     r = json.loads((out / "all_results.json").read_text())
     return {"exit": code, "rows": n_rows, "steps": r.get("steps"), "train_seconds": r.get("train_seconds"),
-            "first_step_seconds": r.get("seconds_to_first_step"), "eval_loss": r.get("val_loss"),
+            **clock.figures(), "eval_loss": r.get("val_loss"),
             "peak_reserved_gib": r.get("peak_reserved_gib"),
             "peak_alloc_gib": r.get("peak_alloc_gib")}
 
 
-class FirstStep:
-    """A TrainerCallback (duck-typed: Trainer calls the hooks it finds) timing the first optimizer step."""
+class StepClock:
+    """One clock for every row: the training loop's start, then each optimizer step's end (after a CUDA sync, so the
+    step's kernels are done). A TrainerCallback for TRL (duck-typed: Trainer calls the hooks it finds:
+    ``on_train_begin`` once set up, ``on_step_end`` after each optimizer step); for ours, ``watch_our_loop`` wraps the
+    loop's own hooks (``Metrics.progress`` opens the loop, ``Metrics.record`` follows each optimizer step)."""
 
-    t0, seconds = 0.0, None
+    def __init__(self):
+        self.start, self.ends = None, []
 
     def __getattr__(self, name):
         if name.startswith("on_"):
             return lambda *args, **kwargs: None
         raise AttributeError(name)
 
+    @staticmethod
+    def _now() -> float:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_begin(self, *args, **kwargs):
+        self.start = self._now()
+
     def on_step_end(self, *args, **kwargs):
-        if self.seconds is None:
-            self.seconds = time.perf_counter() - self.t0
+        self.ends.append(self._now())
+
+    def watch_our_loop(self) -> StepClock:
+        from hf_cgpu.train.metrics import Metrics
+
+        progress, record = Metrics.progress, Metrics.record
+
+        def timed_progress(metrics, *args, **kwargs):
+            self.on_train_begin()
+            return progress(metrics, *args, **kwargs)
+
+        def timed_record(metrics, *args, **kwargs):
+            self.on_step_end()
+            return record(metrics, *args, **kwargs)
+
+        Metrics.progress, Metrics.record = timed_progress, timed_record
+        return self
+
+    def figures(self) -> dict:
+        """``first_step_seconds``: loop start to the first step's end; ``after_first_seconds``: first step's end to
+        the last's."""
+        if self.start is None or not self.ends:
+            return {}
+        return {"first_step_seconds": self.ends[0] - self.start, "after_first_seconds": self.ends[-1] - self.ends[0],
+                "timed_steps": len(self.ends)}
 
 
 def trl(a, info: dict, packing: bool) -> dict:
@@ -199,17 +256,17 @@ def trl(a, info: dict, packing: bool) -> dict:
                          processing_class=tok,
                          peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
                                                 task_type="CAUSAL_LM"))
-    first = FirstStep()
-    trainer.add_callback(first)
+    clock = StepClock()
+    trainer.add_callback(clock)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    first.t0 = t0 = time.perf_counter()
+    t0 = time.perf_counter()
     result = trainer.train()
     seconds = time.perf_counter() - t0
     peak = ({"peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
              "peak_alloc_gib": torch.cuda.max_memory_allocated() / GiB} if cuda else {})
     ev = trainer.evaluate()
-    return {"steps": result.global_step, "train_seconds": seconds, "first_step_seconds": first.seconds,
+    return {"steps": result.global_step, "train_seconds": seconds, **clock.figures(),
             "eval_loss": ev.get("eval_loss"),
             "gradient_checkpointing": cfg.gradient_checkpointing, "padding_free": trainer.padding_free,
             "attention": model.config._attn_implementation, **peak}
@@ -268,13 +325,15 @@ def run_row(a, name: str) -> dict:
     info = prepare(a)
     if name == "long16k":
         return long16k(a, info)
-    r = (ours if name.startswith("ours") else trl)(a, info, name.endswith("packed"))
+    if name.startswith("ours"):
+        r = ours(a, info, "packed" in name, recompute=name.endswith("recompute"))
+    else:
+        r = trl(a, info, name.endswith("packed"))
     if r.get("train_seconds"):
         r["response_tok_s"] = info["response_tokens"] / r["train_seconds"]
-        steps, first = r.get("steps") or 0, r.get("first_step_seconds")
-        if first and steps > 1:  # without the first step (compilation, CUDA warm-up), pro rata of the examples
-            trained = info["response_tokens"] * (steps - 1) / steps
-            r["response_tok_s_after_first"] = trained / (r["train_seconds"] - first)
+    steps, after = r.get("timed_steps") or 0, r.get("after_first_seconds")
+    if after and steps > 1:  # without the first step (compilation, CUDA warm-up), pro rata of the examples
+        r["response_tok_s_after_first"] = info["response_tokens"] * (steps - 1) / steps / after
     return r
 
 
@@ -301,6 +360,9 @@ def table(results: dict[str, dict]) -> str:
     packed = results.get("trl_packed", {}).get("response_tok_s")
     if packed and ours_rate:
         lines.append(f"ours_packed / trl_packed: {ours_rate / packed:.2f}x tokens/s")
+    low, padded_peak = (results.get(k, {}).get("peak_reserved_gib") for k in ("ours_packed_recompute", "trl_padded"))
+    if low and padded_peak:
+        lines.append(f"ours_packed_recompute / trl_padded: {low / padded_peak:.2f}x peak reserved (target <= 0.5)")
     long = results.get("long16k")
     if long and long.get("peak_reserved_gib"):
         lines.append(f"long16k: peak reserved {long['peak_reserved_gib']:.2f} GiB (ledger "
@@ -321,7 +383,7 @@ def main() -> None:
     (out / "data.json").write_text(json.dumps(info, indent=2))
     print(f"prepared in {time.monotonic() - start:.0f} s: {info}", flush=True)
     results: dict[str, dict] = {}
-    for name in a.rows.split(","):
+    for name in a.order:
         left = a.deadline - (time.monotonic() - start)
         if left < 30:
             results[name] = {"skipped": "deadline"}

@@ -376,8 +376,8 @@ class TrainSetup(TrainSettings):
     """With ``processes`` > 1: FSDP2 (weights, gradients and optimizer state sharded over the processes) instead of
     DDP (a whole replica per GPU, plus DDP's gradient buckets)."""
     packed: bool = False
-    """Rows hold several examples (fine-tuning's ``--packing``): positions restart per example, and transformers
-    builds a ``T x T`` mask per row from them for sdpa/eager attention."""
+    """Rows hold several examples (fine-tuning's ``--packing``, pretraining's ``--document_masking``): positions
+    restart per example, and transformers builds a ``T x T`` mask per row from them for sdpa/eager attention."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -468,7 +468,8 @@ class RunShape:
     """pretrain: trained from random weights (our GPT's task), where the adapter tiers are refused as training
     refuses them; finetune: from a trained model."""
     packed: bool = False
-    """Several examples per row, positions restarting at each (fine-tuning's ``--packing`` on instruction data)."""
+    """Several examples per row, positions restarting at each (fine-tuning's ``--packing`` on instruction data, a
+    GPT's ``--document_masking``)."""
 
     @property
     def pretrain(self) -> bool:

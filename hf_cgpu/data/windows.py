@@ -1,5 +1,5 @@
-"""Which tokens of a packed stream each step trains on (``WindowOrder``) and which windows evaluation scores
-(``eval_windows``)."""
+"""Which tokens of a packed stream each step trains on (``WindowOrder``), which windows evaluation scores
+(``eval_windows``), and the positions that keep a window's attention within each document (``document_position_ids``)."""
 
 from __future__ import annotations
 
@@ -77,4 +77,15 @@ def eval_windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
     return out
 
 
-__all__ = ["WindowOrder", "eval_windows"]
+def document_position_ids(ids: torch.Tensor, eos: int) -> torch.Tensor:
+    """Positions of the windows ``ids`` (B, T) counted from each document's start: they restart after every ``eos``
+    (an EOS ends its document and keeps its position), so the mask transformers builds from restarting positions keeps
+    attention within each document. Fixed shapes and no host sync: a compiled model sees one input signature."""
+    t = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    after_eos = torch.zeros_like(ids, dtype=torch.bool)
+    after_eos[:, 1:] = ids[:, :-1] == eos
+    starts = torch.where(after_eos, t, torch.zeros_like(t)).cummax(dim=-1).values
+    return t - starts
+
+
+__all__ = ["WindowOrder", "document_position_ids", "eval_windows"]

@@ -23,7 +23,7 @@ from ..data.chat import prepare_chat
 from ..data.corpus import BUILTIN, load_text_dataset, named_as_train
 from ..data.instruct import build_rows, instruction_splits
 from ..data.packing import pack_dataset
-from ..data.windows import eval_windows
+from ..data.windows import document_position_ids, eval_windows
 from ..errors import ArgumentParser, about, run_main
 from ..generate import load_causal_lm
 from ..models.causal_lm_loss import causal_lm_loss_from_hidden, unwrap_model
@@ -120,12 +120,23 @@ def _figures(total: float, count: int, chars: float | None, prefix: str) -> dict
 def causal_lm_target_loss(model) -> LossFn:
     """Mean cross-entropy against shifted targets for any transformers causal LM (peft-wrapped too).
 
-    Our GPT takes the targets directly (its chunked fp32 loss); other models go through their backbone and the
+    Our GPT takes the targets directly (its chunked fp32 loss), with attention kept within each document when its
+    config records ``document_masking`` (the run trained and validated so); other models go through their backbone and the
     chunked loss of ``hf_cgpu.models.causal_lm_loss``, so the (batch, seq, vocab) fp32 logits never exist at once.
     """
-    if getattr(unwrap_model(model).config, "model_type", None) == "cgpt":
-        return lambda x, y: model(input_ids=x, shift_labels=y, use_cache=False, return_logits=False).loss
+    config = unwrap_model(model).config
+    if getattr(config, "model_type", None) == "cgpt":
+        eos = config.eos_token_id if getattr(config, "document_masking", False) else None  # as the run validated
+        return lambda x, y: cgpt_target_loss(model, x, y, eos)
     return lambda x, y: causal_lm_loss_from_hidden(model, x, y, shift=False)
+
+
+def cgpt_target_loss(model, inputs: torch.Tensor, targets: torch.Tensor, document_eos: int | None = None) -> torch.Tensor:
+    """Our GPT's mean loss against shifted ``targets`` (its chunked fp32 loss; in eval mode no logits are built);
+    ``document_eos``: attention kept within the documents that this EOS id ends (``document_position_ids``)."""
+    positions = None if document_eos is None else document_position_ids(inputs, document_eos)
+    return model(input_ids=inputs, position_ids=positions, shift_labels=targets, use_cache=False,
+                 return_logits=False).loss
 
 
 def _context_length(config) -> int | None:

@@ -14,6 +14,7 @@ from ..data.packing import pack_dataset, source_fingerprint
 from ..data.tokenizer import (cached_tokenizer, check_vocab, load_tokenizer, save_tokenizer, tokenizer_hash,
                               tokenizer_made_from, tokenizer_problem, train_tokenizer)
 from ..errors import CheckpointError, DataError, SettingsError
+from ..evaluation.text import cgpt_target_loss
 from ..generate import continue_texts
 from ..hub.checks import check_dataset
 from ..models.cgpt.configuration_cgpt import CgptConfig
@@ -26,9 +27,10 @@ from .settings import GPTSettings
 
 
 def cgpt_run_shape(config: CgptConfig, name: str = "") -> RunShape:
-    """Our GPT's run shape: the sequence is its position table, the loss chunk its config's, the loss in forward."""
+    """Our GPT's run shape: the sequence is its position table, the loss chunk its config's, the loss in forward, a
+    mask per row when it keeps attention within documents."""
     return RunShape(ModelShape.from_config(config, name or "cgpt"), config.n_positions, config.loss_chunk_size,
-                    train_mode="pretrain")
+                    train_mode="pretrain", packed=bool(getattr(config, "document_masking", False)))
 
 
 MANY_EPOCHS = 4
@@ -102,7 +104,8 @@ class CausalLMTask(PackedTokensTask):
         accelerator.print(
             f"GPT {cfg.n_layer}x{cfg.n_embd} ({cfg.n_head} heads), {num_params / 1e6:.2f}M parameters, "
             f"vocab {vocab}, seq {cfg.seq_len}, dropout {cfg.dropout}; train {self.train_data.n_tokens:,} tokens, "
-            f"validation {self.val_data.n_tokens:,} tokens ({cfg.data_order} windows)"
+            f"validation {self.val_data.n_tokens:,} tokens ({cfg.data_order} windows"
+            f"{', attention within each document' if cfg.document_masking else ''})"
         )
         if self.val_data.n_tokens < cfg.seq_len + 1:
             raise SettingsError(f"validation split has fewer than seq_len+1={cfg.seq_len + 1} tokens; lower --seq_len")
@@ -145,8 +148,9 @@ class CausalLMTask(PackedTokensTask):
         return tok
 
     def target_loss(self, model, inputs, targets) -> torch.Tensor:
-        # return_logits=False: validation (eval mode) needs only the loss, so the chunked loss builds no logits there either
-        return model(input_ids=inputs, shift_labels=targets, use_cache=False, return_logits=False).loss
+        """Training and validation alike; with ``document_masking`` the positions restart after each EOS."""
+        eos = self.tokenizer.eos_token_id if self.cfg.document_masking else None
+        return cgpt_target_loss(model, inputs, targets, eos)
 
     def save_pretrained(self, model, output_dir: Path) -> None:
         model.save_pretrained(str(output_dir))

@@ -31,6 +31,11 @@ class GPTSettings(CgptOptions):
     data_order: str = field(default="shifted", metadata=FIXED)
     """How training windows are cut from the token stream: shifted (a new random offset and order every epoch),
     random (nanoGPT: uniform random starts) or fixed (the same blocks every epoch; memorises a small corpus)."""
+    document_masking: bool = field(default=False, metadata=FIXED)
+    """Attention within each document: the positions of every training and validation window restart after each EOS,
+    so a token attends only to its own document and its position counts from the document's start (a T x T mask per
+    row). EOS ends its document; its target, the next document's first token, stays scored, so loss and bits/char
+    compare with a run without it. Recorded in config.json, so hf-cgpu eval scores the same way."""
     dataset: str = "builtin"
     """Text source: 'builtin' (Python's pydoc topics), a directory/files of parquet/json/txt, or a Hub id."""
     text_column: str = "text"
@@ -61,8 +66,9 @@ class GPTSettings(CgptOptions):
     def model_config_kwargs(self, vocab_size: int, eos_token_id: int) -> dict[str, Any]:
         """The ``CgptConfig`` arguments of this run: its architecture options, the tokenizer's vocabulary and end of
         text, the sequence as the position table. Training builds the config from them, the ledger reads them."""
+        documents = {"document_masking": True} if self.document_masking else {}  # off: config.json as before
         return dict(self.options(), vocab_size=vocab_size, n_positions=self.seq_len, bos_token_id=eos_token_id,
-                    eos_token_id=eos_token_id)
+                    eos_token_id=eos_token_id, **documents)
 
     def model_config(self, vocab_size: int, eos_token_id: int) -> cgpt.CgptConfig:
         """The ``CgptConfig`` of this run (imports transformers)."""
@@ -73,7 +79,8 @@ class GPTSettings(CgptOptions):
         transformers import, so ``hf-cgpu budget`` stays quick; ``vocab_size``: the tokenizer's)."""
         kwargs = self.model_config_kwargs(vocab_size or self.vocab_size, eos_token_id=0)
         shape = ModelShape.from_config({"model_type": "cgpt", **kwargs}, name or "cgpt")
-        return RunShape(shape, self.seq_len, self.loss_chunk_size, train_mode=self.train_mode)
+        return RunShape(shape, self.seq_len, self.loss_chunk_size, train_mode=self.train_mode,
+                        packed=self.document_masking)
 
 
 @dataclass(frozen=True)
