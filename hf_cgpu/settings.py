@@ -55,6 +55,20 @@ def fixed_settings(*settings: Any) -> dict[str, Any]:
     return out
 
 
+def fixed_defaults(*settings: Any) -> dict[str, Any]:
+    """What ``fixed_settings`` would give for settings left at their defaults: the value a checkpoint written before a
+    setting existed was trained with (a new setting's default keeps the behaviour before it)."""
+    out: dict[str, Any] = {}
+    for s in settings:
+        for f in dataclasses.fields(s):
+            value = getattr(s, f.name)
+            if "options_of" in f.metadata and value is not None:
+                out.update(dataclasses.asdict(type(value)()))
+            elif f.metadata.get("resume") == "fixed" and f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
     """What the one training loop needs, whatever the model. Frozen: a change (autofit) is a new object."""

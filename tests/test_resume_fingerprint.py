@@ -95,3 +95,27 @@ def test_what_applies_from_the_next_step_may_change(written, capsys):
     root, gpt = written
     results = resume(root, gpt, learning_rate=1e-3, log_steps=1, max_grad_norm=0.5)
     assert results["steps"] == 3 and "resumed from" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("setting", ["document_masking", "weight_decay"])
+def test_a_checkpoint_older_than_a_setting_resumes_at_its_default_only(written, setting, tmp_path):
+    """A checkpoint written before a setting existed (the setting missing from its fingerprint) was trained as the
+    setting's default does: a resume at the default goes on, another value is refused naming the setting."""
+    import json
+    import shutil
+
+    root, gpt = written
+    copy = tmp_path / "old"
+    shutil.copytree(root / "adamw", copy)
+    for state_file in copy.glob("checkpoints/*/trainer_state.json"):
+        state = json.loads(state_file.read_text())
+        del state["fingerprint"][setting]
+        state_file.write_text(json.dumps(state))
+    for manifest in copy.glob("checkpoints/*/manifest.json"):  # the edit is ours: reseal the checkpoints
+        from hf_cgpu.integrity import build_manifest, read_manifest, write_manifest
+        old = read_manifest(manifest.parent)
+        write_manifest(manifest.parent, build_manifest(manifest.parent, old.kind, **old.meta))
+    other = {"document_masking": True, "weight_decay": 0.5}[setting]
+    with pytest.raises(CheckpointError, match=f"'{setting}': \\(.*, {other}\\)"):
+        resume(tmp_path, gpt, run="old", **{setting: other})
+    assert resume(tmp_path, gpt, run="old")["steps"] == 3

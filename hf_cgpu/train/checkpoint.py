@@ -46,7 +46,7 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError, IntegrityError, UserError
 from ..integrity import MANIFEST, as_disk_error, build_manifest, fsync_dir, fsync_file, verify_folder, write_manifest
-from .fingerprint import difference
+from .fingerprint import difference, with_new_settings
 from .parallel import gather_list, is_sharded, local
 from .schedule import lr_at
 
@@ -463,8 +463,9 @@ class Checkpointer:
             self.log(f"set aside {dest.name} ({why}); delete it when no longer needed")
         return found, moved
 
-    def resume(self, which: str, fresh: TrainState, settings=None) -> TrainState:
-        """The state to start from: ``fresh``, or the checkpoint ``which`` names ('latest' or a path)."""
+    def resume(self, which: str, fresh: TrainState, settings: tuple = ()) -> TrainState:
+        """The state to start from: ``fresh``, or the checkpoint ``which`` names ('latest' or a path); ``settings``:
+        the run's settings objects, whose defaults stand in for settings newer than the checkpoint."""
         self.last_saved = fresh.step
         if not which:
             return fresh
@@ -473,7 +474,8 @@ class Checkpointer:
             self.log(f"no checkpoint in {checkpoint_root(self.output_dir)}; starting from step 0")
             return fresh
         saved = read_trainer_state(found)
-        theirs, ours = saved.get("fingerprint", {}), fresh.fingerprint
+        ours = fresh.fingerprint
+        theirs = with_new_settings(saved.get("fingerprint", {}), ours, *settings)
         if theirs != ours:
             raise CheckpointError(f"{found} was written for a different model/data ({difference(theirs, ours)} as "
                                   "checkpoint vs now); resume with the settings it was made with, or use a fresh "

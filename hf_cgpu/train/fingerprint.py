@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..settings import fixed_settings
+from ..settings import fixed_defaults, fixed_settings
 
 CONFIG_NOISE = frozenset({"transformers_version", "architectures", "auto_map", "_name_or_path", "dtype", "torch_dtype",
                           "use_cache", "quantization_config", "_commit_hash", "_diffusers_version", "_class_name",
@@ -46,6 +46,14 @@ def run_fingerprint(model_config: Mapping[str, Any] | None, data: Mapping[str, A
     return json.loads(json.dumps(out, sort_keys=True, default=str))  # as trainer_state.json gives it back
 
 
+def with_new_settings(theirs: Mapping[str, Any], ours: Mapping[str, Any], *settings: Any) -> dict[str, Any]:
+    """``theirs`` (a checkpoint's fingerprint) with the settings added since it was written, at their defaults: a
+    checkpoint that predates a setting was trained as its default does, so a resume at the default is accepted and one
+    at another value is refused like any change."""
+    defaults = json.loads(json.dumps(fixed_defaults(*settings), sort_keys=True, default=str))
+    return {**{k: v for k, v in defaults.items() if k in ours and k not in theirs}, **theirs}
+
+
 def difference(theirs: Mapping[str, Any], ours: Mapping[str, Any], shown: int = 3) -> str:
     """The first ``shown`` differing entries as ``{key: (checkpoint's, this run's)}``, the count of the rest, and the
     flag to set for the first one that is a setting or a model option."""
@@ -59,4 +67,4 @@ def difference(theirs: Mapping[str, Any], ours: Mapping[str, Any], shown: int = 
     return text
 
 
-__all__ = ["CONFIG_NOISE", "difference", "run_fingerprint", "saved_config"]
+__all__ = ["CONFIG_NOISE", "difference", "run_fingerprint", "saved_config", "with_new_settings"]

@@ -135,7 +135,7 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     settings_of_run = [x for x in (task.cfg, s) if x is not None]
     fingerprint = run_fingerprint(run.model_config, task.data_fingerprint(), *settings_of_run)
     fresh = TrainState.start(s, fingerprint, acc.num_processes)
-    state = checkpointer.resume(s.resume_from_checkpoint, fresh)
+    state = checkpointer.resume(s.resume_from_checkpoint, fresh, settings_of_run)
     if threads := state.use_cpu_threads(acc.device):
         metrics.write(threads)
     order = task.sample_order(s.seed)
