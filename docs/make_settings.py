@@ -21,7 +21,7 @@ from hf_cgpu.generate import GenerateSettings
 from hf_cgpu.gguf_export import ExportSettings
 from hf_cgpu.optim import OPTIMIZERS
 from hf_cgpu.recipes import RECIPES, LaunchSettings
-from hf_cgpu.settings import TrainSettings, cli_fields, field_docs, list_presets, load_preset
+from hf_cgpu.settings import TrainSettings, choices_text, cli_fields, field_docs, list_presets, load_preset
 
 REGENERATE = "python docs/make_settings.py > docs/settings.md"
 
@@ -57,13 +57,7 @@ def kind(tp: Any) -> str:
 
 def choices(field: dataclasses.Field) -> str:
     """`` Choices: ...`` where the field's registry lists them, as ``--help`` adds it."""
-    listed = field.metadata.get("choices")
-    if not listed:
-        return ""
-    found = listed()
-    if isinstance(found, dict):
-        return " Choices: " + "; ".join(f"{k}: {v}" for k, v in found.items()) + "."
-    return f" Choices: {', '.join(found)}."
+    return choices_text(field.metadata.get("choices"))
 
 
 def settings_table(cls: type, note: str = "") -> str:

@@ -466,13 +466,13 @@ def build_parser(
                      else {"metavar": {int: "INT", float: "FLOAT"}.get(kind, "TEXT")})
             value = preset.get(f.name, f.default)
             origin = f"; preset {preset_name}" if f.name in preset and preset_name else ""
-            listed = _choices_text(f.metadata.get("choices"))
+            listed = choices_text(f.metadata.get("choices"))
             help_ = f"{docs.get(f.name, '')}{listed} (default: {_shown(value)}{origin})".strip().replace("%", "%%")
             group.add_argument(f"--{f.name}", type=kind, default=None, help=help_, **extra)
     return parser
 
 
-def _choices_text(choices: Any) -> str:
+def choices_text(choices: Any) -> str:
     """`` Choices: ...`` for a field whose registry lists them (``metadata["choices"]``: a function returning names, or
     names with a one-line summary each); empty for others."""
     if not choices:

@@ -20,6 +20,7 @@ from hf_cgpu.data.instruct import (IGNORE, build_rows, detect_format, encode, fo
 from hf_cgpu.data.tokenizer import train_tokenizer
 from hf_cgpu.errors import DataError
 from hf_cgpu.gguf import smollm2_gguf
+from test_data_errors import error_line
 
 CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -241,15 +242,6 @@ def test_the_smollm2_gguf_is_found_without_importing_its_package(tmp_path, monke
 def write_jsonl(path, rows) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def error_line(argv: list[str], capsys, monkeypatch) -> str:
-    """The one ``error:`` line (exit code 2) of ``hf-cgpu ARGV``; progress bars before it are ignored."""
-    monkeypatch.delenv("HF_CGPU_DEBUG", raising=False)
-    assert cli_main(argv) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 # ---- rows whose fields are not text ------------------------------------------------------------------------------
