@@ -29,8 +29,9 @@ def _gen() -> torch.Generator:
     return torch.Generator().manual_seed(42)
 
 
-def _manual(pipe, labels, steps, scale=None) -> torch.Tensor:
-    """The sampling loop written out: Euler from the same noise, optional guidance with two separate calls."""
+def _manual(pipe, labels, steps, scale=None, interval=(0.0, 1.0)) -> torch.Tensor:
+    """The sampling loop written out: Euler from the same noise, optional guidance with two separate calls, only where
+    lo <= t <= hi."""
     unet = pipe.unet
     x = torch.randn((len(labels), 3, 8, 8), generator=_gen())
     sched = FlowMatchEulerScheduler()
@@ -39,7 +40,7 @@ def _manual(pipe, labels, steps, scale=None) -> torch.Tensor:
     with torch.no_grad():
         for t in sched.timesteps:
             v = unet(x, t.expand(len(labels)), y).sample
-            if scale is not None:
+            if scale is not None and interval[0] <= float(t) <= interval[1]:
                 v_u = unet(x, t.expand(len(labels)), torch.full_like(y, unet.config.num_classes)).sample
                 v = guided_velocity(v_u, v, scale)
             x = sched.step(v, t, x).prev_sample
@@ -170,22 +171,6 @@ def test_loads_with_trust_remote_code_without_hf_cgpu(tmp_path):
     assert np.allclose(np.load(tmp_path / "out.npy"), expected, atol=1e-5)
 
 
-def _manual_interval(pipe, labels, steps, scale, interval) -> torch.Tensor:
-    """Euler written out, guided only where lo <= t <= hi."""
-    unet, y = pipe.unet, torch.tensor(labels)
-    x = torch.randn((len(labels), 3, 8, 8), generator=_gen())
-    sched = FlowMatchEulerScheduler()
-    sched.set_timesteps(steps)
-    with torch.no_grad():
-        for t in sched.timesteps:
-            v = unet(x, t.expand(len(labels)), y).sample
-            if interval[0] <= float(t) <= interval[1]:
-                v_u = unet(x, t.expand(len(labels)), torch.full_like(y, unet.config.num_classes)).sample
-                v = guided_velocity(v_u, v, scale)
-            x = sched.step(v, t, x).prev_sample
-    return (x / 2 + 0.5).clamp(0, 1)
-
-
 def test_guidance_interval_guides_only_inside_and_counts_one_call_outside():
     pipe = _pipe()
     rows = []
@@ -194,7 +179,7 @@ def test_guidance_interval_guides_only_inside_and_counts_one_call_outside():
                output_type="pt").images
     assert rows == [2, 2, 4, 4, 2]  # t = 0, 0.2 unguided; 0.4, 0.6 guided (two rows each); 0.8 unguided
     assert sum(rows) // 2 == evaluations_per_image("euler", 5, 3.0, (0.3, 0.7)) == 7
-    assert torch.allclose(out, _manual_interval(pipe, [0, 2], 5, 3.0, (0.3, 0.7)), atol=1e-5)
+    assert torch.allclose(out, _manual(pipe, [0, 2], 5, 3.0, (0.3, 0.7)), atol=1e-5)
     full = pipe(2, 5, _gen(), class_labels=[0, 2], guidance_scale=3.0, guidance_interval=None, output_type="pt").images
     assert not torch.allclose(out, full, atol=1e-3)  # the interval changed the samples
     assert torch.allclose(full, _manual(pipe, [0, 2], 5, 3.0), atol=1e-5)
@@ -209,7 +194,7 @@ def test_saved_sampling_defaults_round_trip(tmp_path):
     loaded.set_progress_bar_config(disable=True)
     assert loaded.config.guidance_interval == [0.3, 0.7] and loaded.config.num_inference_steps == 5
     out = loaded(2, generator=_gen(), class_labels=[0, 2], output_type="pt").images
-    assert torch.allclose(out, _manual_interval(pipe, [0, 2], 5, 3.0, (0.3, 0.7)), atol=1e-5)
+    assert torch.allclose(out, _manual(pipe, [0, 2], 5, 3.0, (0.3, 0.7)), atol=1e-5)
     plain = loaded(2, generator=_gen(), output_type="pt").images  # no labels: unguided, the saved scale unused
     assert plain.shape == (2, 3, 8, 8)
 
