@@ -1,0 +1,78 @@
+"""Validation bits per character against minutes of training, one line per run, and the time each run took to reach a
+quality (the seed recipe's 7-minute 5.74 by default), from the run folders' history.json and all_results.json.
+
+    python benchmarks/quality/plot_zh_curves.py --run "preset=RESULTS_DIR_A" --run "+value embeddings=DIR_B" \
+        --out curves.png [--target 5.74]
+
+Minutes are the loop's own clock from the end of the first optimizer step (what --max_minutes counts): a step's time
+is the run's training seconds spread evenly over its steps after the first (the runs log no per-step clock; the
+evaluations, which are in those seconds, are spread with them). The time to the target is interpolated linearly
+between the two evaluations around the crossing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load(folder: Path) -> tuple[list[tuple[int, float]], float, int]:
+    """(step, val bits/char) of every evaluation after step 0, seconds per step, steps of the run."""
+    hist = json.loads((folder / "history.json").read_text())
+    res = json.loads((folder / "all_results.json").read_text())
+    curve = sorted((e["step"], e["eval/val_bpc"]) for e in hist if "eval/val_bpc" in e and e["step"] > 0)
+    steps = int(res["steps"])
+    per_step = float(res["train_seconds"]) / max(1, steps - 1)
+    return curve, per_step, steps
+
+
+def seconds_to(curve: list[tuple[int, float]], per_step: float, target: float) -> float | None:
+    """Training seconds after the first step at which validation first reaches ``target`` (None: never)."""
+    prev = None
+    for step, bpc in curve:
+        if bpc <= target:
+            if prev is None:
+                return (step - 1) * per_step
+            (s0, b0), frac = prev, (prev[1] - target) / (prev[1] - bpc)
+            return (s0 + frac * (step - s0) - 1) * per_step
+        prev = (step, bpc)
+    return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", action="append", required=True, help="LABEL=FOLDER (a run folder or its copied files)")
+    p.add_argument("--out", required=True, help="the plot (.png)")
+    p.add_argument("--target", type=float, default=5.74, help="bits/char whose crossing time is reported")
+    a = p.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    lowest = 9.0
+    print(f"| run | steps | s per step | best val bits/char (step) | last | seconds to {a.target} |")
+    print("|---|---|---|---|---|---|")
+    for spec in a.run:
+        label, folder = spec.split("=", 1)
+        curve, per_step, steps = load(Path(folder))
+        ax.plot([(s - 1) * per_step / 60 for s, _ in curve], [b for _, b in curve], label=label)
+        best = min(curve, key=lambda e: e[1])
+        lowest = min(lowest, best[1])
+        hit = seconds_to(curve, per_step, a.target)
+        print(f"| {label} | {steps} | {per_step:.4f} | {best[1]:.3f} ({best[0]}) | {curve[-1][1]:.3f} | "
+              f"{'-' if hit is None else f'{hit:.0f}'} |")
+    ax.axhline(a.target, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("minutes of training (after the first step)")
+    ax.set_ylabel("validation bits per character")
+    ax.set_ylim(lowest - 0.1, 6.5)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
