@@ -358,6 +358,7 @@ def test_fitted_length_closed_form():
     assert fitted_length(10, 2.0, 40.0, 1000) == 10 + int(0.97 * 40 / 2)  # 29
     assert fitted_length(10, 2.0, 1e9, 1000) == 1000  # never past max_steps
     assert fitted_length(10, 2.0, -5.0, 1000) == 11  # out of time: end at the next step
+    assert fitted_length(10, 2.0, 40.0, 10) == 10  # timed up to max_steps: the run still ends there
     assert calibration_step(TrainSettings(warmup_steps=200, eval_steps=100)) == 200
     assert calibration_step(TrainSettings(warmup_steps=3, eval_steps=50)) == 51
     assert calibration_step(TrainSettings(warmup_steps=0, eval_steps=0, max_steps=6)) == 6

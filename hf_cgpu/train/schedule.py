@@ -36,9 +36,10 @@ def calibration_step(s) -> int:
 def fitted_length(step: int, seconds_per_step: float, seconds_left: float, max_steps: int,
                   margin: float = 0.03) -> int:
     """The last step of a schedule that ends inside ``seconds_left`` (less ``margin`` of it) at the measured
-    ``seconds_per_step``, counted from ``step``; between ``step + 1`` and ``max_steps``."""
+    ``seconds_per_step``, counted from ``step``; between ``step + 1`` and ``max_steps`` (``max_steps`` itself when
+    the timing ends there: a run never goes past its --max_steps)."""
     more = int((1 - margin) * max(0.0, seconds_left) / max(seconds_per_step, 1e-9))
-    return max(step + 1, min(max_steps, step + more))
+    return min(max_steps, max(step + 1, step + more))
 
 
 def fitted_warmup(step: int, length: int, warmup: int) -> int:
