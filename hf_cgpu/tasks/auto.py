@@ -72,8 +72,10 @@ def apply_choice(gpt: GPTSettings, train: TrainSettings, chosen: dict[str, Any])
     changes = {k: v for k, v in take.items() if k not in names and k not in own}
     if own & take.keys():
         changes["optimizer_options"] = dataclasses.replace(options, **{k: take[k] for k in own & take.keys()})
-    kept = [f"--{k} {getattr(gpt, k, None) if k in names else chosen[k]}" for k in CHOSEN if k in keep]
-    return gpt, dataclasses.replace(train, **changes), kept
+    train = dataclasses.replace(train, **changes)
+    where = {k: gpt if k in names else options if k in own else train for k in CHOSEN}
+    kept = [f"--{k} {getattr(where[k], k)}" for k in CHOSEN if k in keep]
+    return gpt, train, kept
 
 
 def resolve(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rate: float, output_dir: Path,
