@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from hf_cgpu.budget.auto import REGIMES, SHAPES, Candidate, choose
+from hf_cgpu.budget.auto import COMPILE_SECONDS, REGIMES, SHAPES, Candidate, choose, train_seconds
 from hf_cgpu.cli import main as cli_main
 from hf_cgpu.commands.budget import describe_run, run as budget_run
 from hf_cgpu.recipes import RECIPES, parse
@@ -42,7 +42,7 @@ def test_a_single_epoch_run_gets_the_ordinary_pretraining_settings():
 def test_where_data_is_plenty_the_shape_is_chinchillas(minutes):
     """The largest shape with at least 20 training tokens per parameter in the minutes."""
     choice = choose(100_000_000_000, minutes, H200, LADDER, STEP)
-    compute = H200 * minutes * 60 * 0.8
+    compute = H200 * train_seconds(minutes)
     fits = [c for c in LADDER if compute / c.flops_per_token >= 20 * c.n_params]
     assert f"({max(c.n_params for c in fits) / 1e6:,.1f}M params" in choice.why, choice.why
 
@@ -69,15 +69,15 @@ def test_the_measured_cell_gets_the_measured_preset():
     assert 100 <= s["warmup_steps"] <= 200 and s["max_steps"] > 2000
 
 
-@pytest.mark.parametrize("rate", [4e10, 6e13, H200])
-def test_more_minutes_never_choose_less_regularisation_or_a_smaller_model(rate):
+@pytest.mark.parametrize("rate, startup", [(4e10, 0.0), (6e13, 0.0), (H200, 0.0), (H200, COMPILE_SECONDS)])
+def test_more_minutes_never_choose_less_regularisation_or_a_smaller_model(rate, startup):
     gpt, train = parse(RECIPES["gpt"], ["--preset", "auto"])
     shapes = candidates(gpt, train)
     for tokens in (int(10 ** (4 + i / 24)) for i in range(193)):  # 10k to 1T tokens
         before = None
         for i in range(240):
             minutes = 0.05 * 1.05 ** i  # 0.05 to ~6,000 minutes
-            s = choose(tokens, minutes, rate, shapes, STEP).settings
+            s = choose(tokens, minutes, rate, shapes, STEP, startup).settings
             now = (regularisation(s), s["n_layer"] * s["n_embd"] ** 2)
             if before is not None:
                 assert now[0] >= before[0] and now[1] >= before[1], (tokens, minutes, before, now)

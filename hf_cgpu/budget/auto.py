@@ -19,10 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 # ---------------------------------------------------------------------------------------------------- the rule
-TRAIN_FRACTION = 0.8
-"""Share of --max_minutes spent in training steps (start-up, compile, evaluations and saves take the rest)."""
-# Fitted: "Quality, 2026-12-01: the rotary table, back to back with the seed" (the 7-minute zh-poetry-modern run's
-# tokens against the ledger's tokens/s on an H200).
+COMPILE_SECONDS = 60.0
+"""Seconds of --max_minutes a compiled GPU run spends before its first step (torch.compile, cold)."""
+# Fitted: the 7-minute zh-poetry-modern runs of "Quality, 2026-12-01" took 53-83 s to the first step cold, 24-28 s
+# with a warm compile cache.
+TRAIN_FRACTION = 0.9
+"""Share of the minutes after the first step spent in training steps (evaluations and best-weight saves take the
+rest)."""
+# Fitted: "Quality, 2026-12-01: the rotary table, back to back with the seed": 181M tokens in 7 minutes (83 s to the
+# first step) at 553k tokens/s, against the ledger's 523k tokens/s for the H200.
+MIN_TRAIN_SHARE = 0.25
+"""Where start-up would take nearly all the minutes, at least this share of them is counted as training."""
 TOKENS_PER_PARAM = 20
 """Compute-optimal tokens per parameter where data is not short (Chinchilla, Hoffmann et al. 2022)."""
 DATA_BOUND_SCALE = 4.0
@@ -123,12 +130,17 @@ def pick_shape(candidates: Sequence[Candidate], compute: float, corpus_tokens: i
     return max(fitting, key=lambda c: c.n_params) if fitting else min(candidates, key=lambda c: c.n_params)
 
 
+def train_seconds(minutes: float, startup_s: float = 0.0) -> float:
+    """Seconds of ``minutes`` spent in training steps, ``startup_s`` of them before the first step."""
+    return max(minutes * 60 - startup_s, MIN_TRAIN_SHARE * minutes * 60) * TRAIN_FRACTION
+
+
 def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Sequence[Candidate],
-           tokens_per_step: int) -> AutoChoice:
+           tokens_per_step: int, startup_s: float = 0.0) -> AutoChoice:
     """The settings for ``corpus_tokens`` training tokens in ``minutes`` on a card sustaining ``flop_rate`` FLOP/s
     (peak x utilisation, all processes), choosing the shape from ``candidates``; ``tokens_per_step``: the run's
-    effective batch in tokens."""
-    compute = flop_rate * minutes * 60 * TRAIN_FRACTION
+    effective batch in tokens; ``startup_s``: seconds before the first step (``COMPILE_SECONDS`` when compiled)."""
+    compute = flop_rate * train_seconds(minutes, startup_s)
     p = pressure(corpus_tokens, compute)
     reg = regime(p)
     shape = pick_shape(candidates, compute, corpus_tokens, reg)
@@ -150,5 +162,5 @@ def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Seq
     return AutoChoice(settings, why)
 
 
-__all__ = ["AutoChoice", "CHOSEN", "Candidate", "REGIMES", "Regime", "SHAPES", "choose", "pick_shape", "pressure",
-           "regime"]
+__all__ = ["AutoChoice", "CHOSEN", "COMPILE_SECONDS", "Candidate", "REGIMES", "Regime", "SHAPES", "choose", "pick_shape", "pressure",
+           "regime", "train_seconds"]

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..budget.auto import CHOSEN, SHAPES, AutoChoice, Candidate, choose
+from ..budget.auto import CHOSEN, COMPILE_SECONDS, SHAPES, AutoChoice, Candidate, choose
 from ..budget.time import ASSUMED_PEAK_TFLOPS, DEFAULT_MFU, flops_per_token, peak_tflops
 from ..errors import SettingsError
 from ..settings import TrainSettings
@@ -49,15 +49,21 @@ def card_flop_rate(train: TrainSettings, device_type: str = "cuda", processes: i
     return peak * 1e12 * DEFAULT_MFU * processes, source
 
 
+def startup_seconds(train: TrainSettings, device_type: str = "cuda") -> float:
+    """Seconds of the minutes before the first step: a compile where the run compiles (on CUDA), else none."""
+    return COMPILE_SECONDS if train.compile and device_type == "cuda" else 0.0
+
+
 def auto_choice(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rate: float,
-                vocab_size: int | None = None, processes: int = 1) -> AutoChoice:
-    """The rule's choice for this run (``budget.auto.choose``)."""
+                vocab_size: int | None = None, processes: int = 1, device_type: str = "cuda") -> AutoChoice:
+    """The rule's choice for this run (``budget.auto.choose``) on a ``device_type`` device."""
     gpt.check_with(train)
     if corpus_tokens < 1:
         raise SettingsError(f"--auto needs the training split's token count, got {corpus_tokens}; give a corpus "
                             "(or --corpus_tokens N to hf-cgpu budget)")
     per_step = train.samples_per_step(processes) * gpt.seq_len
-    return choose(corpus_tokens, train.max_minutes, flop_rate, candidates(gpt, train, vocab_size), per_step)
+    return choose(corpus_tokens, train.max_minutes, flop_rate, candidates(gpt, train, vocab_size), per_step,
+                  startup_seconds(train, device_type))
 
 
 def apply_choice(gpt: GPTSettings, train: TrainSettings, chosen: dict[str, Any]) -> tuple[GPTSettings, TrainSettings,
@@ -79,7 +85,7 @@ def apply_choice(gpt: GPTSettings, train: TrainSettings, chosen: dict[str, Any])
 
 
 def resolve(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rate: float, output_dir: Path,
-            vocab_size: int | None = None, processes: int = 1, save: bool = True):
+            vocab_size: int | None = None, processes: int = 1, save: bool = True, device_type: str = "cuda"):
     """(GPTSettings, TrainSettings, the line to print) of an --auto run: the choice this output folder's run made
     when resuming, else a new one (saved to ``output_dir/auto_choice.json`` when ``save``)."""
     path = output_dir / CHOICE_FILE
@@ -87,7 +93,7 @@ def resolve(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rat
         saved = json.loads(path.read_text(encoding="utf-8"))
         choice, how = AutoChoice(saved["settings"], saved["why"]), "the choice this run made (resumed)"
     else:
-        choice, how = auto_choice(gpt, train, corpus_tokens, flop_rate, vocab_size, processes), ""
+        choice, how = auto_choice(gpt, train, corpus_tokens, flop_rate, vocab_size, processes, device_type), ""
         if save:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(dataclasses.asdict(choice), indent=1, ensure_ascii=False), encoding="utf-8")
@@ -96,4 +102,4 @@ def resolve(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rat
     return gpt, train, line
 
 
-__all__ = ["CHOICE_FILE", "apply_choice", "auto_choice", "candidates", "card_flop_rate", "resolve"]
+__all__ = ["CHOICE_FILE", "apply_choice", "auto_choice", "candidates", "card_flop_rate", "resolve", "startup_seconds"]

@@ -125,7 +125,8 @@ class CausalLMTask(PackedTokensTask):
         """(GPTSettings, TrainSettings, the line) of ``--auto`` for the packed training split on this card."""
         rate, _ = card_flop_rate(settings, accelerator.device.type, accelerator.num_processes)
         return resolve_auto(self.cfg, settings, self.train_data.n_tokens, rate, Path(settings.output_dir), vocab,
-                            accelerator.num_processes, save=accelerator.is_main_process)
+                            accelerator.num_processes, save=accelerator.is_main_process,
+                            device_type=accelerator.device.type)
 
     def _tokenizer(self, ds, out: Path, resume: bool, log=print):
         """--tokenizer, else the one this output folder's run trained (reused when resuming, or when it was trained
