@@ -10,7 +10,8 @@ import pytest
 
 from hf_cgpu.budget.auto import COMPILE_SECONDS, REGIMES, SHAPES, Candidate, choose, train_seconds
 from hf_cgpu.cli import main as cli_main
-from hf_cgpu.commands.budget import describe_run, run as budget_run
+from hf_cgpu.commands.budget import describe_run
+from hf_cgpu.commands.budget import run as budget_run
 from hf_cgpu.recipes import RECIPES, parse
 from hf_cgpu.tasks.auto import CHOICE_FILE, auto_choice, candidates, resolve
 
@@ -148,7 +149,7 @@ def test_a_run_prints_one_line_records_the_choice_and_a_resume_keeps_it(tmp_path
     # resumed where a fresh choice would differ (a slow card: compute-bound, no dropout): the choice is kept
     log = _train(["--max_minutes", "0.2", "--max_steps", "6", "--peak_tflops", "0.001", "--output_dir", str(out),
                   "--resume_from_checkpoint", "latest"], capsys, monkeypatch)
-    assert [x for x in log.splitlines() if x.startswith("auto: ")][0].startswith(
+    assert next(x for x in log.splitlines() if x.startswith("auto: ")).startswith(
         "auto: the choice this run made (resumed): ")
     resumed = json.loads((out / "all_results.json").read_text())["settings"]
     assert {k: resumed[k] for k in chosen if k != "max_steps"} == {k: v for k, v in chosen.items() if k != "max_steps"}

@@ -162,5 +162,5 @@ def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Seq
     return AutoChoice(settings, why)
 
 
-__all__ = ["AutoChoice", "CHOSEN", "COMPILE_SECONDS", "Candidate", "REGIMES", "Regime", "SHAPES", "choose", "pick_shape", "pressure",
-           "regime", "train_seconds"]
+__all__ = ["CHOSEN", "COMPILE_SECONDS", "REGIMES", "SHAPES", "AutoChoice", "Candidate", "Regime", "choose",
+           "pick_shape", "pressure", "regime", "train_seconds"]
