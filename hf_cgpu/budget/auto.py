@@ -43,9 +43,10 @@ MAX_PARAMS_PER_TOKEN = 9.0
 # Fitted: zh-poetry-modern, 91M parameters / 10.6M tokens (the entries above).
 WARMUP_FRACTION = 0.07
 """Warm-up as a share of the steps the minutes hold."""
+# Fitted: zh-poetry-modern, 200 of ~2,800 steps ("Quality, 2026-12-01: the cosine fitted to the 7 minutes").
 WARMUP_MAX = 200
 """The longest warm-up chosen (the ledger overestimates the steps of small shapes, whose steps are launch-bound)."""
-# Fitted: zh-poetry-modern, 200 of ~2,800 steps ("Quality, 2026-12-01: the cosine fitted to the 7 minutes").
+# Fitted: zh-poetry-modern's 200.
 MAX_STEPS_HEADROOM = 2.0
 """max_steps is this times the estimated steps: an upper bound the fitted cosine (fit_schedule_to_time) lowers."""
 
@@ -68,7 +69,7 @@ REGIMES = (
     # (Muennighoff et al. 2023), so the ordinary single-epoch pretraining settings: no dropout, weight decay 0.1,
     # Muon's default 0, the seed's cosine to 10%.
     Regime(0.8, "compute-bound", 0.0, 0.1, 0.0, 0.1),
-    # zh-poetry-modern (pressure ~160 in 7 minutes on an H200): dropout 0.1 beat 0.15 and 0.2, weight decay 0.25 / 2.0
+    # zh-poetry-modern (pressure ~150 in 7 minutes on an H200): dropout 0.1 beat 0.15 and 0.2, weight decay 0.25 / 2.0
     # beat 0 / 0.1 and 0.1 / 1.0 and 0.5 / 4.0, the cosine to 0 beat the one to 10%. "Quality, 2026-12-01": "strong
     # weight decay for a data-bound run", "the cosine fitted to the 7 minutes", "the seed recipe back to back; dropout
     # 0.1 and a cosine to zero", "the rotary table, back to back with the seed".
