@@ -138,9 +138,12 @@ def parse(recipe: Recipe, argv: Sequence[str] | None = None, prog: str | None = 
     """(task settings, TrainSettings[, LaunchSettings]) from ``argv``: command line > preset > defaults; the tier is
     checked against the task's train mode here, once."""
     classes = (recipe.settings, TrainSettings, *((LaunchSettings,) if launch else ()))
-    return parse_settings(classes, None if argv is None else list(argv), family=recipe.presets or None,
-                          description=recipe.description(), prog=prog, default_preset=recipe.default_preset,
-                          fixed={"train_mode": getattr(recipe.settings, "train_mode", "pretrain")})
+    parsed = parse_settings(classes, None if argv is None else list(argv), family=recipe.presets or None,
+                            description=recipe.description(), prog=prog, default_preset=recipe.default_preset,
+                            fixed={"train_mode": getattr(recipe.settings, "train_mode", "pretrain")})
+    if hasattr(parsed[0], "check_with"):  # the task's settings against the loop's, before anything starts
+        parsed[0].check_with(parsed[1])
+    return parsed
 
 
 def run_recipe(recipe: Recipe, argv: Sequence[str], prog: str) -> int:

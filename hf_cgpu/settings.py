@@ -507,7 +507,8 @@ def parse_settings(
     """Parse ``argv`` into one instance per dataclass: command line > preset > dataclass defaults.
 
     ``default_preset`` applies when ``argv`` names none; ``fixed`` sets fields that are no flags (a task's
-    ``train_mode``). The settings of a registered choice (``--optimizer muon`` -> ``MuonSettings``) become the
+    ``train_mode``); a field with ``metadata["given_flags"]`` receives the names of the flags given on the command
+    line, comma-separated. The settings of a registered choice (``--optimizer muon`` -> ``MuonSettings``) become the
     instance of its ``options_of`` field; a value given for a choice that was not made is refused. ``--help`` shows
     the values the run would use.
     """
@@ -535,6 +536,8 @@ def parse_settings(
                 flag = next(k for k in given if k in typed)
                 raise SettingsError(f"--{flag} is a setting of --{f.metadata['options_of']} {choice}; add "
                                     f"--{f.metadata['options_of']} {choice} or drop it")
+    given = ",".join(sorted(typed))
+    values.update({f.name: given for cls in classes for f in dataclasses.fields(cls) if f.metadata.get("given_flags")})
     out = []
     for cls in classes:
         names = {f.name for f in dataclasses.fields(cls)}

@@ -69,6 +69,9 @@ class BudgetSettings:
     """GPUs (one process each) the run is launched on: the ledger is per GPU, the micro-batch per process."""
     fsdp: bool = False
     """With --num_processes > 1: FSDP2 (recipes/accelerate/fsdp2.yaml, states sharded) instead of DDP (ddp.yaml)."""
+    corpus_tokens: int = 0
+    """With --preset auto (--auto): the training split's token count to choose the run for (a run prints it as
+    "train N tokens"); the report shows the choice and prices the chosen run."""
 
     def __post_init__(self) -> None:
         if self.num_processes < 1:
@@ -77,6 +80,8 @@ class BudgetSettings:
             raise SettingsError(f"--mfu must be in (0, 1], got {self.mfu}: typical is 0.3-0.5")
         if self.config and self.model:
             raise SettingsError("give one of --preset, --config or --model")
+        if self.corpus_tokens < 0:
+            raise SettingsError(f"--corpus_tokens must be >= 0, got {self.corpus_tokens}")
         if self.gguf_file and not self.model:
             raise SettingsError("--gguf_file names a file inside --model FOLDER (or a Hub id): give --model too")
 
@@ -160,6 +165,11 @@ def describe_run(argv: Sequence[str] | None = None):
     """Parse a training command line: (RunShape, TrainSettings, BudgetSettings). A GPT preset (the default: 124m)
     describes ``hf-cgpu train gpt``; a fine-tuning preset (lora, qlora), ``--model``, ``--config`` or a budget-only
     shape (pythia-1.4b) describe ``hf-cgpu train lora``, with its preset's settings (lora unless another is named)."""
+    return _describe(argv)[:3]
+
+
+def _describe(argv: Sequence[str] | None = None):
+    """``describe_run``'s three and the lines said on the way (--auto's choice)."""
     args = _rewrite(argv or [])
     preset = _preset_name(args)
     other = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in ("--config", "--model")]
@@ -175,7 +185,14 @@ def describe_run(argv: Sequence[str] | None = None):
         gpt, train, opts = parse_settings((GPTSettings, TrainSettings, BudgetSettings), args, family="gpt",
                                           description=DESCRIPTION, prog="hf-cgpu budget", default_preset=DEFAULT_PRESET,
                                           epilog=budget_epilog(), fixed={"train_mode": "pretrain"})
-        return gpt.run_shape(name=preset or DEFAULT_PRESET), train, opts
+        notes = []
+        if gpt.auto:
+            gpt, train, line = auto_budget(gpt, train, opts)
+            notes.append(line)
+        elif opts.corpus_tokens:
+            raise SettingsError("--corpus_tokens is what --preset auto chooses the run for: add --preset auto or "
+                                "drop it")
+        return gpt.run_shape(name=preset or DEFAULT_PRESET), train, opts, notes
     shape_flags = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in GPT_SHAPE_FLAGS]
     if shape_flags:
         raise SettingsError(f"{', '.join(shape_flags)} shape a from-scratch GPT (--preset); with --model or "
@@ -188,7 +205,21 @@ def describe_run(argv: Sequence[str] | None = None):
     else:
         model = resolve_model(cfg.model, cfg.gguf_file)
     # another causal LM: trained as the fine-tuning task does, its loss through the backbone
-    return RunShape(model, cfg.seq_len, cfg.loss_chunk_size, loss_in_forward=False, packed=cfg.packing), train, opts
+    return (RunShape(model, cfg.seq_len, cfg.loss_chunk_size, loss_in_forward=False, packed=cfg.packing), train, opts,
+            [])
+
+
+def auto_budget(gpt: GPTSettings, train: TrainSettings, opts: BudgetSettings):
+    """--preset auto without training: the choice for --corpus_tokens on this card (the peak the time ledger uses)."""
+    from ..tasks.auto import resolve
+
+    gpt.check_with(train)
+    if not opts.corpus_tokens:
+        raise SettingsError("--preset auto chooses the run for a corpus: add --corpus_tokens N (the training split's "
+                            "tokens, as a run prints them)")
+    peak, _ = peak_tflops(train.peak_tflops, assumed=ASSUMED_PEAK_TFLOPS)
+    return resolve(gpt, dataclasses.replace(train, resume_from_checkpoint=""), opts.corpus_tokens,
+                   peak * 1e12 * opts.mfu * opts.num_processes, Path("."), processes=opts.num_processes, save=False)
 
 
 def budget_epilog() -> str:
@@ -309,7 +340,7 @@ def format_run_time(setup: TrainSetup, train, rate: float) -> str:
 
 def run(argv: Sequence[str] | None = None) -> str:
     """Parse ``argv`` (a training command line plus ``BudgetSettings``) and return the report text."""
-    run_shape, train, opts = describe_run(argv)
+    run_shape, train, opts, notes = _describe(argv)
     shape = run_shape.model
     positions = shape.positions_note(run_shape.seq_len)  # refused as training refuses it
     cap = parse_memory(train.memory_cap or DEFAULT_MEMORY_CAP)
@@ -319,7 +350,7 @@ def run(argv: Sequence[str] | None = None) -> str:
     preset = _preset_name(_rewrite(argv or [])) or (DEFAULT_PRESET if run_shape.pretrain else "lora")
     described = [(f"preset {preset}", preset_description(preset, family)),
                  (f"shape {shape.name}", REFERENCE_DESCRIPTIONS.get(shape.name, ""))]
-    out[1:1] = [f"  {what}: {text}" for what, text in described if text]
+    out[1:1] = [f"  {what}: {text}" for what, text in described if text] + [f"  {n}" for n in notes]
     if positions:
         out.insert(len(out) - 1, f"  {positions}")
     if train.autofit:

@@ -22,6 +22,8 @@ from ..models.cgpt.modeling_cgpt import CgptForCausalLM
 from ..settings import TrainSettings
 from ..train import TaskPlan
 from ..train.schedule import calibration_step
+from .auto import card_flop_rate
+from .auto import resolve as resolve_auto
 from .packed import PackedTokensTask
 from .settings import GPTSettings
 
@@ -96,6 +98,11 @@ class CausalLMTask(PackedTokensTask):
             self.val_data = pack_dataset(ds["validation"], self.tokenizer, split="validation", **kw)
         vocab = len(self.tokenizer)
         self.val_texts = [t for t in ds["validation"][cfg.text_column][:50] if t.strip()]
+        chosen = None
+        if cfg.auto:  # the shape, regularisation and schedule for this corpus and these minutes, recorded for resume
+            self.cfg, chosen, line = self._auto(settings, accelerator, vocab)
+            cfg, settings = self.cfg, chosen
+            accelerator.print(line)
         config = cfg.model_config(vocab, self.tokenizer.eos_token_id)
         check_vocab(self.tokenizer, config.vocab_size)
         model = CgptForCausalLM(config)
@@ -112,7 +119,14 @@ class CausalLMTask(PackedTokensTask):
         for line in epoch_plan(settings, cfg.seq_len, self.train_data.n_tokens, num_params,
                                accelerator.num_processes, cfg.dropout):
             accelerator.print(line)
-        return TaskPlan(model, expected_initial_loss=math.log(vocab), shape=cgpt_run_shape(config))
+        return TaskPlan(model, expected_initial_loss=math.log(vocab), shape=cgpt_run_shape(config), settings=chosen)
+
+    def _auto(self, settings: TrainSettings, accelerator, vocab: int):
+        """(GPTSettings, TrainSettings, the line) of ``--auto`` for the packed training split on this card."""
+        rate, _ = card_flop_rate(settings, accelerator.device.type, accelerator.num_processes)
+        return resolve_auto(self.cfg, settings, self.train_data.n_tokens, rate, Path(settings.output_dir), vocab,
+                            accelerator.num_processes, save=accelerator.is_main_process,
+                            device_type=accelerator.device.type)
 
     def _tokenizer(self, ds, out: Path, resume: bool, log=print):
         """--tokenizer, else the one this output folder's run trained (reused when resuming, or when it was trained

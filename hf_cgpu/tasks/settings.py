@@ -53,6 +53,18 @@ class GPTSettings(CgptOptions):
     """'|'-separated prompts continued at the end of training (empty = taken from validation text)."""
     max_new_tokens: int = 60
     """Tokens generated per prompt at the end of training."""
+    auto: bool = False
+    """Choose the model shape, dropout, weight decay and schedule (warm-up, the cosine fitted to the minutes) from
+    the training split's token count and --max_minutes by one rule (hf_cgpu/budget/auto.py), as preset values: a
+    flag given on the command line keeps its value. Prints one line saying what it chose and why; the run's settings
+    record the choice and a resume keeps it. --preset auto sets this."""
+    given_flags: str = field(default="", metadata={"cli": False, "given_flags": True})
+    """The flags given on the command line, comma-separated (set by the parser): --auto leaves them as given."""
+
+    def check_with(self, train: Any) -> None:
+        """Checks against the run's TrainSettings, before anything starts."""
+        if self.auto and train.max_minutes <= 0:
+            raise SettingsError("--auto (--preset auto) chooses the run for the minutes it has: add --max_minutes M")
 
     def __post_init__(self) -> None:
         try:

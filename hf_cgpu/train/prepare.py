@@ -117,6 +117,7 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
                           f"{s.gradient_accumulation_steps} x {accelerator.num_processes} processes")
     set_seed(s.seed)
     plan = task.setup(s, accelerator)
+    s = plan.settings or s  # chosen from the data (--auto) before anything reads them
     model_config = saved_config(plan.model)
     if s.autofit:
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None

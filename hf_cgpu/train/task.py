@@ -37,6 +37,9 @@ class TaskPlan:
     """Training FLOPs per throughput unit for MFU; 0 = from ``shape`` (language models) or unknown."""
     shape: RunShape | None = None
     """The run shape for the ledger (``--autofit``, OOM advice, MFU); None = not a language model."""
+    settings: TrainSettings | None = None
+    """New TrainSettings the task chose from its data (a GPT's ``--auto``), which the run trains with and records;
+    None = the ones given."""
 
 
 class Task:

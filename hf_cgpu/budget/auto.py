@@ -1,0 +1,167 @@
+"""``--preset auto``: the GPT's shape, regularisation and schedule chosen from the corpus and the minutes.
+
+One pure function, ``choose``: (training tokens, minutes, the card's sustained FLOP rate as the ledger estimates it,
+the candidate shapes with their ledger figures) -> the settings and one line saying why. The rule is the table of
+constants below; what each is fitted to is named beside it (headings of benchmarks/RESULTS.md, or the paper).
+
+The over-fit *pressure* is compute / (6 x corpus tokens^2): epochs times parameters per corpus token for a run
+that spends the compute as 6 N D. It depends on the minutes and the corpus only, so more minutes on one corpus never
+lower it (a larger shape trades epochs for parameters at about equal pressure), and the regularisation it picks
+never falls when the minutes grow. A run of at most one epoch (the smallest shape is larger than the compute calls
+for) sees no token twice and is regularised as a single-epoch one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------------- the rule
+COMPILE_SECONDS = 60.0
+"""Seconds of --max_minutes a compiled GPU run spends before its first step (torch.compile, cold)."""
+# Fitted: the 7-minute zh-poetry-modern runs of "Quality, 2026-12-01" took 53-83 s to the first step cold, 24-28 s
+# with a warm compile cache.
+TRAIN_FRACTION = 0.9
+"""Share of the minutes after the first step spent in training steps (evaluations and best-weight saves take the
+rest)."""
+# Fitted: "Quality, 2026-12-01: the rotary table, back to back with the seed": 181M tokens in 7 minutes (83 s to the
+# first step) at 553k tokens/s, against the ledger's 523k tokens/s for the H200.
+MIN_TRAIN_SHARE = 0.25
+"""Where start-up would take nearly all the minutes, at least this share of them is counted as training."""
+TOKENS_PER_PARAM = 20
+"""Compute-optimal tokens per parameter where data is not short (Chinchilla, Hoffmann et al. 2022)."""
+DATA_BOUND_SCALE = 4.0
+"""Where data is short, the model is this times the compute-optimal size, held back by strong regularisation."""
+# Fitted: "Quality, 2026-12-01: strong weight decay for a data-bound run" and the rotary-table entry: 12 x 768 (91M)
+# on 10.6M tokens in 7 minutes, about 3x the Chinchilla size for that compute (Kim et al. 2025, "Pre-training under
+# infinite compute": with regularisation tuned, larger models keep gaining on repeated data). 4, not 3: 12 x 768 is
+# then the shape chosen for that cell.
+MAX_PARAMS_PER_TOKEN = 9.0
+"""A data-bound model has at most this many parameters per corpus token (the most measured)."""
+# Fitted: zh-poetry-modern, 91M parameters / 10.6M tokens (the entries above).
+WARMUP_FRACTION = 0.07
+"""Warm-up as a share of the steps the minutes hold."""
+# Fitted: zh-poetry-modern, 200 of ~2,800 steps ("Quality, 2026-12-01: the cosine fitted to the 7 minutes").
+WARMUP_MAX = 200
+"""The longest warm-up chosen (the ledger overestimates the steps of small shapes, whose steps are launch-bound)."""
+# Fitted: zh-poetry-modern's 200.
+MAX_STEPS_HEADROOM = 2.0
+"""max_steps is this times the estimated steps: an upper bound the fitted cosine (fit_schedule_to_time) lowers."""
+
+
+@dataclass(frozen=True)
+class Regime:
+    """Regularisation for over-fit pressures up to ``pressure``."""
+
+    pressure: float
+    name: str
+    dropout: float
+    weight_decay: float
+    """AdamW's (embeddings, head, norms under Muon)."""
+    muon_weight_decay: float
+    min_lr_ratio: float
+
+
+REGIMES = (
+    # Up to 4 epochs at 20 tokens/parameter (pressure 0.8): repeated tokens are nearly as good as new ones
+    # (Muennighoff et al. 2023), so the ordinary single-epoch pretraining settings: no dropout, weight decay 0.1,
+    # Muon's default 0, the seed's cosine to 10%.
+    Regime(0.8, "compute-bound", 0.0, 0.1, 0.0, 0.1),
+    # zh-poetry-modern (pressure ~150 in 7 minutes on an H200): dropout 0.1 beat 0.15 and 0.2, weight decay 0.25 / 2.0
+    # beat 0 / 0.1 and 0.1 / 1.0 and 0.5 / 4.0, the cosine to 0 beat the one to 10%. "Quality, 2026-12-01": "strong
+    # weight decay for a data-bound run", "the cosine fitted to the 7 minutes", "the seed recipe back to back; dropout
+    # 0.1 and a cosine to zero", "the rotary table, back to back with the seed".
+    Regime(1000.0, "data-bound", 0.1, 2.0, 0.25, 0.0),
+    # Beyond ~6x that pressure dropout 0.1 turns well before the end (it bottomed at ~12-14 epochs, dropout 0.2 at
+    # ~18: "Quality, 2026-12-01: the zh-poetry preset against the seed's text recipe"), so 0.2.
+    Regime(math.inf, "far data-bound", 0.2, 2.0, 0.25, 0.0),
+)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One GPT shape the rule may choose, with the ledger's figures for it."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_params: int = 0
+    flops_per_token: float = 0.0
+    """Training FLOPs per token (``budget.time.flops_per_token``)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.n_layer}x{self.n_embd}"
+
+
+SHAPES = ((4, 128, 4), (4, 256, 4), (6, 384, 6), (8, 512, 8), (12, 768, 12))
+"""(n_layer, n_embd, n_head) the rule chooses from, smallest first: the tiny preset's shape up to the measured 12 x 768
+(head size 32 below 384, 64 from there)."""
+
+CHOSEN = ("n_layer", "n_embd", "n_head", "dropout", "weight_decay", "muon_weight_decay", "min_lr_ratio",
+          "warmup_steps", "max_steps", "fit_schedule_to_time")
+"""The settings the rule sets (a flag given on the command line keeps its value instead)."""
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    settings: dict[str, Any]
+    """Setting name -> chosen value (all of ``CHOSEN``)."""
+    why: str
+    """The one line: what was chosen and why."""
+
+
+def pressure(corpus_tokens: int, compute: float) -> float:
+    """Epochs x parameters per corpus token of a run of ``compute`` FLOPs spent as 6 N D."""
+    return compute / (6.0 * float(corpus_tokens) ** 2)
+
+
+def regime(p: float) -> Regime:
+    return next(r for r in REGIMES if p <= r.pressure)
+
+
+def pick_shape(candidates: Sequence[Candidate], compute: float, corpus_tokens: int, reg: Regime) -> Candidate:
+    """The largest candidate not above the target size: Chinchilla's for the compute, larger where data is short."""
+    target = math.sqrt(compute / (6.0 * TOKENS_PER_PARAM))
+    if reg is not REGIMES[0]:
+        target = min(target * DATA_BOUND_SCALE, MAX_PARAMS_PER_TOKEN * corpus_tokens)
+    fitting = [c for c in candidates if c.n_params <= target]
+    return max(fitting, key=lambda c: c.n_params) if fitting else min(candidates, key=lambda c: c.n_params)
+
+
+def train_seconds(minutes: float, startup_s: float = 0.0) -> float:
+    """Seconds of ``minutes`` spent in training steps, ``startup_s`` of them before the first step."""
+    return max(minutes * 60 - startup_s, MIN_TRAIN_SHARE * minutes * 60) * TRAIN_FRACTION
+
+
+def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Sequence[Candidate],
+           tokens_per_step: int, startup_s: float = 0.0) -> AutoChoice:
+    """The settings for ``corpus_tokens`` training tokens in ``minutes`` on a card sustaining ``flop_rate`` FLOP/s
+    (peak x utilisation, all processes), choosing the shape from ``candidates``; ``tokens_per_step``: the run's
+    effective batch in tokens; ``startup_s``: seconds before the first step (``COMPILE_SECONDS`` when compiled)."""
+    compute = flop_rate * train_seconds(minutes, startup_s)
+    p = pressure(corpus_tokens, compute)
+    reg = regime(p)
+    shape = pick_shape(candidates, compute, corpus_tokens, reg)
+    tokens = compute / shape.flops_per_token
+    smallest = min(candidates, key=lambda c: c.n_params)
+    if shape == smallest and tokens <= corpus_tokens:  # larger than the compute calls for: no token is seen twice
+        reg = REGIMES[0]
+    steps = max(1, round(tokens / tokens_per_step))
+    warmup = min(WARMUP_MAX, max(1, round(WARMUP_FRACTION * steps)))
+    settings = {"n_layer": shape.n_layer, "n_embd": shape.n_embd, "n_head": shape.n_head, "dropout": reg.dropout,
+                "weight_decay": reg.weight_decay, "muon_weight_decay": reg.muon_weight_decay,
+                "min_lr_ratio": reg.min_lr_ratio, "warmup_steps": warmup,
+                "max_steps": max(warmup + 1, math.ceil(MAX_STEPS_HEADROOM * steps)), "fit_schedule_to_time": True}
+    why = (f"{corpus_tokens / 1e6:,.2f}M tokens x {minutes:g} min at {flop_rate / 1e12:,.3g} TFLOP/s ~ "
+           f"{tokens / corpus_tokens:,.1f} epochs at {shape.name} ({shape.n_params / 1e6:,.1f}M params, "
+           f"~{steps:,} steps) -> dropout {reg.dropout:g}, weight decay {reg.muon_weight_decay:g} (Muon) / "
+           f"{reg.weight_decay:g} (AdamW), warm-up {warmup:,}, cosine to {reg.min_lr_ratio:g} fitted to the minutes "
+           f"({reg.name}: epochs x params/token ~ {p:,.3g})")
+    return AutoChoice(settings, why)
+
+
+__all__ = ["CHOSEN", "COMPILE_SECONDS", "REGIMES", "SHAPES", "AutoChoice", "Candidate", "Regime", "choose",
+           "pick_shape", "pressure", "regime", "train_seconds"]

@@ -1,0 +1,105 @@
+"""``--auto`` (``--preset auto``) for a GPT run: the ledger's figures for the rule's shapes, the rule's choice applied
+to the settings as preset values (a flag given on the command line wins), and the choice kept in the output folder
+so that a resume uses it. Torch-free: ``hf-cgpu budget --preset auto`` shows the same choice without training."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from ..budget.auto import CHOSEN, COMPILE_SECONDS, SHAPES, AutoChoice, Candidate, choose
+from ..budget.time import ASSUMED_PEAK_TFLOPS, DEFAULT_MFU, flops_per_token, peak_tflops
+from ..errors import SettingsError
+from ..settings import TrainSettings
+from .settings import GPTSettings
+
+CPU_PEAK_TFLOPS = 0.1
+"""A CPU's fp32 matmul rate, roughly, for the choice of a CPU run (the fitted cosine then times the real steps)."""
+CHOICE_FILE = "auto_choice.json"
+"""In the output folder: the settings --auto chose and why; a resume applies them instead of choosing again."""
+SHAPE_FLAGS = ("n_layer", "n_embd", "n_head")
+
+
+def given(gpt: GPTSettings) -> set[str]:
+    return {g for g in gpt.given_flags.split(",") if g}
+
+
+def candidates(gpt: GPTSettings, train: TrainSettings, vocab_size: int | None = None) -> list[Candidate]:
+    """The rule's shapes (a shape flag given on the command line replaces that part of each) with their parameters
+    and training FLOPs per token from the ledger."""
+    out = []
+    for values in dict.fromkeys(SHAPES):
+        shape = dict(zip(SHAPE_FLAGS, values))
+        shape.update({k: getattr(gpt, k) for k in SHAPE_FLAGS if k in given(gpt)})
+        run = dataclasses.replace(gpt, **shape).run_shape(vocab_size=vocab_size)
+        out.append(Candidate(**shape, n_params=run.model.n_params,
+                             flops_per_token=flops_per_token(run.model, run.setup(train))))
+    return list({(c.n_layer, c.n_embd, c.n_head): c for c in out}.values())
+
+
+def card_flop_rate(train: TrainSettings, device_type: str = "cuda", processes: int = 1) -> tuple[float, str]:
+    """FLOP/s the ledger expects the run to sustain (peak x utilisation x processes), and where the peak came from:
+    --peak_tflops, this machine's `hf-cgpu bench`, else an assumed figure (a CPU's on the CPU)."""
+    if device_type == "cpu" and train.peak_tflops <= 0:
+        peak, source = CPU_PEAK_TFLOPS, "an assumed CPU figure"
+    else:
+        peak, source = peak_tflops(train.peak_tflops, assumed=ASSUMED_PEAK_TFLOPS)
+    return peak * 1e12 * DEFAULT_MFU * processes, source
+
+
+def startup_seconds(train: TrainSettings, device_type: str = "cuda") -> float:
+    """Seconds of the minutes before the first step: a compile where the run compiles (on CUDA), else none."""
+    return COMPILE_SECONDS if train.compile and device_type == "cuda" else 0.0
+
+
+def auto_choice(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rate: float,
+                vocab_size: int | None = None, processes: int = 1, device_type: str = "cuda") -> AutoChoice:
+    """The rule's choice for this run (``budget.auto.choose``) on a ``device_type`` device."""
+    gpt.check_with(train)
+    if corpus_tokens < 1:
+        raise SettingsError(f"--auto needs the training split's token count, got {corpus_tokens}; give a corpus "
+                            "(or --corpus_tokens N to hf-cgpu budget)")
+    per_step = train.samples_per_step(processes) * gpt.seq_len
+    return choose(corpus_tokens, train.max_minutes, flop_rate, candidates(gpt, train, vocab_size), per_step,
+                  startup_seconds(train, device_type))
+
+
+def apply_choice(gpt: GPTSettings, train: TrainSettings, chosen: dict[str, Any]) -> tuple[GPTSettings, TrainSettings,
+                                                                                          list[str]]:
+    """New settings objects with ``chosen`` applied where no flag was given, and the flags that kept their value."""
+    keep = given(gpt)
+    take = {k: v for k, v in chosen.items() if k not in keep}
+    names = {f.name for f in dataclasses.fields(GPTSettings)}
+    gpt = dataclasses.replace(gpt, **{k: v for k, v in take.items() if k in names})
+    options = train.optimizer_options
+    own = {f.name for f in dataclasses.fields(options)} if options is not None else set()
+    changes = {k: v for k, v in take.items() if k not in names and k not in own}
+    if own & take.keys():
+        changes["optimizer_options"] = dataclasses.replace(options, **{k: take[k] for k in own & take.keys()})
+    train = dataclasses.replace(train, **changes)
+    where = {k: gpt if k in names else options if k in own else train for k in CHOSEN}
+    kept = [f"--{k} {getattr(where[k], k)}" for k in CHOSEN if k in keep]
+    return gpt, train, kept
+
+
+def resolve(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rate: float, output_dir: Path,
+            vocab_size: int | None = None, processes: int = 1, save: bool = True, device_type: str = "cuda"):
+    """(GPTSettings, TrainSettings, the line to print) of an --auto run: the choice this output folder's run made
+    when resuming, else a new one (saved to ``output_dir/auto_choice.json`` when ``save``)."""
+    path = output_dir / CHOICE_FILE
+    if train.resume_from_checkpoint and path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        choice, how = AutoChoice(saved["settings"], saved["why"]), "the choice this run made (resumed)"
+    else:
+        choice, how = auto_choice(gpt, train, corpus_tokens, flop_rate, vocab_size, processes, device_type), ""
+        if save:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(dataclasses.asdict(choice), indent=1, ensure_ascii=False), encoding="utf-8")
+    gpt, train, kept = apply_choice(gpt, train, choice.settings)
+    line = f"auto: {how + ': ' if how else ''}{choice.why}" + (f"; given, kept: {', '.join(kept)}" if kept else "")
+    return gpt, train, line
+
+
+__all__ = ["CHOICE_FILE", "apply_choice", "auto_choice", "candidates", "card_flop_rate", "resolve", "startup_seconds"]

@@ -1,0 +1,167 @@
+"""``--preset auto``: the rule (``budget.auto.choose``) against the regimes it is fitted to, the one line a run prints,
+the command line over the choice, a resume that keeps the choice, and ``hf-cgpu budget`` showing the same choice."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from hf_cgpu.budget.auto import COMPILE_SECONDS, REGIMES, SHAPES, Candidate, choose, train_seconds
+from hf_cgpu.cli import main as cli_main
+from hf_cgpu.commands.budget import describe_run
+from hf_cgpu.commands.budget import run as budget_run
+from hf_cgpu.recipes import RECIPES, parse
+from hf_cgpu.tasks.auto import CHOICE_FILE, auto_choice, candidates, resolve
+
+H200 = 790e12 * 0.4  # an H200's measured bf16 peak at the ledger's 40% utilisation
+ZH_POETRY = 10_600_000  # zh-poetry's training tokens with the 8k tokenizer
+STEP = 32 * 4 * 512  # the auto preset's tokens per step
+
+
+def synthetic(n_params: float) -> Candidate:
+    return Candidate(1, 1, 1, int(n_params), 6.0 * n_params)
+
+
+LADDER = [synthetic(n) for n in (1e6, 5e6, 14e6, 29e6, 91e6)]
+
+
+def regularisation(settings: dict) -> tuple:
+    """Larger = more regularisation: dropout, the two decays, and a cosine that ends lower."""
+    return settings["dropout"], settings["weight_decay"], settings["muon_weight_decay"], -settings["min_lr_ratio"]
+
+
+def test_a_single_epoch_run_gets_the_ordinary_pretraining_settings():
+    choice = choose(10_000_000_000, 7, H200, LADDER, STEP)  # 10B tokens: far under one epoch in 7 minutes
+    s = choice.settings
+    assert (s["dropout"], s["weight_decay"], s["muon_weight_decay"], s["min_lr_ratio"]) == (0.0, 0.1, 0.0, 0.1)
+    assert "compute-bound" in choice.why
+
+
+@pytest.mark.parametrize("minutes", [2, 7, 60, 600])
+def test_where_data_is_plenty_the_shape_is_chinchillas(minutes):
+    """The largest shape with at least 20 training tokens per parameter in the minutes."""
+    choice = choose(100_000_000_000, minutes, H200, LADDER, STEP)
+    compute = H200 * train_seconds(minutes)
+    fits = [c for c in LADDER if compute / c.flops_per_token >= 20 * c.n_params]
+    assert f"({max(c.n_params for c in fits) / 1e6:,.1f}M params" in choice.why, choice.why
+
+
+def test_many_epochs_get_dropout_and_strong_decay():
+    for tokens, minutes in ((ZH_POETRY, 7), (ZH_POETRY, 2), (1_000_000, 2), (3_000_000, 60)):
+        choice = choose(tokens, minutes, H200, LADDER, STEP)
+        epochs = float(choice.why.split(" epochs")[0].split("~ ")[-1].replace(",", ""))
+        assert epochs > 10, choice.why
+        s = choice.settings
+        assert s["dropout"] >= 0.1 and s["weight_decay"] >= 2.0 and s["muon_weight_decay"] >= 0.25, choice.why
+        assert s["min_lr_ratio"] == 0.0 and s["fit_schedule_to_time"]
+
+
+def test_the_measured_cell_gets_the_measured_preset():
+    """zh-poetry in 7 minutes on an H200: the settings zh-poetry-modern measured best (RESULTS.md, Quality 2026-12-01)."""
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto"])
+    s = auto_choice(gpt, train, ZH_POETRY, H200).settings
+    modern = parse(RECIPES["gpt"], ["--preset", "zh-poetry-modern"])
+    for key in ("n_layer", "n_embd", "n_head", "dropout"):
+        assert s[key] == getattr(modern[0], key), key
+    assert (s["weight_decay"], s["muon_weight_decay"], s["min_lr_ratio"]) == (
+        modern[1].weight_decay, modern[1].optimizer_options.muon_weight_decay, modern[1].min_lr_ratio)
+    assert 100 <= s["warmup_steps"] <= 200 and s["max_steps"] > 2000
+
+
+@pytest.mark.parametrize("rate, startup", [(4e10, 0.0), (6e13, 0.0), (H200, 0.0), (H200, COMPILE_SECONDS)])
+def test_more_minutes_never_choose_less_regularisation_or_a_smaller_model(rate, startup):
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto"])
+    shapes = candidates(gpt, train)
+    for tokens in (int(10 ** (4 + i / 24)) for i in range(193)):  # 10k to 1T tokens
+        before = None
+        for i in range(240):
+            minutes = 0.05 * 1.05 ** i  # 0.05 to ~6,000 minutes
+            s = choose(tokens, minutes, rate, shapes, STEP, startup).settings
+            now = (regularisation(s), s["n_layer"] * s["n_embd"] ** 2)
+            if before is not None:
+                assert now[0] >= before[0] and now[1] >= before[1], (tokens, minutes, before, now)
+            before = now
+
+
+def test_the_rule_chooses_from_its_table():
+    regimes = {regularisation({"dropout": r.dropout, "weight_decay": r.weight_decay,
+                               "muon_weight_decay": r.muon_weight_decay, "min_lr_ratio": r.min_lr_ratio})
+               for r in REGIMES}
+    for tokens in (10_000, 10_000_000, 10_000_000_000):
+        s = choose(tokens, 7, H200, LADDER, STEP).settings
+        assert regularisation(s) in regimes
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto"])
+    assert [(c.n_layer, c.n_embd, c.n_head) for c in candidates(gpt, train)] == list(SHAPES)
+
+
+def test_the_command_line_wins_over_the_choice(tmp_path):
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto", "--dropout", "0.3", "--n_layer", "3",
+                                        "--muon_weight_decay", "0.05"])
+    new_gpt, new_train, line = resolve(gpt, train, ZH_POETRY, H200, tmp_path)
+    assert new_gpt.dropout == 0.3 and new_gpt.n_layer == 3
+    assert new_train.optimizer_options.muon_weight_decay == 0.05
+    assert new_gpt.n_embd == 768 and new_train.weight_decay == 2.0  # what was not given is chosen
+    assert "given, kept: --n_layer 3, --dropout 0.3, --muon_weight_decay 0.05" in line
+    assert all(c.n_layer == 3 for c in candidates(gpt, train))  # the shapes priced are those it can build
+    assert json.loads((tmp_path / CHOICE_FILE).read_text())["settings"]["dropout"] == 0.1  # the rule's own choice
+
+
+def test_budget_shows_the_choice_a_run_makes():
+    argv = ["--preset", "auto", "--corpus_tokens", str(ZH_POETRY), "--max_minutes", "2", "--peak_tflops", "790"]
+    text = budget_run(argv)
+    line = next(x.strip() for x in text.splitlines() if x.strip().startswith("auto: "))
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto", "--max_minutes", "2", "--peak_tflops", "790"])
+    choice = auto_choice(gpt, train, ZH_POETRY, H200)
+    assert line == f"auto: {choice.why}"
+    shape, priced, _ = describe_run(argv)
+    assert (shape.model.n_layer, shape.model.d_model) == (choice.settings["n_layer"], choice.settings["n_embd"])
+    assert priced.warmup_steps == choice.settings["warmup_steps"]
+
+
+# ---------------------------------------------------------------------------------------------------- a real run
+TINY = ["train", "gpt", "--preset", "auto", "--seq_len", "64", "--vocab_size", "512", "--micro_batch_size", "4",
+        "--gradient_accumulation_steps", "1", "--compile", "false", "--eval_steps", "3", "--eval_batches", "1",
+        "--checkpointing_steps", "0", "--log_steps", "3", "--max_new_tokens", "2", "--progress", "false",
+        "--mixed_precision", "no"]
+
+
+def _train(args, capsys, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert cli_main([*TINY, *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_run_prints_one_line_records_the_choice_and_a_resume_keeps_it(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    # --peak_tflops 5: a rate at which the builtin corpus is many epochs (data-bound: dropout 0.1)
+    log = _train(["--max_minutes", "0.2", "--max_steps", "4", "--peak_tflops", "5", "--output_dir", str(out)],
+                 capsys, monkeypatch)
+    lines = [x for x in log.splitlines() if x.startswith("auto: ")]
+    assert len(lines) == 1 and "epochs at 4x128" in lines[0] and "given, kept: --max_steps 4" in lines[0], log
+    chosen = json.loads((out / CHOICE_FILE).read_text())["settings"]
+    assert chosen["dropout"] == 0.1
+    saved = json.loads((out / "all_results.json").read_text())["settings"]
+    for key, value in chosen.items():
+        assert saved[key] == (4 if key == "max_steps" else value), key  # the run trained with the choice
+    assert json.loads((out / "config.json").read_text())["n_layer"] == chosen["n_layer"]
+    # resumed where a fresh choice would differ (a slow card: compute-bound, no dropout): the choice is kept
+    log = _train(["--max_minutes", "0.2", "--max_steps", "6", "--peak_tflops", "0.001", "--output_dir", str(out),
+                  "--resume_from_checkpoint", "latest"], capsys, monkeypatch)
+    assert next(x for x in log.splitlines() if x.startswith("auto: ")).startswith(
+        "auto: the choice this run made (resumed): ")
+    resumed = json.loads((out / "all_results.json").read_text())["settings"]
+    assert {k: resumed[k] for k in chosen if k != "max_steps"} == {k: v for k, v in chosen.items() if k != "max_steps"}
+    assert resumed["max_steps"] == 6 and "resumed from " in log
+
+
+def test_a_fresh_choice_at_the_slow_rate_would_differ():
+    """The resume above is a real test: at the resumed flags the rule chooses otherwise."""
+    gpt, train = parse(RECIPES["gpt"], [*TINY[2:], "--max_minutes", "0.2", "--peak_tflops", "0.001"])
+    fast = parse(RECIPES["gpt"], [*TINY[2:], "--max_minutes", "0.2", "--peak_tflops", "5"])
+    tokens = 200_000
+    slow = auto_choice(gpt, train, tokens, 0.001e12 * 0.4, vocab_size=512).settings
+    quick = auto_choice(*fast, tokens, 5e12 * 0.4, vocab_size=512).settings
+    assert slow["dropout"] == 0.0 and quick["dropout"] == 0.1
+    assert dataclasses.replace(gpt, dropout=0.1) != gpt
