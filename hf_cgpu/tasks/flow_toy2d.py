@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..flow.guide import copy_with_weights
 from ..flow.matching import FlowMatcher
 from ..flow.toy2d import VelocityMLP, format_table, mode_centres, sample_modes, sample_rows, save_plot
 from ..settings import TrainSettings
@@ -73,8 +74,11 @@ class Toy2DTask(Task):
     def evaluate(self, model, settings, device) -> dict[str, float]:
         """Every sampler at every budget from one fixed noise; the best within-fraction at <= 20 evaluations."""
         x0 = torch.randn(self.cfg.num_samples, 2, generator=torch.Generator().manual_seed(settings.seed + 1))
+        guide = None
+        if self.cfg.guidance_model:  # an early checkpoint of this run exists only once the run has passed it
+            guide = (copy_with_weights(model, self.cfg.guidance_model), self.cfg.guidance_scale)
         self.rows, self.samples = sample_rows(model, self.centres, x0.to(device), self.cfg.budgets,
-                                              self.cfg.hit_radius)
+                                              self.cfg.hit_radius, guide)
         return {"best_within_at_20_nfe_or_less": best_within(self.rows)}
 
     def save_pretrained(self, model, output_dir: Path) -> None:
