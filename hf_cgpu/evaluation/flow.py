@@ -262,7 +262,8 @@ def evaluate_pipeline(pipe, classifier, real: dict, num_images: int = 10000, sch
     out = {
         "scheduler": scheduler, "num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale,
         "guidance_interval": format_interval(guidance_interval),
-        "guidance_model": pipe.config.get("guidance_model") if pipe.guide_unet is not None else None,
+        "guidance_model": pipe.config.get("guidance_model") if pipe.guide_unet is not None and guidance_scale != 1
+        else None,
         "num_images": num_images, "seed": seed,
         "fd": frechet_distance(real["mu"], real["sigma"], *feature_statistics(feats)),
         "precision": precision, "recall": recall, "nearest_k": nearest_k,

@@ -62,6 +62,8 @@ def copy_with_weights(model: torch.nn.Module, source: str | Path, flag: str = "-
     """A copy of ``model`` holding the weights of ``source``: a checkpoint folder (its ``ema.safetensors`` where it
     has one, else its ``model.safetensors``) or a .safetensors file. Any model works (the 2D toy's MLP too)."""
     source = Path(source)
+    if not source.exists():
+        raise MissingPathError(f"{flag} {source} does not exist; pass {GUIDE_SOURCES}")
     if source.is_dir():
         found = [source / f for f in ("ema.safetensors", "model.safetensors") if (source / f).is_file()]
         if not found:

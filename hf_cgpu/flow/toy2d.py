@@ -102,9 +102,10 @@ def sample_rows(model: nn.Module, centres: torch.Tensor, x0: torch.Tensor, budge
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'method':<6} {'budget':>6} {'steps':>5} {'nfe':>4} {'within':>7}  per-mode counts (250 ideal)"]
+    width = max(6, *(len(r["method"]) for r in rows))
+    lines = [f"{'method':<{width}} {'budget':>6} {'steps':>5} {'nfe':>4} {'within':>7}  per-mode counts (250 ideal)"]
     for r in rows:
-        head = f"{r['method']:<6} {r['budget']:>6} {r['steps']:>5} {r['nfe']:>4}"
+        head = f"{r['method']:<{width}} {r['budget']:>6} {r['steps']:>5} {r['nfe']:>4}"
         lines.append(f"{head} {r['within']:>7.1%}  {r['counts']}")
     return "\n".join(lines)
 

@@ -14,11 +14,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..errors import MissingPathError
 from ..flow.guide import copy_with_weights
 from ..flow.matching import FlowMatcher
 from ..flow.toy2d import VelocityMLP, format_table, mode_centres, sample_modes, sample_rows, save_plot
 from ..settings import TrainSettings
 from ..train import Task, TaskPlan
+from ..train.checkpoint import checkpoint_root
 from .settings import Toy2DSettings
 
 PLOT = "flow2d_samples.png"
@@ -57,6 +59,10 @@ class Toy2DTask(Task):
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         c = self.cfg
         self.seed = settings.seed
+        guide = Path(c.guidance_model).resolve() if c.guidance_model else None
+        if guide is not None and not guide.exists() and checkpoint_root(settings.output_dir).resolve() not in guide.parents:
+            raise MissingPathError(f"--guidance_model {c.guidance_model} does not exist and is no checkpoint this run "
+                                   f"will write (under {checkpoint_root(settings.output_dir)}); pass a checkpoint folder")
         return TaskPlan(VelocityMLP(c.hidden, c.depth, c.time_embed_dim), eval_steps=0)
 
     def sample_order(self, seed: int) -> FreshPoints:
