@@ -334,11 +334,12 @@ def test_autoguided_folder_loads_with_trust_remote_code_without_hf_cgpu(tmp_path
     expected = pipe(2, 3, _gen(), class_labels=[0, 1], guidance_scale=2.0, output_type="np").images  # the script's call
     folder = tmp_path / "saved"
     save_for_remote_code(pipe, folder)
-    (tmp_path / "remote_load.py").write_text(REMOTE_SCRIPT.replace(
-        "for obj in (pipe, pipe.unet, pipe.scheduler):", "for obj in (pipe, pipe.unet, pipe.scheduler, pipe.guide_unet):"))
+    checks = "for obj in (pipe, pipe.unet, pipe.scheduler):"
+    assert checks in REMOTE_SCRIPT  # the guide, too, is loaded from the folder's code
+    (tmp_path / "remote_load.py").write_text(REMOTE_SCRIPT.replace(checks, checks[:-2] + ", pipe.guide_unet):"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-I", str(tmp_path / "remote_load.py"), str(folder), str(tmp_path / "o.npy")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    script = [sys.executable, "-I", str(tmp_path / "remote_load.py"), str(folder), str(tmp_path / "o.npy")]
+    proc = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert np.allclose(np.load(tmp_path / "o.npy"), expected, atol=1e-5)

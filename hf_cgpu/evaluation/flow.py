@@ -230,7 +230,8 @@ def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inferenc
             gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(start, start + n)]
             out = sampler(batch_size=n, num_inference_steps=num_inference_steps, generator=gens,
                           class_labels=labels[start : start + n] if labels is not None else None,
-                          guidance_scale=guidance_scale if labels is not None or guide is not None else 1.0, output_type="pt",
+                          guidance_scale=guidance_scale if labels is not None or guide is not None else 1.0,
+                          output_type="pt",
                           guidance_interval=guidance_interval).images
             chunks.append((out.float() * 255).round().to(torch.uint8).cpu())  # quantised like a saved PNG
             bar.update(n)

@@ -59,10 +59,10 @@ class Toy2DTask(Task):
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         c = self.cfg
         self.seed = settings.seed
-        guide = Path(c.guidance_model).resolve() if c.guidance_model else None
-        if guide is not None and not guide.exists() and checkpoint_root(settings.output_dir).resolve() not in guide.parents:
+        guide, ours = Path(c.guidance_model).resolve(), checkpoint_root(settings.output_dir)
+        if c.guidance_model and not guide.exists() and ours.resolve() not in guide.parents:
             raise MissingPathError(f"--guidance_model {c.guidance_model} does not exist and is no checkpoint this run "
-                                   f"will write (under {checkpoint_root(settings.output_dir)}); pass a checkpoint folder")
+                                   f"will write (under {ours}); pass a checkpoint folder")
         return TaskPlan(VelocityMLP(c.hidden, c.depth, c.time_embed_dim), eval_steps=0)
 
     def sample_order(self, seed: int) -> FreshPoints:
