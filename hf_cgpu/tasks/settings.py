@@ -145,8 +145,9 @@ class FlowDistillSettings:
     limit: int = 0
     """Use only the first this many training images (0 = all); for smoke tests."""
     guidance_scale: float = field(default=0.0, metadata=FIXED)
-    """Classifier-free guidance of the teacher, baked into the student (which samples with one call per step);
-    0 = the teacher folder's saved scale."""
+    """Guidance of the teacher, baked into the student (which samples with one call per step): classifier-free, or
+    autoguidance where the teacher folder saved a guidance model (``hf-cgpu sample --save_pipeline``); 0 = the teacher
+    folder's saved scale."""
     guidance_interval: str = field(default="", metadata=FIXED)
     """The teacher's guidance only where t (0 = noise, 1 = data) lies in LO:HI; full = every step; empty = the teacher
     folder's saved interval."""
