@@ -75,6 +75,10 @@ def test_autoguidance_by_an_early_checkpoint_runs_end_to_end(tmp_path):
         (("euler", 2), 1, 2), (("euler", 5), 2, 4), (("heun", 2), 1, 2), (("heun", 5), 1, 2)]  # Heun 2 = 3 calls, 6 > 5
     assert all(sum(r["counts"]) == 200 for r in rows)
     assert any(guided[k]["within"] != plain[k]["within"] for k in (("euler", 5), ("heun", 5)))
+    pruned = Toy2DSettings(guidance_model=str(tmp_path / "c" / "checkpoints" / "step_0000010"))
+    with pytest.raises(ValueError, match="keeps only the checkpoints of steps .30, 40.*--checkpoints_total_limit 4"):
+        fit(Toy2DTask(pruned), TrainSettings(**{**train.__dict__, "output_dir": str(tmp_path / "c"),
+                                                "checkpoints_total_limit": 2}))  # refused before training
     with pytest.raises(FileNotFoundError, match="guidance_model .*nope does not exist"):  # before training
         fit(Toy2DTask(Toy2DSettings(num_samples=50, nfe_budgets="2", guidance_model=str(tmp_path / "nope"))),
             TrainSettings(**{**preset, "max_steps": 2, "micro_batch_size": 16, "output_dir": str(tmp_path / "b"),
