@@ -48,7 +48,8 @@ def weight_variants(run_dir: Path) -> tuple[dict[str, Path | None], list[str]]:
         return variants, ["raw weights unavailable: no checkpoint with model.safetensors in the run folder"]
     step = read_trainer_state(ckpts[-1]).get("step")
     if step != info.get("steps"):
-        return variants, [f"raw weights skipped: last checkpoint is step {step}, the saved model step {info.get('steps')}"]
+        return variants, [f"raw weights skipped: last checkpoint is step {step}, the saved model step "
+                          f"{info.get('steps')}"]
     variants["raw"] = ckpts[-1] / "model.safetensors"
     return variants, []
 
@@ -86,7 +87,8 @@ def guidance_model(spec: str, run_dir: str | Path, unet) -> tuple[torch.nn.Modul
     if spec == "raw":
         variants, notes = weight_variants(Path(run_dir))
         if not variants.get("raw"):
-            why = notes[0] if notes else f"{run_dir} saved its live weights, not an EMA: raw is the model itself"
+            why = (notes[0] if notes else f"{run_dir} saved its live weights, not an EMA: raw is the model itself"
+                   if "raw" in variants else f"{run_dir} is no run folder (no all_results.json)")
             raise SettingsError(f"--guidance_model raw: {why}; pass an earlier checkpoint (RUN/checkpoints/step_N)")
         return copy_with_weights(unet, variants["raw"]), f"raw ({variants['raw'].parent.name})"
     path = Path(spec).expanduser()

@@ -94,8 +94,8 @@ class SampleSettings:
         if self.guidance_scale < 0:
             raise SettingsError(f"--guidance_scale {self.guidance_scale}; use a value >= 1 (or 0: the default)")
         if self.guidance_scale not in (0.0, 1.0) and not self.class_labels and self.guidance_model in ("", "none"):
-            raise SettingsError("--guidance_scale needs --class_labels (guidance contrasts a class with the null class) "
-                                "or --guidance_model (autoguidance)")
+            raise SettingsError("--guidance_scale needs --class_labels (guidance contrasts a class with the null "
+                                "class) or --guidance_model (autoguidance)")
 
     def sampling(self, pipe) -> dict:
         """The pipeline call's steps, guidance scale and interval: these settings, 0 and empty resolved from the
@@ -168,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = max(1, int(math.sqrt(a.num_images)))
     image_grid(out, rows).save(dest / "grid.png")
     print(f"wrote {len(out)} images and grid.png to {dest}")
-    if a.save_pipeline:
-        save_with_defaults(pipe, sampling, model_dir, a.save_pipeline)
+    if a.save_pipeline:  # the defaults as given, whether or not these images had labels
+        defaults = saved_sampling(pipe, a.num_inference_steps, a.guidance_scale, a.guidance_interval, 2.5)
+        save_with_defaults(pipe, defaults, model_dir, a.save_pipeline)
         print(f"saved the pipeline with these sampling defaults to {a.save_pipeline}")
     return 0
 
