@@ -174,3 +174,14 @@ def test_guided_teacher_guides_the_rows_inside_the_interval_only():
     teacher = guided_teacher(model_fn, null_class=9, scale=3.0, interval=(0.3, 0.7))
     v = teacher(torch.zeros(3, 2), torch.tensor([0.1, 0.5, 0.7]), torch.tensor([2, 2, 4]))
     torch.testing.assert_close(v[:, 0], torch.tensor([2.0, -1 + 3 * 3.0, -1 + 3 * 5.0]))
+
+    def weak_fn(x, t, labels):  # autoguidance: a weaker model for the same labels (half the velocity, or 0.5 without)
+        v = 0.5 * labels.float() if labels is not None else torch.full((len(x),), 0.5)
+        return v[:, None].expand_as(x)
+
+    teacher = guided_teacher(model_fn, null_class=9, scale=3.0, interval=(0.3, 0.7), guide_fn=weak_fn)
+    v = teacher(torch.zeros(3, 2), torch.tensor([0.1, 0.5, 0.7]), torch.tensor([2, 2, 4]))
+    torch.testing.assert_close(v[:, 0], torch.tensor([2.0, 1 + 3 * (2.0 - 1), 2 + 3 * (4.0 - 2)]))
+    unconditional = guided_teacher(lambda x, t, y: torch.ones_like(x), None, 3.0, None, guide_fn=weak_fn)
+    torch.testing.assert_close(unconditional(torch.zeros(2, 2), torch.tensor([0.2, 0.9]), None),
+                               torch.full((2, 2), 0.5 + 3 * 0.5))

@@ -243,7 +243,8 @@ def test_inference_batch_single_identical():
 
 def test_to_dtype_and_components():
     pipe = pipe_with()
-    assert set(pipe.components) == {"unet", "scheduler"}
+    assert set(pipe.components) == {"unet", "scheduler", "guide_unet"}  # the optional autoguidance model
+    assert pipe.components["guide_unet"] is None
     again = FlowMatchPipeline(**pipe.components)
     again.set_progress_bar_config(disable=True)
     assert torch.equal(sample(again), sample(pipe))

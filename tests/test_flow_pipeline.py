@@ -1,5 +1,6 @@
 """FlowMatchPipeline: outputs, guidance, save/load, and loading with trust_remote_code where hf_cgpu is absent."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -8,6 +9,9 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.models.unets.unet_2d import UNet2DOutput
 from PIL import Image
 
 from hf_cgpu.flow.matching import guided_velocity
@@ -212,3 +216,130 @@ def test_step_size_embedding_is_off_by_default_and_starts_as_the_base_model():
         assert not torch.allclose(student(x, t, y, step_size=0.5).sample, student(x, t, y, step_size=0.0).sample)
     with pytest.raises(ValueError, match="step_size_embedding"):
         base(x, t, y, step_size=0.5)
+
+
+# ----------------------------------------------------------------------------- autoguidance
+class LinearField(ModelMixin, ConfigMixin):
+    """A 'UNet' with a known velocity: v(x, t, y) = a x + b t + c y (y = the label, the null class included)."""
+
+    @register_to_config
+    def __init__(self, sample_size=8, in_channels=3, out_channels=3, num_classes=3, a=0.0, b=0.0, c=0.0):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(()))  # device and dtype for the pipeline
+
+    def forward(self, x, t, class_labels=None):
+        y = class_labels if class_labels is not None else torch.full((x.shape[0],), self.config.num_classes)
+        c = self.config
+        v = c.a * x + c.b * t.reshape(-1, 1, 1, 1) + c.c * y.reshape(-1, 1, 1, 1).float()
+        return UNet2DOutput(sample=v)
+
+
+def test_autoguidance_matches_the_closed_form_of_two_known_fields():
+    """Euler with v = v_weak + w (v_strong - v_weak) of two linear fields is a linear recursion on x: the pipeline's
+    samples equal it written out, guided only inside the interval, the same label through both models."""
+    strong, weak = LinearField(a=-0.5, b=0.8, c=0.1), LinearField(a=0.3, b=-0.4, c=-0.2)
+    pipe = FlowMatchPipeline(unet=strong, scheduler=FlowMatchEulerScheduler(), guide_unet=weak, guidance_model="weak")
+    pipe.set_progress_bar_config(disable=True)
+    w, steps, interval, labels = 2.5, 5, (0.3, 0.7), [0, 2]
+    out = pipe(2, steps, _gen(), class_labels=labels, guidance_scale=w, guidance_interval=interval,
+               output_type="pt").images
+    x = torch.randn((2, 3, 8, 8), generator=_gen()).double()
+    y = torch.tensor(labels, dtype=torch.float64).reshape(-1, 1, 1, 1)
+    for k in range(steps):
+        t = k / steps
+        field = lambda m: m.a * x + m.b * t + m.c * y  # noqa: E731
+        vs, vw = field(strong.config), field(weak.config)
+        v = vw + w * (vs - vw) if interval[0] <= t <= interval[1] else vs
+        x = x + v / steps
+    assert torch.allclose(out.double(), (x / 2 + 0.5).clamp(0, 1), atol=1e-5)
+    uncond = pipe(2, steps, _gen(), guidance_scale=w, guidance_interval=None, output_type="pt").images
+    x = torch.randn((2, 3, 8, 8), generator=_gen()).double()
+    for k in range(steps):  # no labels: both models unconditional (the null class), guided at every call
+        t, null = k / steps, 3.0
+        vs, vw = (m.a * x + m.b * t + m.c * null for m in (strong.config, weak.config))
+        x = x + (vw + w * (vs - vw)) / steps
+    assert torch.allclose(uncond.double(), (x / 2 + 0.5).clamp(0, 1), atol=1e-5)
+
+
+@pytest.mark.parametrize("scheduler", ["euler", "heun"])
+def test_autoguidance_counts_two_evaluations_per_guided_call(scheduler):
+    pipe = _pipe(FlowMatchHeunScheduler() if scheduler == "heun" else None)
+    pipe.set_guidance_model(copy.deepcopy(pipe.unet), "copy")
+    rows = {"unet": [], "guide": []}
+    pipe.unet.register_forward_pre_hook(lambda m, args: rows["unet"].append(args[0].shape[0]))
+    pipe.guide_unet.register_forward_pre_hook(lambda m, args: rows["guide"].append(args[0].shape[0]))
+    pipe(2, 5, _gen(), class_labels=[0, 2], guidance_scale=3.0, guidance_interval=(0.3, 0.7), output_type="pt")
+    evaluations = (sum(rows["unet"]) + sum(rows["guide"])) // 2
+    assert evaluations == evaluations_per_image(scheduler, 5, 3.0, (0.3, 0.7))
+    assert set(rows["unet"]) == {2} and rows["guide"]  # never the doubled null-class batch
+    assert len(rows["guide"]) == sum(g for _, _, g in pipe.scheduler.call_plan((0.3, 0.7)))
+
+
+def test_a_guide_identical_to_the_model_gives_exactly_the_unguided_samples():
+    pipe = _pipe()
+    plain = pipe(2, 3, _gen(), class_labels=[0, 2], output_type="pt").images
+    plain_uncond = pipe(2, 3, _gen(), output_type="pt").images
+    pipe.set_guidance_model(copy.deepcopy(pipe.unet), "itself")
+    assert torch.equal(pipe(2, 3, _gen(), class_labels=[0, 2], guidance_scale=4.0, output_type="pt").images, plain)
+    assert torch.equal(pipe(2, 3, _gen(), guidance_scale=4.0, output_type="pt").images, plain_uncond)
+    with torch.no_grad():
+        next(pipe.guide_unet.parameters()).mul_(0.5)  # a weaker model: now guidance moves the samples
+    assert not torch.allclose(pipe(2, 3, _gen(), class_labels=[0, 2], guidance_scale=4.0, output_type="pt").images,
+                              plain, atol=1e-3)
+
+
+def test_a_guide_of_another_shape_or_class_count_is_refused():
+    pipe = _pipe()
+    other = FlowUNet2DModel(sample_size=8, base_channels=8, time_embed_dim=16, num_classes=5)
+    with pytest.raises(ValueError, match="num_classes 5 vs 3"):
+        pipe.set_guidance_model(other)
+    with pytest.raises(ValueError, match="sample_size 16 vs 8"):
+        pipe.set_guidance_model(FlowUNet2DModel(sample_size=16, base_channels=8, time_embed_dim=16, num_classes=3))
+    with pytest.raises(ValueError, match="guide_unet"):
+        _pipe(num_classes=None)(2, 2, _gen(), guidance_scale=3.0)  # no labels, no guide: nothing to guide with
+
+
+def _guided_pipe() -> FlowMatchPipeline:
+    pipe = _pipe(FlowMatchHeunScheduler())
+    weak = copy.deepcopy(pipe.unet)
+    with torch.no_grad():
+        for p in weak.parameters():
+            p.mul_(0.7)
+    pipe.set_guidance_model(weak, "checkpoints/step_0000010")
+    pipe.register_to_config(num_inference_steps=3, guidance_scale=2.0, guidance_interval=[0.2, 0.9])
+    return pipe
+
+
+def test_autoguidance_save_load_round_trip(tmp_path):
+    """The guide is saved as a component and the setting in model_index.json: the loaded folder samples the same
+    way with no arguments; a folder saved without a guide loads without one."""
+    pipe = _guided_pipe()
+    expected = pipe(2, generator=_gen(), class_labels=[0, 1], output_type="pt").images
+    save_for_remote_code(pipe, tmp_path / "g")
+    assert (tmp_path / "g" / "guide_unet" / "hf_cgpu.flow.unet.py").is_file()
+    loaded = FlowMatchPipeline.from_pretrained(tmp_path / "g")
+    loaded.set_progress_bar_config(disable=True)
+    assert type(loaded.guide_unet) is FlowUNet2DModel and loaded.config.guidance_model == "checkpoints/step_0000010"
+    assert torch.allclose(loaded(2, generator=_gen(), class_labels=[0, 1], output_type="pt").images, expected,
+                          atol=1e-5)
+    loaded.set_guidance_model(None)
+    loaded.save_pretrained(tmp_path / "off")
+    off = FlowMatchPipeline.from_pretrained(tmp_path / "off")
+    assert off.guide_unet is None and off.config.guidance_model is None
+
+
+def test_autoguided_folder_loads_with_trust_remote_code_without_hf_cgpu(tmp_path):
+    pipe = _guided_pipe()
+    pipe.register_to_config(num_inference_steps=8, guidance_scale=1.0, guidance_interval=None)
+    expected = pipe(2, 3, _gen(), class_labels=[0, 1], guidance_scale=2.0, output_type="np").images  # the script's call
+    folder = tmp_path / "saved"
+    save_for_remote_code(pipe, folder)
+    checks = "for obj in (pipe, pipe.unet, pipe.scheduler):"
+    assert checks in REMOTE_SCRIPT  # the guide, too, is loaded from the folder's code
+    (tmp_path / "remote_load.py").write_text(REMOTE_SCRIPT.replace(checks, checks[:-2] + ", pipe.guide_unet):"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    script = [sys.executable, "-I", str(tmp_path / "remote_load.py"), str(folder), str(tmp_path / "o.npy")]
+    proc = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert np.allclose(np.load(tmp_path / "o.npy"), expected, atol=1e-5)

@@ -56,3 +56,30 @@ def test_recipe_meets_the_target(tmp_path):
     rows = json.loads((tmp_path / "all_results.json").read_text())["rows"]
     good = [r for r in rows if r["nfe"] <= 20 and r["within"] >= 0.9 and all(200 <= c <= 300 for c in r["counts"])]
     assert good, rows
+
+
+def test_autoguidance_by_an_early_checkpoint_runs_end_to_end(tmp_path):
+    """The run's own step-10 checkpoint guides its final model: "+ag" rows beside the plain ones, at the same budgets,
+    a guided call counted twice; a checkpoint that does not exist is a one-line error."""
+    early = tmp_path / "checkpoints" / "step_0000010"
+    toy = Toy2DSettings(num_samples=200, nfe_budgets="2,5", guidance_model=str(early), guidance_scale=2.0)
+    preset = {k: v for k, v in load_preset("toy", "flow2d").items() if k != "description"}
+    train = TrainSettings(**{**preset, "max_steps": 40, "micro_batch_size": 64, "output_dir": str(tmp_path),
+                             "progress": False, "checkpointing_steps": 10, "checkpoints_total_limit": 10})
+    rows = fit(Toy2DTask(toy), train)["rows"]
+    assert early.is_dir()
+    plain = {(r["method"], r["budget"]): r for r in rows if not r["method"].endswith("+ag")}
+    guided = {(r["method"].removesuffix("+ag"), r["budget"]): r for r in rows if r["method"].endswith("+ag")}
+    assert guided.keys() == plain.keys()
+    assert [(k, r["steps"], r["nfe"]) for k, r in guided.items()] == [
+        (("euler", 2), 1, 2), (("euler", 5), 2, 4), (("heun", 2), 1, 2), (("heun", 5), 1, 2)]  # Heun 2 = 3 calls, 6 > 5
+    assert all(sum(r["counts"]) == 200 for r in rows)
+    assert any(guided[k]["within"] != plain[k]["within"] for k in (("euler", 5), ("heun", 5)))
+    pruned = Toy2DSettings(guidance_model=str(tmp_path / "c" / "checkpoints" / "step_0000010"))
+    with pytest.raises(ValueError, match="keeps only the checkpoints of steps .30, 40.*--checkpoints_total_limit 4"):
+        fit(Toy2DTask(pruned), TrainSettings(**{**train.__dict__, "output_dir": str(tmp_path / "c"),
+                                                "checkpoints_total_limit": 2}))  # refused before training
+    with pytest.raises(FileNotFoundError, match="guidance_model .*nope does not exist"):  # before training
+        fit(Toy2DTask(Toy2DSettings(num_samples=50, nfe_budgets="2", guidance_model=str(tmp_path / "nope"))),
+            TrainSettings(**{**preset, "max_steps": 2, "micro_batch_size": 16, "output_dir": str(tmp_path / "b"),
+                             "progress": False}))

@@ -22,7 +22,7 @@ from hf_cgpu.evaluation.classifier import (CifarResNet, ClassifierConfig, file_h
 from hf_cgpu.evaluation.images import (class_statistics, feature_statistics, frechet_distance,
                                        frechet_distance_of_features, image_features, precision_recall)
 from hf_cgpu.evaluation.flow import ImageEvalSettings
-from hf_cgpu.flow.samplers import evaluations_per_image, steps_within
+from hf_cgpu.flow.samplers import evaluations_per_image, parse_interval, steps_within
 
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR = ROOT.parent / "shared" / "data" / "cifar10"
@@ -304,3 +304,56 @@ def test_sweep_evaluations_give_each_sampler_the_most_steps_that_fit():
     assert s.grid == [("euler", 17, 1.0, None), ("euler", 8, 3.0, None), ("euler", 11, 3.0, (0.2, 0.8))]
     with pytest.raises(SettingsError, match="--sweep_evaluations"):
         ImageEvalSettings(classifier="y", sweep_evaluations="0,5")
+
+
+def test_cli_autoguidance_by_raw_weights_and_an_early_checkpoint(tmp_path, synthetic_data, synthetic_classifier,
+                                                                  capsys):
+    """`hf-cgpu eval` and `hf-cgpu sample` guided by the run's raw weights and by its step-1 checkpoint: evaluations
+    counted from the sampler (a guided call twice), the guide named in the rows; `sample --save_pipeline` writes a
+    folder that samples the same images with no flags; a wrong guide is one line and exit 2."""
+    run = tmp_path / "flow"
+    _run_recipe("train_flow.py", ["--preset", "tiny", "--dataset", str(synthetic_data), "--output_dir", str(run),
+                                  "--base_channels", "8", "--max_steps", "3", "--checkpointing_steps", "1",
+                                  "--limit", "64", "--sample_steps", "1", "--progress", "false"])
+    early = run / "checkpoints" / "step_0000001"
+    common = [str(run), "--classifier", str(synthetic_classifier), "--dataset", str(synthetic_data),
+              "--num_images", "20", "--batch_size", "20", "--cache_dir", str(tmp_path / "feat")]
+    rc, _, _ = _eval([*common, "--sweep", "--sweep_schedulers", "heun", "--sweep_steps", "2",
+                      "--sweep_guidance", "1,2", "--sweep_guidance_intervals", "full,0.3:0.8", "--weights", "ema",
+                      "--guidance_model", str(early)], capsys)
+    rows = json.loads((run / "eval" / "sweep.json").read_text())
+    assert rc == 0 and len(rows) == 3
+    for r in rows:
+        assert r["nfe_per_image"] == evaluations_per_image("heun", 2, r["guidance_scale"],
+                                                           parse_interval(r["guidance_interval"]))
+        assert r["guidance_model"] == (str(early) if r["guidance_scale"] != 1 else None)  # w = 1: unguided
+    assert [r["nfe_per_image"] for r in rows] == [3, 6, 5]  # Heun 2 steps: 3 calls, all or 2 of them guided
+    rc, out, _ = _eval([*common, "--scheduler", "euler", "--num_inference_steps", "2", "--guidance_scale", "2",
+                        "--guidance_model", "raw", "--output_json", str(tmp_path / "raw.json")], capsys)
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert rc == 0 and raw["guidance_model"] == "raw (step_0000003)" and raw["nfe_per_image"] == 4
+    assert "guided by raw" in out
+
+    sample = ["sample", str(run), "--num_images", "4", "--class_labels", "0,1", "--num_inference_steps", "2",
+              "--guidance_scale", "2", "--guidance_model", "raw"]
+    assert cli_main([*sample, "--output_dir", str(tmp_path / "a"), "--save_pipeline", str(tmp_path / "saved")]) == 0
+    assert cli_main(["sample", str(tmp_path / "saved"), "--num_images", "4", "--class_labels", "0,1",
+                     "--output_dir", str(tmp_path / "b")]) == 0
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "a" / "grid.png")),
+                          np.asarray(Image.open(tmp_path / "b" / "grid.png")))
+    assert cli_main(["sample", str(tmp_path / "saved"), "--num_images", "4", "--class_labels", "0,1",
+                     "--guidance_model", "none", "--output_dir", str(tmp_path / "c")]) == 0
+    assert not np.array_equal(np.asarray(Image.open(tmp_path / "a" / "grid.png")),
+                              np.asarray(Image.open(tmp_path / "c" / "grid.png")))
+
+    other = _tiny_pipeline(tmp_path / "five", num_classes=5)
+    unconditional = _tiny_pipeline(tmp_path / "uncond", num_classes=None)
+    for guide, words in [(other, "num_classes 5 vs 10"), (tmp_path / "nope", "does not exist"),
+                         (unconditional, "num_classes None vs 10")]:
+        rc, _, err = _eval([*common, "--guidance_model", str(guide)], capsys)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+    rc, _, err = _eval([str(other), *common[1:], "--guidance_model", "raw"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "checkpoint" in err, err
+    capsys.readouterr()
+    assert cli_main([*sample, "--save_pipeline", str(run)]) == 2
+    assert "MODEL_DIR itself" in capsys.readouterr().err

@@ -121,3 +121,26 @@ def test_loads_through_diffusers_without_hf_cgpu(runs, tmp_path):
                          timeout=300)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
     assert np.allclose(np.load(tmp_path / "out.npy"), expected, atol=1e-5)
+
+
+def test_a_teacher_saved_with_autoguidance_is_distilled_as_it_samples(runs, synthetic_data, tmp_path, monkeypatch):
+    """A teacher folder written by `hf-cgpu sample --guidance_model raw --save_pipeline` is distilled with its
+    autoguidance (the teacher's velocity is the one its pipeline samples with), and the run records which guide."""
+    from hf_cgpu.tasks.flow_distill import FlowDistillTask
+
+    guided = tmp_path / "guided"
+    assert cli_main(["sample", str(runs / "teacher"), "--num_images", "1", "--class_labels", "0", "--guidance_model",
+                     "raw", "--guidance_scale", "2", "--output_dir", str(tmp_path / "png"),
+                     "--save_pipeline", str(guided)]) == 0
+    tasks, setup = [], FlowDistillTask.setup
+    monkeypatch.setattr(FlowDistillTask, "setup", lambda self, *a: (tasks.append(self), setup(self, *a))[1])
+    _train("flow-distill", tmp_path / "student", "--teacher", str(guided), "--dataset", str(synthetic_data),
+           "--max_steps", "2")
+    results = json.loads((tmp_path / "student" / "all_results.json").read_text())
+    assert results["teacher_guidance_model"] == "raw (step_0000004)" and results["teacher_guidance_scale"] == 2.0
+    pipe = FlowMatchPipeline.from_pretrained(guided)
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
+    with torch.no_grad():
+        for t in (0.5, 0.1):  # inside the saved interval 0.2:0.9 guided, outside the teacher alone
+            want = pipe._velocity(x, torch.tensor(t), y, 2.0 if 0.2 <= t <= 0.9 else 1.0)
+            torch.testing.assert_close(tasks[0].teacher_fn(x, torch.full((2,), t), y), want)

@@ -2,6 +2,11 @@
 setting, for a base flow pipeline and its distilled student, in one classifier's features (benchmarks/quality/
 gpu_fewstep.sh runs it; see there).
 
+Autoguidance rows (``hf_cgpu.flow.guide``: v_weak + w (v - v_weak), the same class through both models) guide each
+pipeline by a weaker version of itself: its raw (non-EMA) weights of the same step, and an early checkpoint of its run
+(the one nearest --early_fraction of its steps: the runs keep their checkpoints for it), at --ag_scales, Heun at
+--ag_base evaluations for the base (full and --intervals) and Euler at --ag_distilled for the distilled pipeline.
+
 Rows are planned from the samplers' own evaluation counts (``steps_within``; a guided call counts two, a call outside
 the guidance interval one) and run in priority order (the distilled pipeline at 1 and 2 evaluations first, then the
 base at 10, ...). Each finished row is appended to WORK/table.json and rewritten into OUT/fewstep.md, and its picture
@@ -30,29 +35,54 @@ from hf_cgpu.evaluation.flow import (ImageEvalSettings, evaluate_pipeline, grid_
 from hf_cgpu.evaluation.images import (feature_statistics, frechet_distance, image_features, kth_neighbour_radii,
                                        precision_recall)
 from hf_cgpu.flow.samplers import evaluations_per_image, format_interval, parse_interval, steps_within
+from hf_cgpu.flow.guide import weight_variants
+from hf_cgpu.train.checkpoint import list_checkpoints, step_of
 
-KEYS = ["model", "sampler", "steps", "guidance", "nfe_per_image", "fd", "fd_vs_seed", "precision", "recall",
+KEYS = ["model", "sampler", "steps", "guidance", "guide", "nfe_per_image", "fd", "fd_vs_seed", "precision", "recall",
         "class_share_min", "class_share_max", "classes_within_30pct", "num_images"]
 
 
-def plan(evaluations: list[int], scale: float, intervals: list, distilled: bool) -> list[tuple]:
-    """(model, sampler, steps, scale, interval) rows in the order they run: the distilled pipeline's rows at the
-    fewest evaluations first, then the base pipeline's at 10, 4, 20, 2, 1 evaluations."""
+GUIDES = ("raw", "early")
+"""The weak models of the autoguidance rows: the pipeline's raw weights, and an early checkpoint of its run."""
+
+
+def _fits(e: int, sampler: str, w: float, interval) -> int | None:
+    """The most steps of ``sampler`` within ``e`` evaluations, or None where no distinct row fits: a guided row
+    over budget (1 evaluation), Heun 1 (= Euler 1), an interval that guides no call (= the unguided row)."""
+    steps = steps_within(e, sampler, w, interval)
+    cost = evaluations_per_image(sampler, steps, w, interval)
+    if cost > e or (sampler == "heun" and steps == 1) or (w != 1 and cost == evaluations_per_image(sampler, steps)):
+        return None
+    return steps
+
+
+def plan(evaluations: list[int], scale: float, intervals: list, distilled: bool, ag_scales: tuple = (),
+         ag_base: tuple = (), ag_distilled: tuple = ()) -> list[tuple]:
+    """(model, sampler, steps, scale, interval, guide) rows in the order they run (guide None: the null class, or no
+    guidance at scale 1): the distilled pipeline's rows at the fewest evaluations first and its autoguided ones, then
+    the base pipeline's at 10, 4, 20, 2, 1 evaluations, each followed by its autoguided rows."""
     rows = []
     if distilled:
-        rows += [("distilled", "euler", e, 1.0, None) for e in evaluations]
+        rows += [("distilled", "euler", e, 1.0, None, None) for e in evaluations]
+        rows += [("distilled", "euler", steps, w, None, g) for e in ag_distilled for g in GUIDES for w in ag_scales
+                 if (steps := _fits(e, "euler", w, None))]
     order = sorted(evaluations, key=lambda e: (e != 10, e != 4, e != 20, -e))
     for e in order:
         for sampler in ("heun", "euler"):
             for w, interval in [(1.0, None), (scale, None)] + [(scale, i) for i in intervals]:
-                steps = steps_within(e, sampler, w, interval)
-                cost = evaluations_per_image(sampler, steps, w, interval)
-                if cost > e:  # a guided 1-evaluation row cannot fit
-                    continue
-                if (sampler == "heun" and steps == 1) or (w != 1 and cost == evaluations_per_image(sampler, steps)):
-                    continue  # Heun 1 is Euler 1; an interval that guides no call is the unguided row
-                rows.append(("base", sampler, steps, w, interval))
+                if steps := _fits(e, sampler, w, interval):
+                    rows.append(("base", sampler, steps, w, interval, None))
+        if e in ag_base:
+            rows += [("base", "heun", steps, w, i, g) for g in GUIDES for w in ag_scales for i in [None, *intervals]
+                     if (steps := _fits(e, "heun", w, i))]
     return list(dict.fromkeys(rows))
+
+
+def early_checkpoint(run: Path, fraction: float) -> Path | None:
+    """The checkpoint of ``run`` before its last step nearest ``fraction`` of its steps (None: it kept none)."""
+    final = json.loads((run / "all_results.json").read_text())["steps"]
+    earlier = [c for c in list_checkpoints(run) if step_of(c) < final]
+    return min(earlier, key=lambda c: abs(step_of(c) - fraction * final)) if earlier else None
 
 
 def ceiling(classifier, real: dict, s: ImageEvalSettings, k: int) -> dict:
@@ -108,6 +138,11 @@ def main() -> None:
     p.add_argument("--evaluations", default="1,2,4,10,20")
     p.add_argument("--guidance_scale", type=float, default=2.5)
     p.add_argument("--intervals", default="0.25:0.8", help="comma-separated LO:HI guidance intervals")
+    p.add_argument("--ag_scales", default="1.5,2,3", help="autoguidance weights w (empty: no autoguided rows)")
+    p.add_argument("--ag_base", default="10,20", help="evaluations of the base pipeline's autoguided (Heun) rows")
+    p.add_argument("--ag_distilled", default="2,4", help="evaluations of the distilled pipeline's autoguided rows")
+    p.add_argument("--early_fraction", type=float, default=0.25,
+                   help="the early checkpoint guiding a pipeline: the one nearest this fraction of its run's steps")
     p.add_argument("--deadline", type=float, default=0.0, help="unix time after which no row starts (0 = none)")
     p.add_argument("--row_seconds", type=float, default=20.0, help="a row starts only this long before --deadline")
     a = p.parse_args()
@@ -125,25 +160,35 @@ def main() -> None:
     if not any(r["model"].startswith("CIFAR-10 test") for r in rows):
         rows.append(ceiling(classifier, real, s, 3))
     seed = seed_row(a.seed_eval)
-    done = {(r["model"], r["sampler"], r["steps"], r["guidance"]) for r in rows}
+    done = {(r["model"], r["sampler"], r["steps"], r["guidance"], r.get("guide", "null class")) for r in rows}
     intervals = [parse_interval(i) for i in a.intervals.split(",") if i.strip()]
     pipes = {"base": a.base, **({"distilled": a.distilled} if a.distilled else {})}
+    guides = {(m, "raw"): "raw" if weight_variants(Path(d))[0].get("raw") else None for m, d in pipes.items()}
+    guides.update({(m, "early"): early_checkpoint(Path(d), a.early_fraction) for m, d in pipes.items()})
     loaded = {}
     grids = work / "grids"
-    for model, sampler, steps, w, interval in plan([int(e) for e in a.evaluations.split(",")], a.guidance_scale,
-                                                   intervals, bool(a.distilled)):
+    ints = lambda text: tuple(int(e) for e in text.split(",") if e.strip())  # noqa: E731
+    for model, sampler, steps, w, interval, g in plan(
+            list(ints(a.evaluations)), a.guidance_scale, intervals, bool(a.distilled),
+            tuple(float(x) for x in a.ag_scales.split(",") if x.strip()), ints(a.ag_base), ints(a.ag_distilled)):
         guidance = "none" if w == 1 else f"{w:g}, t in {format_interval(interval)}"
-        if (model, sampler, steps, guidance) in done:
+        spec = guides.get((model, g)) if g else ""
+        guide = "-" if w == 1 else "null class" if not g else f"early ({spec.name})" if g == "early" and spec else g
+        if (model, sampler, steps, guidance, guide) in done:
+            continue
+        if g and not spec:
+            print(f"no {g} guide for {model} (its run kept no checkpoint for it): row left out")
             continue
         if a.deadline and time.time() > a.deadline - a.row_seconds:
-            print(f"deadline: {model} {sampler} {steps} {guidance} and later rows left for the next call")
+            print(f"deadline: {model} {sampler} {steps} {guidance} {guide} and later rows left for the next call")
             break
-        if model not in loaded:
-            loaded[model] = load_pipeline(Path(pipes[model]), None, device)
-        r = evaluate_pipeline(loaded[model], classifier, real, a.num_images, sampler, steps, w, a.batch_size,
+        if (model, g) not in loaded:
+            loaded[model, g] = load_pipeline(Path(pipes[model]), None, device, str(spec) if g else "none")
+        name = grid_name(g or "saved", sampler, steps, w, interval)
+        r = evaluate_pipeline(loaded[model, g], classifier, real, a.num_images, sampler, steps, w, a.batch_size,
                               mixed_precision="auto", progress=False, guidance_interval=interval,
-                              grid_path=grids / f"{model}_{grid_name('saved', sampler, steps, w, interval)}")
-        row = {"model": model, "sampler": sampler, "steps": steps, "guidance": guidance, **r}
+                              grid_path=grids / f"{model}_{name}")
+        row = {"model": model, "sampler": sampler, "steps": steps, "guidance": guidance, "guide": guide, **r}
         row["fd_vs_seed"] = row["fd"] / seed["fd"] if seed else None
         row["classes_within_30pct"] = balanced(r["class_histogram"])
         rows.append(row)

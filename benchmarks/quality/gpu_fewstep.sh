@@ -11,6 +11,9 @@
 #                                                    to leave TABLE_S for the table), then the table until the deadline
 #   PART=3 bash benchmarks/quality/gpu_fewstep.sh   (if rows are left) the rest of the table on what PART=2 left
 #
+# The table includes autoguidance rows (fewstep_table.py: each pipeline guided by its raw weights and by an early
+# checkpoint of its run), so both runs keep every checkpoint (ours one every 3000 steps).
+#
 # The machine stays warm 30 s between calls, so /tmp survives. Every step after training is bounded by DEADLINE_S
 # (default 560 s from the start); the table keeps its finished rows in /tmp/fewstep/table.json and PART=3 skips them.
 # The reference of FD / precision / recall is the classifier's features of the first 10,000 training images (the
@@ -37,8 +40,9 @@ DISTILL_GUIDANCE=(--guidance_scale "${DISTILL_SCALE:-2.5}" --guidance_interval "
 REF=(--split train --real_limit 10000)
 CLF=(--preset cifar10 --max_minutes 2)
 SEED=(python3 benchmarks/quality/bench_seed_image.py --dataset "$DATA" --minutes "$MIN" --output_dir $R/seed)
-OURS=(--preset cifar10 --max_minutes "$MIN")
-DISTILL=(--preset cifar10)
+KEEP=(--checkpoints_total_limit 50)  # every checkpoint stays: the table's autoguidance takes an early one as the guide
+OURS=(--preset cifar10 --max_minutes "$MIN" --checkpointing_steps 3000 "${KEEP[@]}")
+DISTILL=(--preset cifar10 "${KEEP[@]}")
 TABLE=(--num_images "${NUM_IMAGES:-5000}")
 SEED_IMAGES=10000
 if [ -n "${SMOKE:-}" ]; then  # CPU: the same chain at toy sizes; a tiny unconditional flow run stands in for the seed
@@ -46,10 +50,10 @@ if [ -n "${SMOKE:-}" ]; then  # CPU: the same chain at toy sizes; a tiny uncondi
   CLF=(--preset tiny --max_steps 5)
   SEED=(python3 -m hf_cgpu.cli train flow --preset tiny --class_conditional false --dataset "$DATA" --max_steps 4
         --checkpointing_steps 0 --output_dir $R/seed)
-  OURS=(--preset tiny --max_steps 6 --checkpointing_steps 0 --limit 256)
-  DISTILL=(--preset tiny --limit 64)
+  OURS=(--preset tiny --max_steps 6 --checkpointing_steps 2 "${KEEP[@]}" --limit 256)
+  DISTILL=(--preset tiny --limit 64 "${KEEP[@]}")
   REF=(--split train --real_limit 300)
-  TABLE=(--num_images 40 --batch_size 20 --evaluations 1,2,4)
+  TABLE=(--num_images 40 --batch_size 20 --evaluations 1,2,4,6 --ag_base 6 --ag_scales 2)
   SEED_IMAGES=40
   DEADLINE=${DEADLINE_S:-1800}
 fi

@@ -31,6 +31,7 @@ import torch
 
 from ..data.images import cache_file, load_image_dataset
 from ..errors import about, run_main
+from ..flow.guide import load_weights_file, set_guidance_model, weight_variants
 from ..flow.pipeline_flow_match import FlowMatchPipeline
 from ..flow.sample import image_grid
 from ..flow.sample import saved_sampling
@@ -38,7 +39,6 @@ from ..flow.samplers import (SAMPLERS, check_sampler, format_interval, parse_int
                              steps_within)
 from ..paths import feature_cache, image_cache
 from ..settings import SettingsError, build_parser
-from ..train.checkpoint import list_checkpoints, read_trainer_state
 from .classifier import file_hash, load_classifier
 from .images import (class_statistics, feature_statistics, frechet_distance, image_features, inception_fid,
                      kth_neighbour_radii, precision_recall)
@@ -68,11 +68,16 @@ class ImageEvalSettings:
     num_inference_steps: int = 0
     """Solver steps N; 0 = the pipeline's saved default (1 or 2 for a distilled pipeline)."""
     guidance_scale: float = 0.0
-    """Classifier-free guidance scale (1 = none, one network call per evaluation; unconditional models need 1);
-    0 = the pipeline's saved default (1.5 for a folder that saved none)."""
+    """Guidance scale (1 = none, one network call per evaluation): classifier-free, or autoguidance with a
+    --guidance_model (unconditional models need one, or 1); 0 = the pipeline's saved default (1.5 for a folder that
+    saved none)."""
     guidance_interval: str = ""
     """Guidance only where t (0 = noise, 1 = data) lies in LO:HI, e.g. 0.15:0.8 (one network call instead of two
     elsewhere); full = every step; empty = the pipeline's saved interval."""
+    guidance_model: str = ""
+    """Autoguidance: guide with this weaker model, for the same class, instead of the null class: raw (the run's
+    live weights against its EMA), a checkpoint folder (RUN/checkpoints/step_N) or one of its .safetensors files,
+    a pipeline or UNet folder; none = off; empty = what the folder saved (off unless it saved one)."""
     weights: str = ""
     """Which weights: empty = what the folder's pipeline holds (EMA when the run kept one), ema, or raw (the last
     checkpoint's live weights)."""
@@ -201,12 +206,15 @@ def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inferenc
     from tqdm.auto import tqdm
 
     klass = sampler_class(scheduler) if scheduler else type(pipe.scheduler)  # empty: the saved sampler
-    sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=klass.from_config(pipe.scheduler.config))
+    guide = pipe.guide_unet
+    sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=klass.from_config(pipe.scheduler.config), guide_unet=guide,
+                                guidance_model=pipe.config.get("guidance_model"))
     sampler.set_progress_bar_config(disable=True)
     device = pipe.unet.device
     num_classes = pipe.unet.config.num_classes
-    if not num_classes and guidance_scale != 1.0:
-        raise SettingsError("this pipeline is unconditional; pass --guidance_scale 1 (or --sweep_guidance 1)")
+    if not num_classes and guide is None and guidance_scale != 1.0:
+        raise SettingsError("this pipeline is unconditional; pass --guidance_scale 1 (or --sweep_guidance 1), or "
+                            "--guidance_model for autoguidance")
     labels = torch.arange(num_images) % num_classes if num_classes else None
     bf16 = _use_bf16(mixed_precision, device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else nullcontext()
@@ -216,13 +224,15 @@ def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inferenc
                unit="img", disable=not progress, dynamic_ncols=True)
     sync()
     t0 = time.perf_counter()
-    with _unet_hooks(pipe.unet, rows, fp32_output=bf16), autocast:
+    guide_hooks = _unet_hooks(guide, rows, fp32_output=bf16) if guide is not None else nullcontext()
+    with _unet_hooks(pipe.unet, rows, fp32_output=bf16), guide_hooks, autocast:
         for start in range(0, num_images, batch_size):
             n = min(batch_size, num_images - start)
             gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(start, start + n)]
             out = sampler(batch_size=n, num_inference_steps=num_inference_steps, generator=gens,
                           class_labels=labels[start : start + n] if labels is not None else None,
-                          guidance_scale=guidance_scale if labels is not None else 1.0, output_type="pt",
+                          guidance_scale=guidance_scale if labels is not None or guide is not None else 1.0,
+                          output_type="pt",
                           guidance_interval=guidance_interval).images
             chunks.append((out.float() * 255).round().to(torch.uint8).cpu())  # quantised like a saved PNG
             bar.update(n)
@@ -253,7 +263,10 @@ def evaluate_pipeline(pipe, classifier, real: dict, num_images: int = 10000, sch
     precision, recall = precision_recall(real["features"], feats, k=nearest_k, device=device, real_radii=real[key])
     out = {
         "scheduler": scheduler, "num_inference_steps": num_inference_steps, "guidance_scale": guidance_scale,
-        "guidance_interval": format_interval(guidance_interval), "num_images": num_images, "seed": seed,
+        "guidance_interval": format_interval(guidance_interval),
+        "guidance_model": pipe.config.get("guidance_model") if pipe.guide_unet is not None and guidance_scale != 1
+        else None,
+        "num_images": num_images, "seed": seed,
         "fd": frechet_distance(real["mu"], real["sigma"], *feature_statistics(feats)),
         "precision": precision, "recall": recall, "nearest_k": nearest_k,
         **class_statistics(logits.argmax(1), logits.shape[1], gen["labels"]),
@@ -349,42 +362,20 @@ def weak_judge_warning(classifier_dir: str | Path, measured: float | None) -> st
             f"--dataset DATA --output_dir DIR on a GPU and pass --classifier DIR")
 
 
-def weight_variants(run_dir: Path) -> tuple[dict[str, Path | None], list[str]]:
-    """{name: raw-weights file to load into the saved UNet, or None for the saved weights}, plus notes.
-
-    A loop run (all_results.json) with ema_decay > 0 saved its EMA weights; its last checkpoint's model.safetensors
-    holds the live weights of the same step. Without all_results.json (another script) the weights are "saved".
-    """
-    results = run_dir / "all_results.json"
-    if not results.is_file():
-        return {"saved": None}, []
-    info = json.loads(results.read_text())
-    if not info.get("settings", {}).get("ema_decay", 0):
-        return {"raw": None}, []
-    variants: dict[str, Path | None] = {"ema": None}
-    ckpts = list_checkpoints(run_dir)
-    if not ckpts or not (ckpts[-1] / "model.safetensors").is_file():
-        return variants, ["raw weights unavailable: no checkpoint with model.safetensors in the run folder"]
-    step = read_trainer_state(ckpts[-1]).get("step")
-    if step != info.get("steps"):
-        return variants, [f"raw weights skipped: last checkpoint is step {step}, the saved model step {info.get('steps')}"]
-    variants["raw"] = ckpts[-1] / "model.safetensors"
-    return variants, []
-
-
-def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device):
-    from safetensors.torch import load_file
-
+def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device, guidance_model: str = ""):
+    """The folder's pipeline on ``device``, with ``raw_weights`` in its UNet when given and the autoguidance model
+    ``guidance_model`` (``hf_cgpu.flow.guide``; '' = as saved, none = off)."""
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
     pipe = FlowMatchPipeline.from_pretrained(run_dir)
+    set_guidance_model(pipe, guidance_model, run_dir)  # before the raw weights: the guide copies the saved UNet
     if raw_weights is not None:
-        state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in load_file(str(raw_weights)).items()}
-        pipe.unet.load_state_dict(state, strict=True)
+        pipe.unet.load_state_dict(load_weights_file(raw_weights), strict=True)
     pipe.to(device)
-    if device.type == "cuda":
-        pipe.unet.to(memory_format=torch.channels_last)
+    for unet in (pipe.unet, pipe.guide_unet):
+        if unet is not None and device.type == "cuda":
+            unet.to(memory_format=torch.channels_last)
     pipe.unet.eval()
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -393,7 +384,8 @@ def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device)
 # ----------------------------------------------------------------------------- sweep outputs
 def write_sweep(rows: list[dict], out_dir: Path, plot: bool = True) -> list[Path]:
     """sweep.json, sweep.md (a table) and, with matplotlib installed, sweep.png (``plot_sweep``)."""
-    keys = ["weights", "scheduler", "num_inference_steps", "guidance_scale", "guidance_interval", "nfe_per_image", "fd", "precision",
+    keys = ["weights", "scheduler", "num_inference_steps", "guidance_scale", "guidance_interval", "guidance_model",
+            "nfe_per_image", "fd", "precision",
             "recall", "label_accuracy", "class_share_min", "class_share_max", "images_per_s"]
     (out_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
 
@@ -505,7 +497,7 @@ def _main(argv: list[str] | None) -> int:
 
     if not s.sweep:
         (name, raw), = variants.items()
-        pipe = load_pipeline(run_dir, raw, device)
+        pipe = load_pipeline(run_dir, raw, device, s.guidance_model)
         sched = s.scheduler or saved_sampler_name(pipe)
         kw = saved_sampling(pipe, s.num_inference_steps, s.guidance_scale, s.guidance_interval, fallback_scale=1.5)
         steps, scale, interval = kw["num_inference_steps"], kw["guidance_scale"], kw["guidance_interval"]
@@ -521,7 +513,8 @@ def _main(argv: list[str] | None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))
         acc = "-" if row["label_accuracy"] is None else f"{row['label_accuracy']:.3f}"
-        print(f"{name} {sched} {steps} steps w={scale:g} t in {format_interval(interval)}: FD {row['fd']:.3f} "
+        guide = f" guided by {row['guidance_model']}" if row["guidance_model"] else ""
+        print(f"{name} {sched} {steps} steps w={scale:g} t in {format_interval(interval)}{guide}: FD {row['fd']:.3f} "
               f"precision {row['precision']:.3f} recall {row['recall']:.3f} label accuracy {acc} "
               f"({row['nfe_per_image']:g} evaluations/image, {row['images_per_s']:.0f} img/s) -> {path}")
         return 0
@@ -529,8 +522,8 @@ def _main(argv: list[str] | None) -> int:
     conditional = None
     rows = []
     for name, raw in variants.items():
-        pipe = load_pipeline(run_dir, raw, device)
-        conditional = bool(pipe.unet.config.num_classes)
+        pipe = load_pipeline(run_dir, raw, device, s.guidance_model)
+        conditional = bool(pipe.unet.config.num_classes) or pipe.guide_unet is not None  # autoguidance needs no class
         grid = s.grid if conditional else list(dict.fromkeys((a, b, 1.0, None) for a, b, _, _ in s.grid))
         for sched, steps, scale, interval in grid:
             row = evaluate_pipeline(pipe, classifier, real, s.num_images, sched, steps, scale, s.batch_size, s.seed,
@@ -543,7 +536,7 @@ def _main(argv: list[str] | None) -> int:
                   f"precision {row['precision']:.3f} "
                   f"recall {row['recall']:.3f} ({row['nfe_per_image']:g} evaluations/image)")
     if not conditional and any(scale != 1.0 for _, _, scale, _ in s.grid):
-        notes.append("unconditional model: guidance scales other than 1 left out")
+        notes.append("unconditional model without --guidance_model: guidance scales other than 1 left out")
     written = write_sweep(rows, out_dir)
     (out_dir / "sweep_notes.json").write_text(json.dumps({"notes": notes, "settings": asdict(s)}, indent=1, default=str))
     print(f"sweep of {len(rows)} settings: {', '.join(str(p) for p in written)}")

@@ -53,20 +53,45 @@ class FlowMatchPipeline(DiffusionPipeline):
             (noise) to 0: the UNet gets t = 1 - sigma and the scheduler gets the velocity in their sign, -(x1 - x0).
         num_inference_steps, guidance_scale, guidance_interval: how the folder samples when a call leaves them out,
             saved in model_index.json (see ``__call__``); guidance_scale None = 1 (a folder that recorded none).
+        guide_unet: optional weaker version of ``unet`` (an earlier checkpoint, the raw weights against the EMA):
+            autoguidance (Karras et al. 2024) then takes its velocity, with the same class label or none, in place of
+            the null class's: v_weak + w (v - v_weak). Saved as a component like ``unet``, so the folder samples the
+            same way wherever it loads; ``guidance_model`` names where it came from (``set_guidance_model``).
 
     A UNet whose config has ``step_size_embedding`` (a few-step model distilled by ``hf-cgpu train flow-distill``) is
     also told the length of the step each call takes (``step_size``); guidance is then usually baked into it.
     """
 
-    model_cpu_offload_seq = "unet"
+    model_cpu_offload_seq = "unet->guide_unet"
+    _optional_components = ["guide_unet"]
 
     def __init__(self, unet: ModelMixin, scheduler: SchedulerMixin, num_inference_steps: int = 8,
-                 guidance_scale: float | None = None, guidance_interval: list[float] | None = None) -> None:
+                 guidance_scale: float | None = None, guidance_interval: list[float] | None = None,
+                 guide_unet: ModelMixin | None = None, guidance_model: str | None = None) -> None:
         super().__init__()
-        self.register_modules(unet=unet, scheduler=scheduler)
+        self.register_modules(unet=unet, scheduler=scheduler, guide_unet=None)
         interval = list(guidance_interval) if guidance_interval is not None else None
         self.register_to_config(num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                                guidance_interval=interval)
+                                guidance_interval=interval, guidance_model=None)
+        if guide_unet is not None:
+            self.set_guidance_model(guide_unet, guidance_model)
+
+    # UNet config entries a guide must share with the UNet: the same images in and out, the same class count.
+    _GUIDE_MATCHES = ("sample_size", "in_channels", "out_channels", "num_classes")
+
+    def set_guidance_model(self, guide_unet: ModelMixin | None, name: str | None = None) -> None:
+        """Autoguidance with ``guide_unet`` (None: off), recorded as ``name`` in ``config.guidance_model``. A guide
+        of other image shape or class count is refused: its velocity would not be comparable."""
+        if guide_unet is not None:
+            differ = [k for k in self._GUIDE_MATCHES
+                      if guide_unet.config.get(k) != self.unet.config.get(k)]
+            if differ:
+                theirs = ", ".join(f"{k} {guide_unet.config.get(k)} vs {self.unet.config.get(k)}" for k in differ)
+                raise ValueError(f"the guidance model does not match the UNet ({theirs}); use an earlier checkpoint "
+                                 "or the raw weights of the same run")
+            guide_unet = guide_unet.eval().requires_grad_(False)
+        self.register_modules(guide_unet=guide_unet)
+        self.register_to_config(guidance_model=(name or "given") if guide_unet is not None else None)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs):
@@ -136,18 +161,28 @@ class FlowMatchPipeline(DiffusionPipeline):
                              "image, or leave batch_size out")
         return labels
 
+    @staticmethod
+    def _forward(model: ModelMixin, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None,
+                 step_size: float) -> torch.Tensor:
+        """One model call; a model with ``step_size_embedding`` is also told the step size."""
+        extra = {}
+        if getattr(model.config, "step_size_embedding", False):
+            extra["step_size"] = torch.full((x.shape[0],), step_size, device=x.device, dtype=torch.float32)
+        return model(x, t.expand(x.shape[0]), labels, **extra).sample
+
     def _velocity(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, scale: float,
                   step_size: float = 0.0) -> torch.Tensor:
-        """Model velocity at (x, t); with guidance the conditional and null-class halves share one batch."""
-        batch = x.shape[0]
-        rows = batch if labels is None or scale == 1.0 else 2 * batch
-        extra = {}
-        if getattr(self.unet.config, "step_size_embedding", False):
-            extra["step_size"] = torch.full((rows,), step_size, device=x.device, dtype=torch.float32)
-        if rows == batch:
-            return self.unet(x, t.expand(batch), labels, **extra).sample
+        """Model velocity at (x, t). Guided (scale != 1): v_guide + w (v - v_guide), the guide being the weaker model
+        with the same labels when there is one (two calls), else the null class (one batch of conditional and
+        null-class halves)."""
+        guide = self.guide_unet
+        if scale == 1.0 or (guide is None and labels is None):
+            return self._forward(self.unet, x, t, labels, step_size)
+        if guide is not None:
+            v_guide = self._forward(guide, x, t, labels, step_size)
+            return v_guide + scale * (self._forward(self.unet, x, t, labels, step_size) - v_guide)
         null = torch.full_like(labels, self.unet.config.num_classes)
-        v = self.unet(torch.cat([x, x]), t.expand(rows), torch.cat([labels, null]), **extra).sample  # (2B, C, H, W)
+        v = self._forward(self.unet, torch.cat([x, x]), t, torch.cat([labels, null]), step_size)  # (2B, C, H, W)
         v_cond, v_uncond = v.chunk(2)
         return v_uncond + scale * (v_cond - v_uncond)
 
@@ -179,9 +214,10 @@ class FlowMatchPipeline(DiffusionPipeline):
             num_inference_steps: scheduler steps N (Euler: N model calls; Heun: 2N - 1, doubled again with guidance);
                 None = the saved ``config.num_inference_steps``.
             class_labels: one label for all images, one per image, or None (null class / unconditional model).
-            guidance_scale: classifier-free guidance w in v_u + w (v_c - v_u); 1.0 is the plain conditional model
-                and costs a single forward per step. None = the saved ``config.guidance_scale`` with class labels
-                (1 where none is saved), 1 without.
+            guidance_scale: guidance w in v_u + w (v_c - v_u); 1.0 is the plain conditional model and costs a
+                single forward per step. v_u is the null class's velocity (classifier-free guidance), or with a
+                ``guide_unet`` the weaker model's for the same labels (autoguidance, also without labels). None = the
+                saved ``config.guidance_scale`` with class labels or a guide (1 where none is saved), 1 otherwise.
             output_type: "pil" (list of PIL images), "np" (B, H, W, C) float in [0, 1], "pt" (B, C, H, W) in [0, 1].
             guidance_interval: (lo, hi): guidance only at calls whose t (0 = noise, 1 = data) lies in [lo, hi], the
                 plain conditional model (one forward) elsewhere (Kynkaanniemi et al. 2024: guidance near the noise
@@ -200,12 +236,14 @@ class FlowMatchPipeline(DiffusionPipeline):
         if guidance_interval == "saved":
             guidance_interval = self.config.get("guidance_interval")
         labels = self._labels(class_labels, batch_size, device)
+        can_guide = labels is not None or self.guide_unet is not None
         if guidance_scale is None:
-            guidance_scale = (self.config.get("guidance_scale") or 1.0) if labels is not None else 1.0
+            guidance_scale = (self.config.get("guidance_scale") or 1.0) if can_guide else 1.0
         if batch_size is None:
             batch_size = 1 if labels is None else labels.numel()
-        if labels is None and guidance_scale != 1.0:
-            raise ValueError("guidance_scale != 1 needs class_labels (guidance contrasts a class with the null class)")
+        if not can_guide and guidance_scale != 1.0:
+            raise ValueError("guidance_scale != 1 needs class_labels (guidance contrasts a class with the null class) "
+                             "or a guide_unet (autoguidance)")
         cfg = self.unet.config
         shape = (batch_size, cfg.in_channels, cfg.sample_size, cfg.sample_size)
         x = randn_tensor(shape, generator=generator, device=device, dtype=self.unet.dtype)  # x0 at t = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from PIL import Image
 from ..errors import MissingPathError, SettingsError, about, require_model
 from ..hub.checks import check_hub_model
 from ..settings import build_parser
-from .pipeline_flow_match import FlowMatchPipeline
+from .guide import set_guidance_model
+from .pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
 from .samplers import check_sampler, parse_interval, sampler_class, sampler_names
 
 
@@ -62,12 +64,21 @@ class SampleSettings:
     """Comma-separated class indices or names (see class_names.txt), cycled over the images; empty = unconditional
     (the null class)."""
     guidance_scale: float = 0.0
-    """Classifier-free guidance w (1 = the plain conditional model, one call per step; needs --class_labels);
-    0 = the pipeline's saved default with --class_labels (a flow run: its --guidance_scale; a distilled run: 1, its
-    guidance is baked in; 2.5 for a folder that saved none), 1 without."""
+    """Guidance w (1 = the plain model, one call per step): classifier-free with --class_labels, or autoguidance with
+    a --guidance_model (saved or given); 0 = the pipeline's saved default with --class_labels or a guidance model (a
+    flow run: its --guidance_scale; a distilled run: 1, its guidance is baked in; 2.5 for a folder that saved none),
+    1 without."""
     guidance_interval: str = ""
     """Guidance only where t (0 = noise, 1 = data) lies in LO:HI, e.g. 0.15:0.8, the conditional model elsewhere
     (one call instead of two); full = every step; empty = the pipeline's saved interval."""
+    guidance_model: str = ""
+    """Autoguidance: guide with this weaker model, for the same class (or unconditionally), instead of the null
+    class: raw (the run's live weights against its EMA), a checkpoint folder (RUN/checkpoints/step_N) or one of its
+    .safetensors files, a pipeline or UNet folder; none = off; empty = what the folder saved (off unless it saved
+    one)."""
+    save_pipeline: str = ""
+    """Also save the pipeline, with these sampler, steps, guidance scale, interval and model as its defaults, to this
+    folder (it then samples that way wherever it loads, diffusers without hf_cgpu included); empty = do not."""
     seed: int = 0
     """Seed of the starting noise."""
     output_dir: str = ""
@@ -82,13 +93,15 @@ class SampleSettings:
             parse_interval(self.guidance_interval)
         if self.guidance_scale < 0:
             raise SettingsError(f"--guidance_scale {self.guidance_scale}; use a value >= 1 (or 0: the default)")
-        if self.guidance_scale not in (0.0, 1.0) and not self.class_labels:
-            raise SettingsError("--guidance_scale needs --class_labels (guidance contrasts a class with the null class)")
+        if self.guidance_scale not in (0.0, 1.0) and not self.class_labels and self.guidance_model in ("", "none"):
+            raise SettingsError("--guidance_scale needs --class_labels (guidance contrasts a class with the null "
+                                "class) or --guidance_model (autoguidance)")
 
     def sampling(self, pipe) -> dict:
         """The pipeline call's steps, guidance scale and interval: these settings, 0 and empty resolved from the
         pipeline's saved config."""
-        return saved_sampling(pipe, self.num_inference_steps, self.guidance_scale if self.class_labels else 1.0,
+        guided = self.class_labels or pipe.guide_unet is not None
+        return saved_sampling(pipe, self.num_inference_steps, self.guidance_scale if guided else 1.0,
                               self.guidance_interval, fallback_scale=2.5)
 
 
@@ -96,8 +109,8 @@ def saved_sampling(pipe, steps: int, scale: float, interval: str, fallback_scale
     """Steps, guidance scale and interval for ``pipe``'s call: 0 / empty take the folder's saved value
     (``fallback_scale`` where a folder recorded no scale)."""
     config = pipe.config
-    if not pipe.unet.config.num_classes:
-        scale = scale or 1.0  # an unconditional model is never guided
+    if not pipe.unet.config.num_classes and pipe.guide_unet is None:
+        scale = scale or 1.0  # an unconditional model is guided only by a weaker model (autoguidance)
     saved_interval = config.get("guidance_interval")
     return {"num_inference_steps": steps or config.get("num_inference_steps", 8),
             "guidance_scale": scale or config.get("guidance_scale") or fallback_scale,
@@ -131,19 +144,23 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ns.pop("model_dir")
     a = SampleSettings(**{k: v for k, v in ns.items() if v is not None})
     check_pipeline_folder(model_dir)
+    if a.save_pipeline and Path(a.save_pipeline).resolve() == Path(model_dir).resolve():
+        raise SettingsError(f"--save_pipeline {a.save_pipeline} is MODEL_DIR itself; name a new folder (the run's "
+                            "own stays as it was saved and sealed)")
     pipe = FlowMatchPipeline.from_pretrained(model_dir)
+    set_guidance_model(pipe, a.guidance_model, model_dir)
     if a.scheduler:
         pipe.scheduler = sampler_class(a.scheduler).from_config(pipe.scheduler.config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe.to(device)
+    sampling = a.sampling(pipe)
     names_file = Path(model_dir) / "class_names.txt"
     names = names_file.read_text().split() if names_file.is_file() else []
     labels = parse_labels(a.class_labels, names, pipe.unet.config.num_classes)
     if labels is not None:
         labels = torch.tensor([labels[i % len(labels)] for i in range(a.num_images)])
     gen = torch.Generator(device=device).manual_seed(a.seed)
-    out = pipe(batch_size=a.num_images, generator=gen, class_labels=labels, output_type="np",
-               **a.sampling(pipe)).images
+    out = pipe(batch_size=a.num_images, generator=gen, class_labels=labels, output_type="np", **sampling).images
     dest = Path(a.output_dir or Path(model_dir) / "samples_cli")
     dest.mkdir(parents=True, exist_ok=True)
     for i, img in enumerate(out):
@@ -151,4 +168,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = max(1, int(math.sqrt(a.num_images)))
     image_grid(out, rows).save(dest / "grid.png")
     print(f"wrote {len(out)} images and grid.png to {dest}")
+    if a.save_pipeline:  # the defaults as given, whether or not these images had labels
+        defaults = saved_sampling(pipe, a.num_inference_steps, a.guidance_scale, a.guidance_interval, 2.5)
+        save_with_defaults(pipe, defaults, model_dir, a.save_pipeline)
+        print(f"saved the pipeline with these sampling defaults to {a.save_pipeline}")
     return 0
+
+
+def save_with_defaults(pipe, sampling: dict, model_dir: str, dest: str) -> None:
+    """``pipe`` (its sampler and guide as set) saved to ``dest`` with ``sampling`` as its defaults, like a run's
+    folder: loadable where hf_cgpu is not installed, with the run's class names."""
+    interval = sampling["guidance_interval"]
+    pipe.register_to_config(num_inference_steps=sampling["num_inference_steps"],
+                            guidance_scale=sampling["guidance_scale"],
+                            guidance_interval=list(interval) if interval is not None else None)
+    save_for_remote_code(pipe, dest)
+    names = Path(model_dir) / "class_names.txt"
+    if names.is_file():
+        shutil.copyfile(names, Path(dest) / "class_names.txt")

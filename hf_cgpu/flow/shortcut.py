@@ -44,16 +44,20 @@ def two_step_target(fn: Student, x: torch.Tensor, t: torch.Tensor, half: torch.T
 
 
 def guided_teacher(model_fn: Callable, null_class: int | None, scale: float,
-                   interval: tuple[float, float] | None) -> Teacher:
+                   interval: tuple[float, float] | None, guide_fn: Callable | None = None) -> Teacher:
     """teacher(x, t, labels): the classifier-free guided velocity v_u + w (v_c - v_u) of ``model_fn(x, t, labels)``
-    for rows whose t lies in ``interval`` (None: all), the conditional velocity elsewhere; as the pipeline samples."""
+    for rows whose t lies in ``interval`` (None: all), the conditional velocity elsewhere; as the pipeline samples.
+    With ``guide_fn`` (a weaker model, autoguidance) v_u is ``guide_fn(x, t, labels)``, the same labels or none."""
     lo, hi = interval if interval is not None else (0.0, 1.0)
 
     def teacher(x, t, labels):
-        if labels is None or scale == 1.0:
+        if scale == 1.0 or (labels is None and guide_fn is None):
             return model_fn(x, t, labels)
-        v_c, v_u = model_fn(torch.cat([x, x]), torch.cat([t, t]),
-                            torch.cat([labels, torch.full_like(labels, null_class)])).chunk(2)
+        if guide_fn is not None:
+            v_c, v_u = model_fn(x, t, labels), guide_fn(x, t, labels)
+        else:
+            v_c, v_u = model_fn(torch.cat([x, x]), torch.cat([t, t]),
+                                torch.cat([labels, torch.full_like(labels, null_class)])).chunk(2)
         w = torch.where((t >= lo - 1e-6) & (t <= hi + 1e-6), scale, 1.0).reshape(-1, *([1] * (x.dim() - 1)))
         return guided_velocity(v_u, v_c, w)
 

@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn as nn
 
+from .matching import guided_velocity
 from .samplers import SAMPLERS, sampler_class, steps_within
 from .scheduling_flow_match import sample_ode
 from .unet import sinusoidal_embedding
@@ -74,27 +75,37 @@ def mode_stats(samples: torch.Tensor, centres: torch.Tensor, hit_radius: float) 
     return {"within": hit, "counts": counts.tolist()}
 
 
+def autoguided(model: nn.Module, weak: nn.Module, scale: float):
+    """The velocity of autoguidance: v_weak + w (v - v_weak) (``guided_velocity`` with the weak model as the base)."""
+    return lambda x, t: guided_velocity(weak(x, t), model(x, t), scale)
+
+
 @torch.no_grad()
 def sample_rows(model: nn.Module, centres: torch.Tensor, x0: torch.Tensor, budgets: tuple[int, ...],
-                hit_radius: float) -> tuple[list[dict], dict[str, torch.Tensor]]:
+                hit_radius: float, guide: tuple[nn.Module, float] | None = None
+                ) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """Every registered sampler at every budget from the same noise ``x0``; returns table rows and the samples per
-    row."""
+    row. ``guide`` = (weak model, w): also every sampler autoguided ("+ag" rows; a call costs two evaluations)."""
     rows, samples = [], {}
-    for name in SAMPLERS:
-        scheduler = sampler_class(name)()
-        for budget in budgets:
-            steps = steps_within(budget, name, guidance_scale=1.0)
-            x1, nfe = sample_ode(model, scheduler, x0, steps)
-            stats = mode_stats(x1, centres, hit_radius)
-            rows.append({"method": name, "budget": budget, "steps": steps, "nfe": nfe, **stats})
-            samples[f"{name}-{budget}"] = x1
+    variants = [("", model, 1.0)] + ([("+ag", autoguided(model, guide[0], guide[1]), guide[1])] if guide else [])
+    for suffix, velocity, scale in variants:
+        for name in SAMPLERS:
+            scheduler = sampler_class(name)()
+            for budget in budgets:
+                steps = steps_within(budget, name, guidance_scale=scale)
+                x1, calls = sample_ode(velocity, scheduler, x0, steps)
+                stats = mode_stats(x1, centres, hit_radius)
+                nfe = calls * (2 if scale != 1 else 1)
+                rows.append({"method": name + suffix, "budget": budget, "steps": steps, "nfe": nfe, **stats})
+                samples[f"{name}{suffix}-{budget}"] = x1
     return rows, samples
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'method':<6} {'budget':>6} {'steps':>5} {'nfe':>4} {'within':>7}  per-mode counts (250 ideal)"]
+    width = max(6, *(len(r["method"]) for r in rows))
+    lines = [f"{'method':<{width}} {'budget':>6} {'steps':>5} {'nfe':>4} {'within':>7}  per-mode counts (250 ideal)"]
     for r in rows:
-        head = f"{r['method']:<6} {r['budget']:>6} {r['steps']:>5} {r['nfe']:>4}"
+        head = f"{r['method']:<{width}} {r['budget']:>6} {r['steps']:>5} {r['nfe']:>4}"
         lines.append(f"{head} {r['within']:>7.1%}  {r['counts']}")
     return "\n".join(lines)
 

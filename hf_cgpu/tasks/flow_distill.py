@@ -49,10 +49,16 @@ class FlowDistillTask(FlowMatchingTask):
         conditional = unet.config.num_classes is not None
         self.load_data(accelerator, labels=conditional)
         kw = saved_sampling(teacher, 1, cfg.guidance_scale, cfg.guidance_interval, fallback_scale=2.5)
-        self.guidance = (kw["guidance_scale"] if conditional else 1.0, kw["guidance_interval"])
+        guide = teacher.guide_unet  # a teacher folder saved with autoguidance is distilled as it samples
+        self.guidance = (kw["guidance_scale"] if conditional or guide is not None else 1.0, kw["guidance_interval"])
         self.teacher = unet.to(accelerator.device).eval().requires_grad_(False)
+        guide_fn = None
+        if guide is not None:
+            self.guide = guide.to(accelerator.device)
+            guide_fn = lambda x, t, y: self.guide(x, t, y).sample  # noqa: E731
+            self.data_hashes["teacher_guide_weights"] = sha256_file(teacher_weights(cfg.teacher, "guide_unet"))
         self.teacher_fn = guided_teacher(lambda x, t, y: self.teacher(x, t, y).sample, unet.config.num_classes,
-                                         *self.guidance)
+                                         *self.guidance, guide_fn=guide_fn)
         self.objective = ShortcutObjective(cfg.levels, cfg.consistency_fraction)
         self.matcher = FlowMatcher(time_sampling=cfg.time_sampling)
         self.data_hashes["teacher_weights"] = sha256_file(teacher_weights(cfg.teacher))  # a resume must see the same
@@ -65,7 +71,9 @@ class FlowDistillTask(FlowMatchingTask):
         student = student.to(memory_format=torch.channels_last).train()
         scale, interval = self.guidance
         self.show_progress, self.last_grid = settings.progress and accelerator.is_local_main_process, None
-        accelerator.print(f"distilling {cfg.teacher} (guidance {scale:g}, t in {format_interval(interval)}) into "
+        self.guide_name = teacher.config.get("guidance_model") if guide is not None else None
+        by = f" by {self.guide_name}" if self.guide_name else ""
+        accelerator.print(f"distilling {cfg.teacher} (guidance {scale:g}{by}, t in {format_interval(interval)}) into "
                           f"{cfg.sample_steps}-step Euler; {len(self.images):,} training images")
         # the teacher's guided forward (2 rows) on every row, the student's two half steps on a quarter: ~4x a step's
         # forward FLOPs on top of the student's own forward and backward
@@ -100,14 +108,16 @@ class FlowDistillTask(FlowMatchingTask):
     def on_saved(self, model, output_dir, log=print) -> dict:
         scale, interval = self.guidance
         return {**super().on_saved(model, output_dir, log), "teacher": self.cfg.teacher,
-                "teacher_guidance_scale": scale, "teacher_guidance_interval": format_interval(interval)}
+                "teacher_guidance_scale": scale, "teacher_guidance_interval": format_interval(interval),
+                **({"teacher_guidance_model": self.guide_name} if self.guide_name else {})}
 
 
-def teacher_weights(folder: str) -> Path:
-    """The teacher UNet's weights file (what the resume fingerprint hashes)."""
-    found = sorted((Path(folder) / "unet").glob("diffusion_pytorch_model*.safetensors"))
+def teacher_weights(folder: str, component: str = "unet") -> Path:
+    """The teacher UNet's (or its autoguidance model's) weights file (what the resume fingerprint hashes)."""
+    found = sorted((Path(folder) / component).glob("diffusion_pytorch_model*.safetensors"))
     if not found:
-        raise SettingsError(f"{folder}/unet holds no diffusion_pytorch_model.safetensors; pass a saved flow run")
+        raise SettingsError(f"{folder}/{component} holds no diffusion_pytorch_model.safetensors; pass a saved flow "
+                            "run")
     return found[0]
 
 

@@ -14,10 +14,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..errors import MissingPathError, SettingsError
+from ..flow.guide import copy_with_weights
 from ..flow.matching import FlowMatcher
 from ..flow.toy2d import VelocityMLP, format_table, mode_centres, sample_modes, sample_rows, save_plot
 from ..settings import TrainSettings
 from ..train import Task, TaskPlan
+from ..train.checkpoint import checkpoint_root, step_of
 from .settings import Toy2DSettings
 
 PLOT = "flow2d_samples.png"
@@ -56,6 +59,8 @@ class Toy2DTask(Task):
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         c = self.cfg
         self.seed = settings.seed
+        if c.guidance_model:
+            check_own_checkpoint(Path(c.guidance_model), settings)
         return TaskPlan(VelocityMLP(c.hidden, c.depth, c.time_embed_dim), eval_steps=0)
 
     def sample_order(self, seed: int) -> FreshPoints:
@@ -73,8 +78,11 @@ class Toy2DTask(Task):
     def evaluate(self, model, settings, device) -> dict[str, float]:
         """Every sampler at every budget from one fixed noise; the best within-fraction at <= 20 evaluations."""
         x0 = torch.randn(self.cfg.num_samples, 2, generator=torch.Generator().manual_seed(settings.seed + 1))
+        guide = None
+        if self.cfg.guidance_model:  # an early checkpoint of this run exists only once the run has passed it
+            guide = (copy_with_weights(model, self.cfg.guidance_model), self.cfg.guidance_scale)
         self.rows, self.samples = sample_rows(model, self.centres, x0.to(device), self.cfg.budgets,
-                                              self.cfg.hit_radius)
+                                              self.cfg.hit_radius, guide)
         return {"best_within_at_20_nfe_or_less": best_within(self.rows)}
 
     def save_pretrained(self, model, output_dir: Path) -> None:
@@ -90,6 +98,23 @@ class Toy2DTask(Task):
         best = best_within(self.rows)
         log(f"best within {self.cfg.hit_radius} at <= 20 network evaluations: {best:.1%}; plot: {output_dir / PLOT}")
         return {"rows": self.rows, "best_within_at_20_nfe_or_less": best}
+
+
+def check_own_checkpoint(guide: Path, settings: TrainSettings) -> None:
+    """Before training: ``guide`` exists, or is a checkpoint this run writes and still keeps at its end (pruning keeps
+    the newest ``checkpoints_total_limit``); otherwise a one-line error naming the fix."""
+    ours = checkpoint_root(settings.output_dir).resolve()
+    if guide.exists() or ours not in guide.resolve().parents:
+        if not guide.exists():
+            raise MissingPathError(f"--guidance_model {guide} does not exist and is no checkpoint this run will write "
+                                   f"(under {ours}); pass a checkpoint folder")
+        return
+    every, last = settings.checkpointing_steps, settings.max_steps
+    written = sorted({*range(every, last + 1, every), last} if every else {last})
+    kept = written[-settings.checkpoints_total_limit:]
+    if step_of(guide) not in kept:
+        raise SettingsError(f"--guidance_model {guide}: this run keeps only the checkpoints of steps {kept} at its "
+                            f"end; pass one of them, or --checkpoints_total_limit {len(written)}")
 
 
 def best_within(rows: list[dict]) -> float:

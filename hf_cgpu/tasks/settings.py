@@ -157,8 +157,9 @@ class FlowDistillSettings:
     limit: int = 0
     """Use only the first this many training images (0 = all); for smoke tests."""
     guidance_scale: float = field(default=0.0, metadata=FIXED)
-    """Classifier-free guidance of the teacher, baked into the student (which samples with one call per step);
-    0 = the teacher folder's saved scale."""
+    """Guidance of the teacher, baked into the student (which samples with one call per step): classifier-free, or
+    autoguidance where the teacher folder saved a guidance model (``hf-cgpu sample --save_pipeline``); 0 = the teacher
+    folder's saved scale."""
     guidance_interval: str = field(default="", metadata=FIXED)
     """The teacher's guidance only where t (0 = noise, 1 = data) lies in LO:HI; full = every step; empty = the teacher
     folder's saved interval."""
@@ -304,6 +305,11 @@ class Toy2DSettings:
     """Comma-separated network-evaluation budgets; Heun takes N = (budget + 1) // 2 steps, 2N - 1 <= budget calls."""
     hit_radius: float = 0.3
     """A sample counts as on a mode when this close to its centre."""
+    guidance_model: str = ""
+    """Also sample with autoguidance by this weaker model: a checkpoint folder (e.g. OUTPUT_DIR/checkpoints/step_N,
+    an early one of this run, written before its end) or one of its .safetensors files; empty = no autoguided rows."""
+    guidance_scale: float = 1.5
+    """Autoguidance w of those rows, v_weak + w (v - v_weak) (two network evaluations a call)."""
     threads: int = 1
     """torch CPU threads. 1 on purpose: for matrices this small a second OpenMP thread gains little on an idle
     machine and, on a shared one, OpenMP's spin-waiting makes a step many times slower."""
@@ -313,6 +319,8 @@ class Toy2DSettings:
             raise SettingsError(f"time_sampling={self.time_sampling!r}; use uniform or logit_normal")
         if self.logit_std <= 0:
             raise SettingsError(f"logit_std={self.logit_std} must be > 0")
+        if self.guidance_scale < 1:
+            raise SettingsError(f"guidance_scale={self.guidance_scale}; use a value >= 1 (1 = the model alone)")
         self.budgets  # noqa: B018 - validates nfe_budgets
 
     @property

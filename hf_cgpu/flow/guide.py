@@ -1,0 +1,120 @@
+"""The weaker model of autoguidance (Karras et al. 2024), found among what a run already has.
+
+v = v_weak + w (v_strong - v_weak), both for the same class label (or both unconditional): guiding with a worse
+version of the model itself keeps most of guidance's gain in fidelity without the loss of variety that contrasting
+with the null class costs. The weak model is one the run already kept:
+
+- ``raw``: the live (non-EMA) weights of the saved step, which a run with ``--ema_decay`` keeps in its last
+  checkpoint (``checkpoints/step_N/model.safetensors``) while the folder holds the EMA;
+- an earlier checkpoint, ``RUN/checkpoints/step_N`` (its EMA weights where it kept them, else its live ones), or one
+  of its ``.safetensors`` files;
+- another pipeline folder (its ``unet``) or a UNet folder (``config.json``) of the same shape and class count.
+
+``FlowMatchPipeline.set_guidance_model`` puts it in place; saving the pipeline then writes it as the ``guide_unet``
+component, so the folder samples the same way wherever it loads.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ..errors import MissingPathError, SettingsError
+from ..train.checkpoint import list_checkpoints, read_trainer_state
+
+GUIDE_SOURCES = ("raw, a checkpoint folder (RUN/checkpoints/step_N) or one of its .safetensors files, a pipeline "
+                 "folder or a UNet folder")
+
+
+def weight_variants(run_dir: Path) -> tuple[dict[str, Path | None], list[str]]:
+    """{name: raw-weights file to load into the saved UNet, or None for the saved weights}, plus notes.
+
+    A loop run (all_results.json) with ema_decay > 0 saved its EMA weights; its last checkpoint's model.safetensors
+    holds the live weights of the same step. Without all_results.json (another script) the weights are "saved".
+    """
+    results = Path(run_dir) / "all_results.json"
+    if not results.is_file():
+        return {"saved": None}, []
+    info = json.loads(results.read_text())
+    if not info.get("settings", {}).get("ema_decay", 0):
+        return {"raw": None}, []
+    variants: dict[str, Path | None] = {"ema": None}
+    ckpts = list_checkpoints(run_dir)
+    if not ckpts or not (ckpts[-1] / "model.safetensors").is_file():
+        return variants, ["raw weights unavailable: no checkpoint with model.safetensors in the run folder"]
+    step = read_trainer_state(ckpts[-1]).get("step")
+    if step != info.get("steps"):
+        return variants, [f"raw weights skipped: last checkpoint is step {step}, the saved model step "
+                          f"{info.get('steps')}"]
+    variants["raw"] = ckpts[-1] / "model.safetensors"
+    return variants, []
+
+
+def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors state dict with the wrappers' prefixes (DDP's ``module.``, torch.compile's) taken off."""
+    return {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in load_file(str(path)).items()}
+
+
+def copy_with_weights(model: torch.nn.Module, source: str | Path, flag: str = "--guidance_model") -> torch.nn.Module:
+    """A copy of ``model`` holding the weights of ``source``: a checkpoint folder (its ``ema.safetensors`` where it
+    has one, else its ``model.safetensors``) or a .safetensors file. Any model works (the 2D toy's MLP too)."""
+    source = Path(source)
+    if not source.exists():
+        raise MissingPathError(f"{flag} {source} does not exist; pass {GUIDE_SOURCES}")
+    if source.is_dir():
+        found = [source / f for f in ("ema.safetensors", "model.safetensors") if (source / f).is_file()]
+        if not found:
+            raise MissingPathError(f"{flag} {source} holds neither ema.safetensors nor model.safetensors; pass "
+                                   f"{GUIDE_SOURCES}")
+        source = found[0]
+    weak = copy.deepcopy(model)
+    try:
+        weak.load_state_dict(load_weights_file(source), strict=True)
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[1 if "\n" in str(err).strip() else 0].strip()
+        raise SettingsError(f"{flag} {source} does not fit this model ({first}); use a checkpoint of the same run "
+                            "(same shape and class count)") from None
+    return weak.eval().requires_grad_(False)
+
+
+def guidance_model(spec: str, run_dir: str | Path, unet) -> tuple[torch.nn.Module, str]:
+    """(the weak UNet, its name for ``config.guidance_model``) of ``spec`` (see the module docstring); ``run_dir`` is
+    the pipeline folder ``raw`` refers to, ``unet`` the pipeline's own UNet (the weak one gets its architecture)."""
+    if spec == "raw":
+        variants, notes = weight_variants(Path(run_dir))
+        if not variants.get("raw"):
+            why = (notes[0] if notes else f"{run_dir} saved its live weights, not an EMA: raw is the model itself"
+                   if "raw" in variants else f"{run_dir} is no run folder (no all_results.json)")
+            raise SettingsError(f"--guidance_model raw: {why}; pass an earlier checkpoint (RUN/checkpoints/step_N)")
+        return copy_with_weights(unet, variants["raw"]), f"raw ({variants['raw'].parent.name})"
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise MissingPathError(f"--guidance_model {spec} does not exist; pass {GUIDE_SOURCES}")
+    folder = path / "unet" if (path / "model_index.json").is_file() else path
+    if (folder / "config.json").is_file():
+        weak = type(unet).from_pretrained(folder).eval().requires_grad_(False)
+        return weak.to(unet.device, unet.dtype), str(spec)
+    return copy_with_weights(unet, path), str(spec)
+
+
+def set_guidance_model(pipe, spec: str, run_dir: str | Path) -> None:
+    """Autoguidance for ``pipe`` with ``spec`` ('' leaves the pipeline as loaded, 'none' turns a saved guide off);
+    a guide that does not match the UNet is a one-line error."""
+    if not spec:
+        return
+    if spec == "none":
+        pipe.set_guidance_model(None)
+        return
+    weak, name = guidance_model(spec, run_dir, pipe.unet)
+    try:
+        pipe.set_guidance_model(weak, name)
+    except ValueError as err:
+        raise SettingsError(f"--guidance_model {spec}: {err}") from None
+
+
+__all__ = ["GUIDE_SOURCES", "copy_with_weights", "guidance_model", "load_weights_file", "set_guidance_model",
+           "weight_variants"]
