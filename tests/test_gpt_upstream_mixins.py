@@ -111,3 +111,32 @@ class CgptModernModelTester(CgptModelTester):
 class CgptModernModelTest(CgptModelTest):
     def setUp(self):
         self.model_tester = CgptModernModelTester(self)
+
+
+class CgptSpeedrunModelTester(CgptModelTester):
+    """The same tiny shapes with modded-nanogpt's options on: a value embedding (feeding both layers), soft-capped
+    logits, the U-net skip from the first block to the second, an untied head (started at random: a zero head gives
+    every token the same logit, which would make the generation checks trivial)."""
+
+    def get_config(self) -> CgptConfig:
+        config = super().get_config()
+        config.value_embeddings, config.logit_softcap, config.unet_skips = 1, 0.05, True
+        config.tie_word_embeddings = False
+        return config
+
+
+class CgptSpeedrunModelTest(CgptModelTest):
+    def setUp(self):
+        self.model_tester = CgptSpeedrunModelTester(self)
+
+    def _refuses_inputs_embeds_alone(self):
+        """Value embeddings are looked up by token id: embeddings alone are refused in one line (the mixin's
+        inputs_embeds checks replaced by this)."""
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        for model_class in self.all_model_classes:
+            model = model_class(config).eval()
+            with self.assertRaisesRegex(ValueError, "^value_embeddings .*pass input_ids, not inputs_embeds$"):
+                model(inputs_embeds=model.get_input_embeddings()(inputs["input_ids"]))
+
+    test_inputs_embeds = test_inputs_embeds_matches_input_ids = _refuses_inputs_embeds_alone
+    test_generate_from_inputs_embeds = _refuses_inputs_embeds_alone

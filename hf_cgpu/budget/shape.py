@@ -102,6 +102,11 @@ class ModelShape:
     (scores saved per head)."""
     qk_norm: bool = False
     """RMSNorm gains on each head's queries and keys (cgpt ``qk_norm``): 2 * head_size parameters per block."""
+    value_embeddings: int = 0
+    """Value-embedding tables (cgpt ``value_embeddings``): vocab_size * d_model each, and two mixing scalars in each
+    of the 2 * value_embeddings layers they feed."""
+    unet_skips: bool = False
+    """One learnable skip weight per early block, n_layer // 2 in all (cgpt ``unet_skips``)."""
     name: str = ""
     max_positions: int = 0
     """Longest sequence the model takes (n_positions / max_position_embeddings); 0 = unknown."""
@@ -233,11 +238,14 @@ class ModelShape:
         ]
 
     def param_tensors(self) -> list[tuple[str, int, str]]:
-        """Every parameter tensor as (name, numel, kind); kind is embedding | head | linear | bias | norm."""
+        """Every parameter tensor as (name, numel, kind); kind is embedding | head | linear | bias | norm
+        (norm also for the other 1-D parameters: value mixes, skip weights)."""
         d, L = self.d_model, self.n_layer
         out: list[tuple[str, int, str]] = [("embed", self.vocab_size * d, "embedding")]
         if self.n_positions:
             out.append(("positions", self.n_positions * d, "embedding"))
+        out += [(f"value_embeds.{t}", self.vocab_size * d, "embedding") for t in range(self.value_embeddings)]
+        fed = {*range(self.value_embeddings), *range(L - self.value_embeddings, L)}  # the layers the tables feed
         norms_per_layer = 2
         for i in range(L):
             for j in range(norms_per_layer):
@@ -246,10 +254,14 @@ class ModelShape:
                     out.append((f"h.{i}.norm{j}.bias", d, "norm"))
             if self.qk_norm:
                 out += [(f"h.{i}.q_norm.weight", self.head_size, "norm"), (f"h.{i}.k_norm.weight", self.head_size, "norm")]
+            if i in fed:
+                out.append((f"h.{i}.value_mix", 2, "norm"))
             for lin in self.linears():
                 out.append((f"h.{i}.{lin.name}.weight", lin.d_in * lin.d_out, "linear"))
                 if lin.bias:
                     out.append((f"h.{i}.{lin.name}.bias", lin.d_out, "bias"))
+        if self.unet_skips:
+            out.append(("skip_weights", L // 2, "norm"))
         out.append(("final_norm.weight", d, "norm"))
         if self.norm_bias:
             out.append(("final_norm.bias", d, "norm"))
@@ -337,6 +349,7 @@ def _shape_from_config(config: Any, name: str = "") -> ModelShape:
             n_positions=0 if rotary else int(pick("n_positions", "max_position_embeddings")),
             bias=bool(cfg.get("bias", gpt2)), tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             norm_bias=False if cfg.get("norm") == "rmsnorm" else None, qk_norm=bool(cfg.get("qk_norm", False)),
+            value_embeddings=int(cfg.get("value_embeddings", 0)), unet_skips=bool(cfg.get("unet_skips", False)),
         )
     if model_type in _NEOX_TYPES:
         return ModelShape(

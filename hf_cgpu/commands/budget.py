@@ -148,7 +148,8 @@ def _rewrite(argv: Sequence[str]) -> list[str]:
 
 GPT_SHAPE_FLAGS = frozenset(f"--{n}" for n in ("n_layer", "n_embd", "n_head", "mlp_ratio", "bias", "vocab_size",
                                                  "position_embedding", "qk_norm", "activation", "norm",
-                                                 "tie_word_embeddings"))
+                                                 "tie_word_embeddings", "value_embeddings", "logit_softcap",
+                                                 "unet_skips", "zero_init_head"))
 """GPTSettings flags that shape our GPT only: another causal LM's shape is its config's."""
 
 
