@@ -1,4 +1,5 @@
-"""modded-nanogpt's architecture options of our GPT: value embeddings, logit soft-capping, U-net skips, a zero head.
+"""modded-nanogpt's architecture options of our GPT: value embeddings, logit soft-capping, U-net skips, a zero head;
+and the Slowrun's layer looping (the block stack run again with the same weights).
 
 Each is off by default and then adds nothing; on, each is checked against a computation written out here, exact
 under the KV cache and a reload (also where hf_cgpu is not installed), counted by the ledger, and trained end to end.
@@ -15,11 +16,14 @@ from gpt_generation_checks import GenerationChecks
 from isolation import run_without_hf_cgpu
 from transformers import AutoModelForCausalLM
 
+from hf_cgpu.budget.memory import activation_bytes
+from hf_cgpu.budget.time import flops_per_token
 from hf_cgpu.commands.budget import describe_run
 from hf_cgpu.errors import SettingsError
 from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 from hf_cgpu.models.cgpt.modeling_cgpt import value_table_of
 from hf_cgpu.optim.muon_optimizer import muon_param_groups
+from hf_cgpu.settings import TrainSettings
 from hf_cgpu.tasks.settings import GPTSettings
 
 V, L = 97, 5  # an odd depth: a middle block with neither a value table nor a skip
@@ -28,6 +32,7 @@ OPTIONS = {
     "logit_softcap": dict(logit_softcap=1.5),
     "unet_skips": dict(unet_skips=True),
     "zero_init_head": dict(zero_init_head=True, tie_word_embeddings=False),
+    "layer_loops": dict(layer_loops=2),
 }
 ALL = {k: v for option in OPTIONS.values() for k, v in option.items()}
 CASES = [*OPTIONS.values(), ALL]
@@ -159,6 +164,26 @@ def test_unet_skips_add_the_mirrored_outputs():
         torch.testing.assert_close(m(x).logits, plain(x).logits, rtol=0, atol=0)
 
 
+def test_layer_loops_run_the_blocks_again_and_cost_per_pass():
+    x = tokens()
+    m = model(layer_loops=2)
+    t = m.transformer
+    with torch.no_grad():
+        h = t.wte(x) + t.wpe(torch.arange(x.shape[1]))[None]
+        for block in [*t.h, *t.h]:
+            h = block(h)
+        torch.testing.assert_close(t(x).last_hidden_state, t.ln_f(h), rtol=1e-6, atol=1e-6)
+    assert m.config.num_hidden_layers == 2 * L and m.config.n_layer == L
+    once, twice = (GPTSettings(n_layer=L, n_embd=32, n_head=4, seq_len=64, vocab_size=V, layer_loops=k).run_shape()
+                   for k in (1, 2))
+    setup = once.setup(TrainSettings(micro_batch_size=2))
+    blocks = once.model.n_block_linear_params
+    assert twice.model.n_params == once.model.n_params and twice.model.depth == 2 * L
+    assert flops_per_token(twice.model, setup) - flops_per_token(once.model, setup) == 6 * blocks + 12 * L * 64 * 32
+    one, two = activation_bytes(once.model, setup), activation_bytes(twice.model, setup)
+    assert two.no_recompute - one.no_recompute == pytest.approx(L * one.per_token_per_layer * 128)
+
+
 def test_zero_head_starts_at_zero_and_at_the_uniform_loss():
     m = model(random_head=False, **OPTIONS["zero_init_head"])
     assert not m.lm_head.weight.any() and m.transformer.wte.weight.any()
@@ -172,6 +197,7 @@ def test_zero_head_starts_at_zero_and_at_the_uniform_loss():
     (dict(n_layer=4, value_embeddings=3), "value_embeddings=3 must be in \\[0, n_layer // 2 = 2\\]"),
     (dict(n_layer=1, unet_skips=True), "n_layer=1 has none"),
     (dict(logit_softcap=-1.0), "logit_softcap=-1.0 must be >= 0"),
+    (dict(layer_loops=0), "layer_loops=0 must be >= 1"),
 ])
 def test_bad_values_are_one_line_errors(options, error):
     with pytest.raises(SettingsError, match=error) as err:
@@ -234,10 +260,11 @@ def test_ledger_counts_every_parameter(options):
 
 def test_budget_of_the_tiny_preset_with_every_option_counts_the_model():
     flags = ["--value_embeddings", "2", "--logit_softcap", "15", "--unet_skips", "true", "--zero_init_head", "true",
-             "--tie_word_embeddings", "false"]
+             "--tie_word_embeddings", "false", "--layer_loops", "2"]
     shape, _, _ = describe_run(["--preset", "tiny", *flags])
     gpt = GPTSettings(n_layer=4, n_embd=128, n_head=4, seq_len=128, vocab_size=4096, value_embeddings=2,
-                      logit_softcap=15.0, unet_skips=True, zero_init_head=True, tie_word_embeddings=False)
+                      logit_softcap=15.0, unet_skips=True, zero_init_head=True, tie_word_embeddings=False,
+                      layer_loops=2)
     with torch.device("meta"):
         m = CgptForCausalLM(gpt.model_config(4096, 0))
     assert shape.model.n_params == sum(p.numel() for p in m.parameters())
@@ -252,13 +279,14 @@ def test_tiny_recipe_with_every_option_trains_and_generates(tmp_path):
                "--eval_batches", "1", "--micro_batch_size", "4", "--progress", "false", "--max_new_tokens", "8",
                "--prompts", "The", "--mixed_precision", "no", "--cache_dir", str(tmp_path / "cache"),
                "--output_dir", str(out), "--value_embeddings", "2", "--logit_softcap", "15", "--unet_skips", "true",
-               "--zero_init_head", "true", "--tie_word_embeddings", "false"])
+               "--zero_init_head", "true", "--tie_word_embeddings", "false", "--layer_loops", "2"])
     assert rc == 0
     results = json.loads((out / "all_results.json").read_text())
     assert results["samples"] and results["samples"][0].startswith("The") and len(results["samples"][0]) > 3
     assert results["best_val_loss"] < math.log(512)  # below where the zero head starts: it learned
     config = json.loads((out / "config.json").read_text())
     assert config["value_embeddings"] == 2 and config["unet_skips"] and config["logit_softcap"] == 15.0
+    assert config["layer_loops"] == 2
 
 
 def test_every_option_compiles_as_one_graph():

@@ -72,6 +72,7 @@ def test_another_model_option_is_refused_naming_both_values(written, option, val
     ({"logit_softcap": 15.0}, "'model.logit_softcap': (0.0, 15.0)"),
     ({"n_layer": 2, "unet_skips": True}, "'model.unet_skips': (False, True)"),
     ({"zero_init_head": True, "tie_word_embeddings": False}, "'model.zero_init_head': (False, True)"),
+    ({"layer_loops": 2}, "'model.layer_loops': (1, 2)"),
 ])
 def test_another_speedrun_option_is_refused_naming_both_values(written, changed, named):
     """modded-nanogpt's options (some need another option to be valid: both are named)."""

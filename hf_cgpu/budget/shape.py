@@ -107,6 +107,9 @@ class ModelShape:
     of the 2 * value_embeddings layers they feed."""
     unet_skips: bool = False
     """One learnable skip weight per early block, n_layer // 2 in all (cgpt ``unet_skips``)."""
+    layer_loops: int = 1
+    """Passes through the block stack with shared weights (cgpt ``layer_loops``): FLOPs and activations count every
+    pass (``depth``), parameters once."""
     name: str = ""
     max_positions: int = 0
     """Longest sequence the model takes (n_positions / max_position_embeddings); 0 = unknown."""
@@ -284,6 +287,16 @@ class ModelShape:
         """Parameters that take part in a matmul per token: block linears + the LM head (tied or not)."""
         return self.n_block_linear_params + self.vocab_size * self.d_model
 
+    @property
+    def depth(self) -> int:
+        """Blocks run per token: n_layer, times layer_loops."""
+        return self.n_layer * self.layer_loops
+
+    @property
+    def matmul_params_per_token(self) -> int:
+        """Weights multiplied per token (2 FLOPs each forward): the block linears once per pass, the head once."""
+        return self.n_block_linear_params * self.layer_loops + self.vocab_size * self.d_model
+
     def positions_note(self, seq_len: int) -> str:
         """'' when ``seq_len`` is within the model's positions; a note when it is beyond them but the positions are
         rotary angles computed from ``position_ids`` (GPT-NeoX, Llama: memory and time are what they are, quality past
@@ -350,6 +363,7 @@ def _shape_from_config(config: Any, name: str = "") -> ModelShape:
             bias=bool(cfg.get("bias", gpt2)), tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             norm_bias=False if cfg.get("norm") == "rmsnorm" else None, qk_norm=bool(cfg.get("qk_norm", False)),
             value_embeddings=int(cfg.get("value_embeddings", 0)), unet_skips=bool(cfg.get("unet_skips", False)),
+            layer_loops=int(cfg.get("layer_loops", 1)),
         )
     if model_type in _NEOX_TYPES:
         return ModelShape(

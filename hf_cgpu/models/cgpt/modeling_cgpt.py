@@ -20,8 +20,9 @@ work as with the learned table),
 RMSNorm of queries and keys per head (``qk_norm``), ReLU squared (``activation="relu2"``), RMSNorm blocks
 (``norm="rmsnorm"``); from modded-nanogpt: value embeddings (``value_embeddings``), soft-capped logits
 (``logit_softcap``), U-net skips from early to late blocks (``unet_skips``), a zero-initialised untied head
-(``zero_init_head``). Each creates its parameters only when on, so with all off the model, its state_dict and its
-initialisation's random stream are the plain one.
+(``zero_init_head``); from the NanoGPT Slowrun: the block stack run ``layer_loops`` times with shared weights (each
+pass its own layers in the cache). Each creates its parameters only when on, so with all off the model, its
+state_dict and its initialisation's random stream are the plain one.
 
 Beyond upstream: the chunked fp32 loss (``loss_chunk_size``) that never builds all the logits.
 In eval mode a call with labels returns logits too (Trainer's evaluation reads them); training builds none.
@@ -244,8 +245,11 @@ class CgptAttention(nn.Module):
         output_attentions: bool = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         value_embedding: torch.Tensor | None = None,
+        cache_index: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``cache_index``: this call's layer in the cache (default ``layer_idx``; pass p of ``layer_loops`` gives
+        ``p * n_layer + layer_idx``)."""
         B, T, C = hidden_states.shape
         q, k, v = self.qkv(hidden_states).view(B, T, 3, self.n_head, self.head_dim).unbind(2)  # (B, T, nh, hs)
         if value_embedding is not None:  # this layer's table, looked up by token (B, T, C); the cache keeps mixed v
@@ -263,7 +267,7 @@ class CgptAttention(nn.Module):
         q, k = q.to(v.dtype), k.to(v.dtype)  # back to the projection's dtype (bf16 under autocast)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)  # (B, nh, past + T, hs), or the static cache's full length
+            k, v = cache.update(k, v, self.layer_idx if cache_index is None else cache_index)  # (B, nh, past + T, hs)
 
         implementation = "eager" if output_attentions else self.config._attn_implementation  # only eager has weights
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
@@ -494,17 +498,20 @@ class CgptModel(CgptPreTrainedModel):
             hidden_states = self.drop(inputs_embeds)
             position_embeddings = self.rotary(position_ids)
         values = [table(input_ids) for table in self.value_embeds] if self.value_embeds is not None else []
-        n, skips = len(self.h), []
-        for i, block in enumerate(self.h):
-            if self.skip_weights is not None and i >= n - n // 2:  # U-net: the mirrored early block's output
-                hidden_states = hidden_states + self.skip_weights[n - 1 - i] * skips[n - 1 - i]
-            table = self.value_tables[i]
-            hidden_states = block(
-                hidden_states, causal_mask, None if table is None else values[table], cache=cache,
-                output_attentions=output_attentions, position_embeddings=position_embeddings, **kwargs
-            )
-            if self.skip_weights is not None and i < n // 2:
-                skips.append(hidden_states)
+        n = len(self.h)
+        for loop in range(self.config.layer_loops):  # the same blocks again (layer_loops), each pass its own cache
+            skips = []
+            for i, block in enumerate(self.h):
+                if self.skip_weights is not None and i >= n - n // 2:  # U-net: the mirrored early block's output
+                    hidden_states = hidden_states + self.skip_weights[n - 1 - i] * skips[n - 1 - i]
+                table = self.value_tables[i]
+                hidden_states = block(
+                    hidden_states, causal_mask, None if table is None else values[table], cache=cache,
+                    cache_index=loop * n + i, output_attentions=output_attentions,
+                    position_embeddings=position_embeddings, **kwargs
+                )
+                if self.skip_weights is not None and i < n // 2:
+                    skips.append(hidden_states)
         hidden_states = self.ln_f(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache})
 

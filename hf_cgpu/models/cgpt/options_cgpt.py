@@ -18,7 +18,8 @@ NORMS = ("layernorm", "rmsnorm")
 def check_options(n_embd: int, n_head: int, position_embedding: str = "learned", activation: str = "gelu",
                   norm: str = "layernorm", rope_theta: float = 10000.0, dropout: float = 0.0, n_layer: int = 12,
                   value_embeddings: int = 0, logit_softcap: float = 0.0, zero_init_head: bool = False,
-                  tie_word_embeddings: bool = True, unet_skips: bool = False, **_: object) -> None:
+                  tie_word_embeddings: bool = True, unet_skips: bool = False, layer_loops: int = 1,
+                  **_: object) -> None:
     """Raise ``ValueError`` (one line naming the fix) for options the model cannot be built with."""
     if n_embd % n_head:
         raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}; use n_head in "
@@ -40,6 +41,8 @@ def check_options(n_embd: int, n_head: int, position_embedding: str = "learned",
     if unet_skips and n_layer < 2:
         raise ValueError(f"unet_skips joins the first n_layer // 2 blocks to the last; n_layer={n_layer} has none: "
                          "use n_layer >= 2 or --unet_skips false")
+    if layer_loops < 1:
+        raise ValueError(f"layer_loops={layer_loops} must be >= 1 (1 = each block once)")
     if logit_softcap < 0:
         raise ValueError(f"logit_softcap={logit_softcap} must be >= 0 (0 = off); e.g. 15 or 30")
     if zero_init_head and tie_word_embeddings:
@@ -92,6 +95,10 @@ class CgptOptions:
     zero_init_head: bool = False
     """Start the untied LM head at zero (modded-nanogpt): the first loss is exactly ln(vocab) and the head learns from
     the features rather than from noise. Needs --tie_word_embeddings false."""
+    layer_loops: int = 1
+    """Run the whole block stack this many times with the same weights (weight-shared depth, the NanoGPT Slowrun's
+    layer looping), value embeddings and U-net skips within each pass: compute and activations grow with it, the
+    parameters do not. 1 = each block once."""
 
     def __post_init__(self) -> None:
         check_options(**self.options())
