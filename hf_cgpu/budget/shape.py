@@ -313,6 +313,7 @@ class ModelShape:
         kv = f", {self.n_kv_head} kv heads" if self.n_kv_head != self.n_head else ""
         ff = "" if self.d_ff == 4 * self.d_model else f", d_ff {self.d_ff}"
         attn = "" if self.attention == "sdpa" else f", {self.attention} attention"
+        attn += f", the blocks run {self.layer_loops} times" if self.layer_loops > 1 else ""
         return (
             f"{self.name or 'model'} ({self.family}, {self.n_layer} x {self.d_model}, {self.n_head} heads{kv}{ff}"
             f"{attn}, vocab {self.vocab_size}) = {fmt_count(self.n_params)} params"
