@@ -1,14 +1,10 @@
 """The GPT's modern options (rotary, qk_norm, relu2, rmsnorm): off by default, exact under caches, padding, reload."""
 
 import json
-import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
-from isolation import WITHOUT_HF_CGPU
+from isolation import run_without_hf_cgpu
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -148,8 +144,7 @@ def test_save_load_round_trip_and_trust_remote_code_without_hf_cgpu(tmp_path):
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
     torch.save({"ids": ids, "want": want}, tmp_path / "io.pt")
-    script = WITHOUT_HF_CGPU + textwrap.dedent(
-        f"""
+    run_without_hf_cgpu(f"""
         import torch
         from transformers import AutoModelForCausalLM
         m = AutoModelForCausalLM.from_pretrained({str(tmp_path / "m")!r}, trust_remote_code=True).eval()
@@ -158,13 +153,7 @@ def test_save_load_round_trip_and_trust_remote_code_without_hf_cgpu(tmp_path):
         out = m.generate(io['ids'], max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
         assert torch.equal(out, io['want']), (out, io['want'])
         print('OK')
-        """
-    )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
-    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
+        """, tmp_path)
 
 
 @pytest.mark.parametrize("options", [{}, MODERN, {**MODERN, "norm": "rmsnorm", "tie_word_embeddings": False}])

@@ -111,3 +111,41 @@ class CgptModernModelTester(CgptModelTester):
 class CgptModernModelTest(CgptModelTest):
     def setUp(self):
         self.model_tester = CgptModernModelTester(self)
+
+
+class CgptSpeedrunModelTester(CgptModelTester):
+    """The same tiny shapes with modded-nanogpt's options on: a value embedding (feeding both layers), soft-capped
+    logits, the U-net skip from the first block to the second, an untied head (started at random: a zero head gives
+    every token the same logit, which would make the generation checks trivial), two blocks run twice: the mixin's
+    num_hidden_layers is the depth as run (the config's too), 4."""
+
+    def __init__(self, parent, **kwargs):
+        super().__init__(parent, **{"num_hidden_layers": 4, **kwargs})
+
+    def get_config(self) -> CgptConfig:
+        config = super().get_config()
+        config.value_embeddings, config.logit_softcap, config.unet_skips = 1, 0.05, True
+        config.tie_word_embeddings, config.layer_loops, config.n_layer = False, 2, self.num_hidden_layers // 2
+        return config
+
+
+class CgptSpeedrunModelTest(CgptModelTest):
+    def setUp(self):
+        self.model_tester = CgptSpeedrunModelTester(self)
+
+    def _refuses_inputs_embeds_alone(self):
+        """Value embeddings are looked up by token id: embeddings alone are refused in one line (the mixin's
+        inputs_embeds checks replaced by this)."""
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        for model_class in self.all_model_classes:
+            model = model_class(config).eval()
+            with self.assertRaisesRegex(ValueError, "^value_embeddings .*pass input_ids, not inputs_embeds$"):
+                model(inputs_embeds=model.get_input_embeddings()(inputs["input_ids"]))
+
+    def test_num_layers_is_small(self):
+        """Two blocks (the mixin's limit) run twice: a depth of 4, as transformers allows its own looped models."""
+        config = self.model_tester.get_config()
+        self.assertEqual((config.n_layer, config.layer_loops, config.num_hidden_layers), (2, 2, 4))
+
+    test_inputs_embeds = test_inputs_embeds_matches_input_ids = _refuses_inputs_embeds_alone
+    test_generate_from_inputs_embeds = _refuses_inputs_embeds_alone

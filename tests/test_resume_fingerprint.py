@@ -67,6 +67,22 @@ def test_another_model_option_is_refused_naming_both_values(written, option, val
     assert named in message and "\n" not in message, message
 
 
+@pytest.mark.parametrize("changed, named", [
+    ({"n_layer": 2, "value_embeddings": 1}, "'model.value_embeddings': (0, 1)"),
+    ({"logit_softcap": 15.0}, "'model.logit_softcap': (0.0, 15.0)"),
+    ({"n_layer": 2, "unet_skips": True}, "'model.unet_skips': (False, True)"),
+    ({"zero_init_head": True, "tie_word_embeddings": False}, "'model.zero_init_head': (False, True)"),
+    ({"layer_loops": 2}, "'model.layer_loops': (1, 2)"),
+])
+def test_another_speedrun_option_is_refused_naming_both_values(written, changed, named):
+    """modded-nanogpt's options (some need another option to be valid: both are named)."""
+    root, gpt = written
+    with pytest.raises(CheckpointError) as err:
+        resume(root, gpt, **changed)
+    message = str(err.value)
+    assert named in message and "\n" not in message, message
+
+
 @pytest.mark.parametrize("setting, value, named", [
     ("weight_decay", 2.0, "'weight_decay': (0.1, 2.0)"),
     ("adam_beta1", 0.8, "'adam_beta1': (0.9, 0.8)"),
@@ -97,10 +113,10 @@ def test_what_applies_from_the_next_step_may_change(written, capsys):
     assert results["steps"] == 3 and "resumed from" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("setting", ["document_masking", "weight_decay"])
+@pytest.mark.parametrize("setting", ["document_masking", "weight_decay", "model.logit_softcap"])
 def test_a_checkpoint_older_than_a_setting_resumes_at_its_default_only(written, setting, tmp_path):
-    """A checkpoint written before a setting existed (the setting missing from its fingerprint) was trained as the
-    setting's default does: a resume at the default goes on, another value is refused naming the setting."""
+    """A checkpoint written before a setting or a model option existed (missing from its fingerprint) was trained as
+    its default does: a resume at the default goes on, another value is refused naming it."""
     import json
     import shutil
 
@@ -115,7 +131,7 @@ def test_a_checkpoint_older_than_a_setting_resumes_at_its_default_only(written, 
         from hf_cgpu.integrity import build_manifest, read_manifest, write_manifest
         old = read_manifest(manifest.parent)
         write_manifest(manifest.parent, build_manifest(manifest.parent, old.kind, **old.meta))
-    other = {"document_masking": True, "weight_decay": 0.5}[setting]
+    other = {"document_masking": True, "weight_decay": 0.5, "model.logit_softcap": 15.0}[setting]
     with pytest.raises(CheckpointError, match=f"'{setting}': \\(.*, {other}\\)"):
-        resume(tmp_path, gpt, run="old", **{setting: other})
+        resume(tmp_path, gpt, run="old", **{setting.removeprefix("model."): other})
     assert resume(tmp_path, gpt, run="old")["steps"] == 3

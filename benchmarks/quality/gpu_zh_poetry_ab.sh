@@ -26,8 +26,8 @@ for name in A B; do
   rm -rf /tmp/ab/warm_$name
   # shellcheck disable=SC2086
   timeout 200 python3 recipes/train_gpt.py --preset "$PRESET" ${DATA:+--dataset $DATA} --output_dir /tmp/ab/warm_$name \
-    --max_steps 3 --max_minutes 0 --fit_schedule_to_time false --eval_steps 0 --checkpointing_steps 0 \
-    --progress false ${!name:-} > /tmp/ab/warm_$name.log 2>&1 || echo "warm-up $name failed: see warm_$name.log"
+    --max_steps 3 --max_minutes 0 --fit_schedule_to_time false --eval_steps 0 --load_best_at_end false \
+    --checkpointing_steps 0 --progress false ${!name:-} > /tmp/ab/warm_$name.log 2>&1 || echo "warm-up $name failed: see warm_$name.log"
 done
 for name in A B; do
   rm -rf /tmp/ab/$name

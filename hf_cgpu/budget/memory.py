@@ -318,9 +318,10 @@ def layer_activation_bytes_per_token(shape: ModelShape, setup: TrainSetup, r: Re
 
 
 def outside_blocks_bytes_per_token(shape: ModelShape, setup: TrainSetup, r: Regime | None = None) -> float:
-    """The final norm's saved input and the head's input (kept for the head / loss-chunk backward)."""
+    """The final norm's saved input and the head's input (kept for the head / loss-chunk backward), and the fp32
+    lookups of the value-embedding tables (saved for their mixing weights' gradients, kept across recompute)."""
     r = r or regime(setup)
-    return (r.norm_save + BF16) * shape.d_model
+    return (r.norm_save + BF16 + FP32 * shape.value_embeddings) * shape.d_model
 
 
 def selective_kept_bytes_per_token(shape: ModelShape, setup: TrainSetup, r: Regime | None = None) -> float:
@@ -361,11 +362,11 @@ def activation_bytes(shape: ModelShape, setup: TrainSetup, r: Regime | None = No
     outside = outside_blocks_bytes_per_token(shape, setup, r) * tokens
     kept = min(per_layer, selective_kept_bytes_per_token(shape, setup, r) * ACTIVATION_SCALE)
     return ActivationBytes(
-        no_recompute=shape.n_layer * per_layer * tokens + outside,
-        recompute=shape.n_layer * r.resid * shape.d_model * tokens + outside,
+        no_recompute=shape.depth * per_layer * tokens + outside,
+        recompute=shape.depth * r.resid * shape.d_model * tokens + outside,
         recompute_layer=per_layer * tokens,
         per_token_per_layer=per_layer,
-        selective=shape.n_layer * kept * tokens + outside,
+        selective=shape.depth * kept * tokens + outside,
         selective_layer=(per_layer - kept) * tokens,
     )
 

@@ -102,6 +102,14 @@ class ModelShape:
     (scores saved per head)."""
     qk_norm: bool = False
     """RMSNorm gains on each head's queries and keys (cgpt ``qk_norm``): 2 * head_size parameters per block."""
+    value_embeddings: int = 0
+    """Value-embedding tables (cgpt ``value_embeddings``): vocab_size * d_model each, and two mixing scalars in each
+    of the 2 * value_embeddings layers they feed."""
+    unet_skips: bool = False
+    """One learnable skip weight per early block, n_layer // 2 in all (cgpt ``unet_skips``)."""
+    layer_loops: int = 1
+    """Passes through the block stack with shared weights (cgpt ``layer_loops``): FLOPs and activations count every
+    pass (``depth``), parameters once."""
     name: str = ""
     max_positions: int = 0
     """Longest sequence the model takes (n_positions / max_position_embeddings); 0 = unknown."""
@@ -233,11 +241,14 @@ class ModelShape:
         ]
 
     def param_tensors(self) -> list[tuple[str, int, str]]:
-        """Every parameter tensor as (name, numel, kind); kind is embedding | head | linear | bias | norm."""
+        """Every parameter tensor as (name, numel, kind); kind is embedding | head | linear | bias | norm
+        (norm also for the other 1-D parameters: value mixes, skip weights)."""
         d, L = self.d_model, self.n_layer
         out: list[tuple[str, int, str]] = [("embed", self.vocab_size * d, "embedding")]
         if self.n_positions:
             out.append(("positions", self.n_positions * d, "embedding"))
+        out += [(f"value_embeds.{t}", self.vocab_size * d, "embedding") for t in range(self.value_embeddings)]
+        fed = {*range(self.value_embeddings), *range(L - self.value_embeddings, L)}  # the layers the tables feed
         norms_per_layer = 2
         for i in range(L):
             for j in range(norms_per_layer):
@@ -246,10 +257,14 @@ class ModelShape:
                     out.append((f"h.{i}.norm{j}.bias", d, "norm"))
             if self.qk_norm:
                 out += [(f"h.{i}.q_norm.weight", self.head_size, "norm"), (f"h.{i}.k_norm.weight", self.head_size, "norm")]
+            if i in fed:
+                out.append((f"h.{i}.value_mix", 2, "norm"))
             for lin in self.linears():
                 out.append((f"h.{i}.{lin.name}.weight", lin.d_in * lin.d_out, "linear"))
                 if lin.bias:
                     out.append((f"h.{i}.{lin.name}.bias", lin.d_out, "bias"))
+        if self.unet_skips:
+            out.append(("skip_weights", L // 2, "norm"))
         out.append(("final_norm.weight", d, "norm"))
         if self.norm_bias:
             out.append(("final_norm.bias", d, "norm"))
@@ -272,6 +287,16 @@ class ModelShape:
         """Parameters that take part in a matmul per token: block linears + the LM head (tied or not)."""
         return self.n_block_linear_params + self.vocab_size * self.d_model
 
+    @property
+    def depth(self) -> int:
+        """Blocks run per token: n_layer, times layer_loops."""
+        return self.n_layer * self.layer_loops
+
+    @property
+    def matmul_params_per_token(self) -> int:
+        """Weights multiplied per token (2 FLOPs each forward): the block linears once per pass, the head once."""
+        return self.n_block_linear_params * self.layer_loops + self.vocab_size * self.d_model
+
     def positions_note(self, seq_len: int) -> str:
         """'' when ``seq_len`` is within the model's positions; a note when it is beyond them but the positions are
         rotary angles computed from ``position_ids`` (GPT-NeoX, Llama: memory and time are what they are, quality past
@@ -288,6 +313,7 @@ class ModelShape:
         kv = f", {self.n_kv_head} kv heads" if self.n_kv_head != self.n_head else ""
         ff = "" if self.d_ff == 4 * self.d_model else f", d_ff {self.d_ff}"
         attn = "" if self.attention == "sdpa" else f", {self.attention} attention"
+        attn += f", the blocks run {self.layer_loops} times" if self.layer_loops > 1 else ""
         return (
             f"{self.name or 'model'} ({self.family}, {self.n_layer} x {self.d_model}, {self.n_head} heads{kv}{ff}"
             f"{attn}, vocab {self.vocab_size}) = {fmt_count(self.n_params)} params"
@@ -337,6 +363,8 @@ def _shape_from_config(config: Any, name: str = "") -> ModelShape:
             n_positions=0 if rotary else int(pick("n_positions", "max_position_embeddings")),
             bias=bool(cfg.get("bias", gpt2)), tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             norm_bias=False if cfg.get("norm") == "rmsnorm" else None, qk_norm=bool(cfg.get("qk_norm", False)),
+            value_embeddings=int(cfg.get("value_embeddings", 0)), unet_skips=bool(cfg.get("unet_skips", False)),
+            layer_loops=int(cfg.get("layer_loops", 1)),
         )
     if model_type in _NEOX_TYPES:
         return ModelShape(

@@ -28,7 +28,7 @@ def flops_per_token(shape: ModelShape, setup: TrainSetup, count_recompute: bool 
     selective recompute re-runs no matmul and adds none);
     model FLOPs utilisation (MFU) counts the model's FLOPs without it.
     """
-    n = shape.n_matmul_params
+    n = shape.matmul_params_per_token
     attn = attention_flops_per_token(shape, setup.seq_len)  # forward a third of it, backward two thirds
     if setup.adapters:
         n_lora = lora_trainable_params(shape, setup.lora_r, setup.lora_targets)
@@ -42,7 +42,7 @@ def flops_per_token(shape: ModelShape, setup: TrainSetup, count_recompute: bool 
 
 def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """12 L T d: QK^T and AV over the full T x T square, forward (4 L T d) and backward (8 L T d)."""
-    return 12.0 * shape.n_layer * seq_len * shape.d_model
+    return 12.0 * shape.depth * seq_len * shape.d_model
 
 
 def chinchilla_tokens(params: float) -> float:

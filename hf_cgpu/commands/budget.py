@@ -153,7 +153,8 @@ def _rewrite(argv: Sequence[str]) -> list[str]:
 
 GPT_SHAPE_FLAGS = frozenset(f"--{n}" for n in ("n_layer", "n_embd", "n_head", "mlp_ratio", "bias", "vocab_size",
                                                  "position_embedding", "qk_norm", "activation", "norm",
-                                                 "tie_word_embeddings"))
+                                                 "tie_word_embeddings", "value_embeddings", "logit_softcap",
+                                                 "unet_skips", "zero_init_head", "layer_loops"))
 """GPTSettings flags that shape our GPT only: another causal LM's shape is its config's."""
 
 
@@ -297,7 +298,8 @@ def format_time(shape: ModelShape, setup: TrainSetup, peak: float, peak_source: 
     lines = [
         f"time (bf16 peak {peak:.0f} TFLOP/s from {peak_source}, x utilisation {mfu:.2f}):",
         f"  FLOPs per token  {fpt / 1e9:.2f} GFLOP = {'4' if setup.adapters else '6'} N "
-        f"(N = {fmt_count(shape.n_matmul_params)} matmul params) + 12 L T d ({attn / 1e9:.2f} GFLOP attention)"
+        f"(N = {fmt_count(shape.matmul_params_per_token)} matmul params per token) + 12 L T d "
+        f"({attn / 1e9:.2f} GFLOP attention)"
         f"{' + recompute forward' if setup.recompute else ''}",
         f"  throughput       {rate:,.0f} tokens/s; {training_hours(1e9, fpt, peak, mfu):.1f} h per 1B tokens",
     ]

@@ -46,11 +46,20 @@ def run_fingerprint(model_config: Mapping[str, Any] | None, data: Mapping[str, A
     return json.loads(json.dumps(out, sort_keys=True, default=str))  # as trainer_state.json gives it back
 
 
+def model_option_defaults(*settings: Any) -> dict[str, Any]:
+    """``model.<field>`` at its default for every field of ``settings``: a model option newer than a checkpoint's
+    config (absent from it) was trained as its default, which is the plain model (our GPT's options are off by
+    default)."""
+    return {f"model.{f.name}": f.default for s in settings for f in dataclasses.fields(s)
+            if f.default is not dataclasses.MISSING}
+
+
 def with_new_settings(theirs: Mapping[str, Any], ours: Mapping[str, Any], *settings: Any) -> dict[str, Any]:
-    """``theirs`` (a checkpoint's fingerprint) with the settings added since it was written, at their defaults: a
-    checkpoint that predates a setting was trained as its default does, so a resume at the default is accepted and one
-    at another value is refused like any change."""
-    defaults = json.loads(json.dumps(fixed_defaults(*settings), sort_keys=True, default=str))
+    """``theirs`` (a checkpoint's fingerprint) with the settings and model options added since it was written, at
+    their defaults: a checkpoint that predates a setting was trained as its default does, so a resume at the default is
+    accepted and one at another value is refused like any change."""
+    defaults = json.loads(json.dumps({**fixed_defaults(*settings), **model_option_defaults(*settings)},
+                                     sort_keys=True, default=str))
     return {**{k: v for k, v in defaults.items() if k in ours and k not in theirs}, **theirs}
 
 
@@ -67,4 +76,4 @@ def difference(theirs: Mapping[str, Any], ours: Mapping[str, Any], shown: int = 
     return text
 
 
-__all__ = ["CONFIG_NOISE", "difference", "run_fingerprint", "saved_config", "with_new_settings"]
+__all__ = ["CONFIG_NOISE", "difference", "model_option_defaults", "run_fingerprint", "saved_config", "with_new_settings"]

@@ -34,16 +34,33 @@ class CgptConfig(PretrainedConfig):
         qk_norm: RMSNorm of each head's queries and keys (before RoPE), as in OLMo 2 and modded-nanogpt.
         activation: MLP nonlinearity, "gelu" (tanh approximation, GPT-2) or "relu2" (ReLU squared, modded-nanogpt).
         norm: "layernorm" (GPT-2) or "rmsnorm" for the block and final norms (RMSNorm has no bias).
+        value_embeddings: k extra token-embedding tables mixed into the attention values (modded-nanogpt): table i
+            feeds layers i and ``n_layer - k + i`` as ``v = a * v + b * table[token]`` (learnable a, b per layer).
+            0 = off; at most ``n_layer // 2``. Needs ``input_ids`` (not ``inputs_embeds`` alone).
+        logit_softcap: c > 0 caps every logit softly, ``c * tanh(logits / c)``, in the loss and in returned logits.
+        unet_skips: the outputs of the first ``n_layer // 2`` blocks are added, times learnable weights starting at
+            1, to the inputs of their mirrored last blocks (modded-nanogpt).
+        zero_init_head: the untied LM head starts at zero (needs ``tie_word_embeddings=False``).
+        layer_loops: the block stack runs this many times with shared weights; ``num_hidden_layers`` (what caches and
+            the recorded hidden states and attentions count) is the depth as run, ``n_layer * layer_loops``.
     """
 
     model_type = "cgpt"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
     attribute_map = {
         "hidden_size": "n_embd",
-        "num_hidden_layers": "n_layer",
         "num_attention_heads": "n_head",
         "max_position_embeddings": "n_positions",
     }
+
+    @property
+    def num_hidden_layers(self) -> int:
+        """The depth as run: ``n_layer`` blocks, ``layer_loops`` times (caches keep one layer per block and pass)."""
+        return self.n_layer * self.__dict__.get("layer_loops", 1)
+
+    @num_hidden_layers.setter
+    def num_hidden_layers(self, value: int) -> None:
+        self.n_layer = value // self.__dict__.get("layer_loops", 1)
 
     def __init__(
         self,
@@ -68,9 +85,16 @@ class CgptConfig(PretrainedConfig):
         qk_norm: bool = False,
         activation: str = "gelu",
         norm: str = "layernorm",
+        value_embeddings: int = 0,
+        logit_softcap: float = 0.0,
+        unet_skips: bool = False,
+        zero_init_head: bool = False,
+        layer_loops: int = 1,
         **kwargs,
     ):
-        check_options(n_embd, n_head, position_embedding, activation, norm, rope_theta, dropout)
+        check_options(n_embd, n_head, position_embedding, activation, norm, rope_theta, dropout, n_layer=n_layer,
+                      value_embeddings=value_embeddings, logit_softcap=logit_softcap, zero_init_head=zero_init_head,
+                      tie_word_embeddings=tie_word_embeddings, unet_skips=unet_skips, layer_loops=layer_loops)
         self.vocab_size = vocab_size
         self.n_positions = n_positions
         self.n_embd = n_embd
@@ -88,6 +112,11 @@ class CgptConfig(PretrainedConfig):
         self.qk_norm = qk_norm
         self.activation = activation
         self.norm = norm
+        self.value_embeddings = value_embeddings
+        self.logit_softcap = float(logit_softcap)
+        self.unet_skips = unet_skips
+        self.zero_init_head = zero_init_head
+        self.layer_loops = layer_loops
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,

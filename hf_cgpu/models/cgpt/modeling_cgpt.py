@@ -18,7 +18,11 @@ Modern options, all off by default (``CgptConfig``): rotary positions (``positio
 rotate-half form, cos/sin looked up in a fixed table by ``position_ids`` so caches, left padding and packed sequences
 work as with the learned table),
 RMSNorm of queries and keys per head (``qk_norm``), ReLU squared (``activation="relu2"``), RMSNorm blocks
-(``norm="rmsnorm"``).
+(``norm="rmsnorm"``); from modded-nanogpt: value embeddings (``value_embeddings``), soft-capped logits
+(``logit_softcap``), U-net skips from early to late blocks (``unet_skips``), a zero-initialised untied head
+(``zero_init_head``); from the NanoGPT Slowrun: the block stack run ``layer_loops`` times with shared weights (each
+pass its own layers in the cache). Each creates its parameters only when on, so with all off the model, its
+state_dict and its initialisation's random stream are the plain one.
 
 Beyond upstream: the chunked fp32 loss (``loss_chunk_size``) that never builds all the logits.
 In eval mode a call with labels returns logits too (Trainer's evaluation reads them); training builds none.
@@ -68,10 +72,19 @@ def _past_key_values_is_deprecated(forward: Callable) -> Callable:
     return forward  # transformers 5.17: ``past_key_values`` is the current name, generate passes it
 
 
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` in fp32 (modded-nanogpt's logit soft-capping); ``cap = 0``: the logits as they are."""
+    if not cap:
+        return logits
+    return cap * torch.tanh(logits.float() / cap)
+
+
 def _chunk_ce_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, ignore_index: int
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, ignore_index: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias).float()  # (n, V): matmul in the operands' dtype, softmax in fp32
+    logits = soft_cap(logits, softcap)
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
 
 
@@ -83,8 +96,10 @@ def chunked_cross_entropy(
     bias: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
     denominator: int | torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Mean token cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets`` without holding all logits.
+    """Mean token cross-entropy of ``hidden @ weight.T (+ bias)`` (soft-capped at ``softcap`` if > 0) against
+    ``targets`` without holding all logits.
 
     hidden (N, C), weight (V, C), targets (N,). Each chunk's fp32 logits live only inside a checkpointed call, so
     forward and backward hold one ``chunk_size x V`` block instead of ``N x V`` (1 GB at 124M, micro-batch 8).
@@ -92,7 +107,8 @@ def chunked_cross_entropy(
     """
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_size):
-        args = (hidden[start : start + chunk_size], weight, bias, targets[start : start + chunk_size], ignore_index)
+        args = (hidden[start : start + chunk_size], weight, bias, targets[start : start + chunk_size], ignore_index,
+                softcap)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             total = total + checkpoint(_chunk_ce_sum, *args, use_reentrant=False)
         else:
@@ -171,6 +187,16 @@ def make_norm(config: CgptConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=config.layer_norm_epsilon, bias=config.bias)
 
 
+def value_table_of(layer_idx: int, n_layer: int, tables: int) -> int | None:
+    """Which value-embedding table feeds layer ``layer_idx``: table i feeds layers i and ``n_layer - tables + i``
+    (modded-nanogpt's U-shaped sharing), the middle layers none."""
+    if layer_idx < tables:
+        return layer_idx
+    if layer_idx >= n_layer - tables:
+        return layer_idx - (n_layer - tables)
+    return None
+
+
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -208,6 +234,8 @@ class CgptAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=config.layer_norm_epsilon)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=config.layer_norm_epsilon)
+        if value_table_of(layer_idx, config.n_layer, config.value_embeddings) is not None:
+            self.value_mix = nn.Parameter(torch.empty(2))  # v = value_mix[0] * v + value_mix[1] * value embedding
 
     def forward(
         self,
@@ -216,10 +244,17 @@ class CgptAttention(nn.Module):
         cache: Cache | None = None,
         output_attentions: bool = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        value_embedding: torch.Tensor | None = None,
+        cache_index: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``cache_index``: this call's layer in the cache (default ``layer_idx``; pass p of ``layer_loops`` gives
+        ``p * n_layer + layer_idx``)."""
         B, T, C = hidden_states.shape
         q, k, v = self.qkv(hidden_states).view(B, T, 3, self.n_head, self.head_dim).unbind(2)  # (B, T, nh, hs)
+        if value_embedding is not None:  # this layer's table, looked up by token (B, T, C); the cache keeps mixed v
+            mixed = self.value_mix[0] * v + self.value_mix[1] * value_embedding.view_as(v)
+            v = mixed.to(v.dtype)  # fp32 mix of the bf16 values under autocast, back to their dtype
         # q/k norm and rotary act on (B, T, nh, hs), the projection's memory order, before the transpose: over the
         # transposed (B, nh, T, hs) views the fused rotary kernel reads and writes across heads and is several times
         # slower (benchmarks/RESULTS.md).
@@ -232,7 +267,7 @@ class CgptAttention(nn.Module):
         q, k = q.to(v.dtype), k.to(v.dtype)  # back to the projection's dtype (bf16 under autocast)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)  # (B, nh, past + T, hs), or the static cache's full length
+            k, v = cache.update(k, v, self.layer_idx if cache_index is None else cache_index)  # (B, nh, past + T, hs)
 
         implementation = "eager" if output_attentions else self.config._attn_implementation  # only eager has weights
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
@@ -277,12 +312,15 @@ class CgptBlock(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        value_embedding: torch.Tensor | None = None,
         cache: Cache | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        """``value_embedding`` (B, T, C): this layer's value-embedding lookup, if any; positional, like the hidden
+        states, so a reentrant checkpoint carries its gradient (one lookup feeds two layers)."""
         attn_output, _ = self.attn(self.ln_1(hidden_states), attention_mask, cache=cache,
-                                   position_embeddings=position_embeddings, **kwargs)
+                                   position_embeddings=position_embeddings, value_embedding=value_embedding, **kwargs)
         hidden_states = hidden_states + attn_output
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
@@ -303,12 +341,30 @@ class CgptPreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(CgptAttention, index=1),
     }
 
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """transformers' resize of the token embedding (and an untied head), and of the value-embedding tables."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        backbone = getattr(self, self.base_model_prefix, self)
+        if backbone.value_embeds is not None:
+            backbone.value_embeds = nn.ModuleList(
+                self._get_resized_embeddings(t, embeddings.weight.shape[0], mean_resizing=mean_resizing)
+                for t in backbone.value_embeds)
+            for table in backbone.value_embeds:
+                table.is_value_embedding = True
+        return embeddings
+
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
         if getattr(module, "is_residual_projection", False):
             # GPT-2 scheme: the two residual projections of each block start at std / sqrt(2 * n_layer).
             std = std / math.sqrt(2 * self.config.n_layer)
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if getattr(module, "is_value_embedding", False):
+            # the spread of the values themselves (a std-``std`` projection of a unit-RMS input): an even 0.5/0.5 mix
+            std = std * math.sqrt(self.config.n_embd)
+        if getattr(module, "is_zero_init_head", False):
+            init.zeros_(module.weight)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
             init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
@@ -320,6 +376,10 @@ class CgptPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
         elif isinstance(module, CgptRotaryTable):  # non-persistent buffers: empty after a load until rebuilt here
             module.reset()
+        elif isinstance(module, CgptAttention) and hasattr(module, "value_mix"):
+            init.constant_(module.value_mix, 0.5)  # modded-nanogpt's even mix of the values and the value embedding
+        elif isinstance(module, CgptModel) and module.skip_weights is not None:
+            init.ones_(module.skip_weights)  # each late block reads its mirror's output at full strength
 
 
 class CgptModel(CgptPreTrainedModel):
@@ -332,6 +392,15 @@ class CgptModel(CgptPreTrainedModel):
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList([CgptBlock(config, i) for i in range(config.n_layer)])
         self.ln_f = make_norm(config, config.n_embd)
+        self.value_embeds = None  # options below: modules and parameters exist only when on
+        self.value_tables = [value_table_of(i, config.n_layer, config.value_embeddings) for i in range(config.n_layer)]
+        if config.value_embeddings:
+            self.value_embeds = nn.ModuleList(nn.Embedding(config.vocab_size, config.n_embd)
+                                              for _ in range(config.value_embeddings))
+            for table in self.value_embeds:
+                table.is_value_embedding = True
+        # the output of block j < n_layer // 2, times skip_weights[j], joins the input of block n_layer - 1 - j
+        self.skip_weights = nn.Parameter(torch.empty(config.n_layer // 2)) if config.unet_skips else None
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -384,6 +453,8 @@ class CgptModel(CgptPreTrainedModel):
         cache = cache if cache is not None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if self.value_embeds is not None and input_ids is None:
+            raise ValueError("value_embeddings look the values up by token: pass input_ids, not inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)  # (B, T, C)
         T = inputs_embeds.shape[1]
@@ -426,11 +497,21 @@ class CgptModel(CgptPreTrainedModel):
         else:
             hidden_states = self.drop(inputs_embeds)
             position_embeddings = self.rotary(position_ids)
-        for block in self.h:
-            hidden_states = block(
-                hidden_states, causal_mask, cache=cache, output_attentions=output_attentions,
-                position_embeddings=position_embeddings, **kwargs
-            )
+        values = [table(input_ids) for table in self.value_embeds] if self.value_embeds is not None else []
+        n = len(self.h)
+        for loop in range(self.config.layer_loops):  # the same blocks again (layer_loops), each pass its own cache
+            skips = []
+            for i, block in enumerate(self.h):
+                if self.skip_weights is not None and i >= n - n // 2:  # U-net: the mirrored early block's output
+                    hidden_states = hidden_states + self.skip_weights[n - 1 - i] * skips[n - 1 - i]
+                table = self.value_tables[i]
+                hidden_states = block(
+                    hidden_states, causal_mask, None if table is None else values[table], cache=cache,
+                    cache_index=loop * n + i, output_attentions=output_attentions,
+                    position_embeddings=position_embeddings, **kwargs
+                )
+                if self.skip_weights is not None and i < n // 2:
+                    skips.append(hidden_states)
         hidden_states = self.ln_f(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache})
 
@@ -442,6 +523,8 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.transformer = CgptModel(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.zero_init_head:
+            self.lm_head.is_zero_init_head = True  # read by _init_weights
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -501,7 +584,7 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
             return_logits = not self.training
 
         loss, logits = None, None
-        chunk = self.config.loss_chunk_size
+        chunk, cap = self.config.loss_chunk_size, self.config.logit_softcap
         if shift_labels is not None and chunk > 0:
             loss = chunked_cross_entropy(
                 hidden_states.reshape(-1, hidden_states.shape[-1]),
@@ -509,11 +592,12 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
                 shift_labels.reshape(-1),
                 chunk,
                 denominator=num_items_in_batch,
+                softcap=cap,
             )
             if return_logits:
-                logits = self.lm_head(hidden_states[:, keep])
+                logits = soft_cap(self.lm_head(hidden_states[:, keep]), cap)
         elif shift_labels is not None:  # loss_chunk_size = 0: the full logits, the standard transformers loss
-            logits = self.lm_head(hidden_states)  # (B, T, V)
+            logits = soft_cap(self.lm_head(hidden_states), cap)  # (B, T, V)
             loss = self.loss_function(
                 logits=logits,
                 labels=None,
@@ -523,7 +607,7 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
             )
             logits = logits[:, keep]
         else:
-            logits = self.lm_head(hidden_states[:, keep])  # (B, T', V)
+            logits = soft_cap(self.lm_head(hidden_states[:, keep]), cap)  # (B, T', V)
 
         return CausalLMOutputWithPast(
             loss=loss,
@@ -537,4 +621,4 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
 CgptForCausalLM.register_for_auto_class("AutoModelForCausalLM")  # saved folders load with trust_remote_code
 
 __all__ = ["CgptForCausalLM", "CgptModel", "CgptPreTrainedModel", "CgptRotaryTable", "apply_rotary",
-           "chunked_cross_entropy", "rotary_cos_sin"]
+           "chunked_cross_entropy", "rotary_cos_sin", "soft_cap", "value_table_of"]

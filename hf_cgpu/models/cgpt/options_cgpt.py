@@ -16,7 +16,10 @@ NORMS = ("layernorm", "rmsnorm")
 
 
 def check_options(n_embd: int, n_head: int, position_embedding: str = "learned", activation: str = "gelu",
-                  norm: str = "layernorm", rope_theta: float = 10000.0, dropout: float = 0.0, **_: object) -> None:
+                  norm: str = "layernorm", rope_theta: float = 10000.0, dropout: float = 0.0, n_layer: int = 12,
+                  value_embeddings: int = 0, logit_softcap: float = 0.0, zero_init_head: bool = False,
+                  tie_word_embeddings: bool = True, unet_skips: bool = False, layer_loops: int = 1,
+                  **_: object) -> None:
     """Raise ``ValueError`` (one line naming the fix) for options the model cannot be built with."""
     if n_embd % n_head:
         raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}; use n_head in "
@@ -32,6 +35,19 @@ def check_options(n_embd: int, n_head: int, position_embedding: str = "learned",
         raise ValueError(f"rope_theta={rope_theta} must be > 0, e.g. 10000")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout={dropout} must be in [0, 1); e.g. 0.1 for many epochs of a small corpus")
+    if not 0 <= value_embeddings <= n_layer // 2:
+        raise ValueError(f"value_embeddings={value_embeddings} must be in [0, n_layer // 2 = {n_layer // 2}] (each "
+                         "table feeds one early and one late layer); lower it or add layers")
+    if unet_skips and n_layer < 2:
+        raise ValueError(f"unet_skips joins the first n_layer // 2 blocks to the last; n_layer={n_layer} has none: "
+                         "use n_layer >= 2 or --unet_skips false")
+    if layer_loops < 1:
+        raise ValueError(f"layer_loops={layer_loops} must be >= 1 (1 = each block once)")
+    if logit_softcap < 0:
+        raise ValueError(f"logit_softcap={logit_softcap} must be >= 0 (0 = off); e.g. 15 or 30")
+    if zero_init_head and tie_word_embeddings:
+        raise ValueError("zero_init_head starts the untied LM head at zero, and the head is tied to the token "
+                         "embedding; add --tie_word_embeddings false")
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,25 @@ class CgptOptions:
     """Block and final norms: layernorm (GPT-2) or rmsnorm (no bias)."""
     tie_word_embeddings: bool = True
     """The LM head shares the token embedding (GPT-2); false gives the head its own matrix."""
+    value_embeddings: int = 0
+    """Extra token-embedding tables mixed into the attention values (modded-nanogpt): table i feeds layer i and layer
+    n_layer - k + i, each as v = a*v + b*table[token] with learnable a, b per layer (starting at 0.5, 0.5; the tables
+    start at the values' own spread). 0 = off; at most n_layer // 2."""
+    logit_softcap: float = 0.0
+    """Soft cap c of the logits, c * tanh(logits / c), in the loss and in every logits returned (generation, eval);
+    0 = off. modded-nanogpt uses 15 to 30."""
+    unet_skips: bool = False
+    """U-net skips (modded-nanogpt): the output of each of the first n_layer // 2 blocks is added, times a learnable
+    weight, to the input of its mirror among the last blocks. The weights start at 1 (modded-nanogpt's choice): the
+    late blocks read the early features at full strength from the first step, where a zero start would leave the
+    skips to grow one small AdamW step at a time."""
+    zero_init_head: bool = False
+    """Start the untied LM head at zero (modded-nanogpt): the first loss is exactly ln(vocab) and the head learns from
+    the features rather than from noise. Needs --tie_word_embeddings false."""
+    layer_loops: int = 1
+    """Run the whole block stack this many times with the same weights (weight-shared depth, the NanoGPT Slowrun's
+    layer looping), value embeddings and U-net skips within each pass: compute and activations grow with it, the
+    parameters do not. 1 = each block once."""
 
     def __post_init__(self) -> None:
         check_options(**self.options())
