@@ -35,7 +35,7 @@ for i in 1 2 3 4 5 6 7 8; do
   v=V$i; [ -z "${!v:-}" ] && continue
   name=${!v%%:*} flags=${!v#*:}; names+=("$name")
   # shellcheck disable=SC2086  # the flags are split on purpose
-  timeout "$(python3 -c "print(int($MINUTES * 60 + 240))")" python3 recipes/train_gpt.py "${common[@]}" \
+  timeout "$(python3 -c "print(int($MINUTES * 60 + 150))")" python3 recipes/train_gpt.py "${common[@]}" \
     --output_dir $W/$name --max_steps $STEPS --max_minutes $MINUTES --fit_schedule_to_time false \
     --eval_steps $EVAL $flags > $W/$name.log 2>&1 &
 done
