@@ -233,8 +233,8 @@ def test_save_load_round_trip_and_trust_remote_code_without_hf_cgpu(tmp_path):
     with torch.no_grad():
         want = m.generate(x, **kw)
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
-        for key in ALL:
-            assert getattr(loaded.config, key) == ALL[key], key
+        for key, value in ALL.items():
+            assert getattr(loaded.config, key) == value, key
         torch.testing.assert_close(loaded(x).logits, m(x).logits, rtol=0, atol=0)
     torch.save({"ids": x, "want": want, "logits": m(x).logits.detach()}, tmp_path / "io.pt")
     run_without_hf_cgpu(f"""
