@@ -272,8 +272,9 @@ def test_rows_add_up_to_the_peak():
 
 def test_ema_adds_an_fp32_copy_of_the_trainable_weights():
     """--ema_decay keeps an fp32 shadow of every trainable weight all run (measured on an H200, zh-poetry-modern:
-    8.07 GiB allocated without it, 8.42 with it; benchmarks/RESULTS.md)."""
-    s = preset_shape("zh-poetry-modern")
+    8.07 GiB allocated without it, 8.42 with it; benchmarks/RESULTS.md), on the preset's shape of then: no value
+    embeddings or skips."""
+    s = dataclasses.replace(preset_shape("zh-poetry-modern"), value_embeddings=0, unet_skips=False)
     plain, ema = ledger(s, micro_batch_size=32), ledger(s, micro_batch_size=32, ema_decay=0.999)
     assert plain.row("ema") == 0
     assert ema.row("ema") == 4 * s.n_params
@@ -500,3 +501,22 @@ def test_selective_recompute_ledger_sits_between_off_and_full():
         flops_per_token(shape, base) < flops_per_token(shape, dataclasses.replace(base, recompute=True))
     with pytest.raises(SettingsError, match="full, selective"):
         TrainSetup(recompute=True, recompute_policy="some")
+
+
+def test_soft_capped_logits_and_mixed_values_are_priced():
+    """--logit_softcap saves a second copy of the logits; value embeddings a fresh v in each layer they feed
+    (without recompute). Measured: zh-poetry-modern with both peaked at 9.81 GiB allocated (RESULTS.md)."""
+    s = preset_shape("zh-poetry-modern")
+    run = {"micro_batch_size": 32, "seq_len": 512, "loss_chunk_size": 0, "compile": True}  # the preset's step
+    plain = dataclasses.replace(s, logit_softcap=0.0)
+    full, capped = ledger(plain, **run), ledger(s, **run)
+    assert capped.row("logits") - full.row("logits") == budget.memory.LOGITS_SOFTCAP_BYTES["compiled"] * (
+        full.setup.tokens_per_micro_batch * s.vocab_size)
+    chunked = ledger(s, **{**run, "loss_chunk_size": 1024})
+    assert chunked.row("logits") == (budget.memory.LOGITS_CHUNK_BYTES + budget.memory.LOGITS_SOFTCAP_BYTES["eager"]) \
+        * 1024 * s.vocab_size
+    no_ve = dataclasses.replace(s, value_embeddings=0)
+    t = full.setup.tokens_per_micro_batch
+    grow = ledger(s, **run).row("activations") - ledger(no_ve, **run).row("activations")
+    assert grow >= t * s.d_model * (4 * 3 + 2 * 2 * 3)  # fp32 lookups of 3 tables + bf16 mixed v in 6 layers
+    assert ledger(s, **run, ema_decay=0.999).allocated / GiB == pytest.approx(9.81, rel=0.05)

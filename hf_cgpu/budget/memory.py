@@ -81,6 +81,9 @@ LOGITS_COMPILED_BYTES = 6
 """Full logits with the cross-entropy inside a torch.compile region (nanoGPT-style whole-model compile): inductor
 fuses the upcast, log-softmax and its gradient; fitted to measured peaks of compiled GPTs. Our GPT compiled whole
 with full logits is this case (``TrainSetup.compiled_loss``)."""
+LOGITS_SOFTCAP_BYTES = {"compiled": 6, "eager": 4}
+"""Per logit, what ``c * tanh(logits / c)`` saves on top of the loss's own bytes: eager, tanh's fp32 output; compiled,
+fitted to the measured peak of a compiled run with full logits (benchmarks/RESULTS.md, Quality, 2026-12-03)."""
 LOGITS_CHUNK_BYTES = 16
 """One checkpointed loss chunk (``loss_chunk_size`` tokens x V): bf16 logits 2 + fp32 copy 4 + fp32 log-softmax 4 + its
 two fp32 gradients, not all at once (a meta-device trace counts 17 per entry)."""
@@ -319,9 +322,12 @@ def layer_activation_bytes_per_token(shape: ModelShape, setup: TrainSetup, r: Re
 
 def outside_blocks_bytes_per_token(shape: ModelShape, setup: TrainSetup, r: Regime | None = None) -> float:
     """The final norm's saved input and the head's input (kept for the head / loss-chunk backward), and the fp32
-    lookups of the value-embedding tables (saved for their mixing weights' gradients, kept across recompute)."""
+    lookups of the value-embedding tables (saved for their mixing weights' gradients, kept across recompute), and
+    without recompute the mixed values of each layer a table feeds (a fresh bf16 tensor attention saves, in place of
+    the qkv buffer's view)."""
     r = r or regime(setup)
-    return (r.norm_save + BF16 + FP32 * shape.value_embeddings) * shape.d_model
+    mixed = 0 if setup.recompute else BF16 * 2 * shape.value_embeddings * shape.layer_loops
+    return (r.norm_save + BF16 + FP32 * shape.value_embeddings + mixed) * shape.d_model
 
 
 def selective_kept_bytes_per_token(shape: ModelShape, setup: TrainSetup, r: Regime | None = None) -> float:
@@ -375,13 +381,17 @@ def logits_bytes(shape: ModelShape, setup: TrainSetup, r: Regime | None = None,
                  logits_held: bool = False) -> tuple[float, str]:
     """Logits and loss: one checkpointed chunk, or the full (B*T, V) logits (compiled or eager cross-entropy)."""
     V, tokens = shape.vocab_size, setup.tokens_per_micro_batch
+    compiled = bool(setup.compiled_loss) and not setup.loss_chunk_size
+    cap = LOGITS_SOFTCAP_BYTES["compiled" if compiled else "eager"] if shape.logit_softcap else 0
+    capped = f", soft-capped (+{cap} B each)" if cap else ""
     if setup.loss_chunk_size:
-        chunk = min(setup.loss_chunk_size, tokens)
-        return LOGITS_CHUNK_BYTES * chunk * V, f"one chunk of {chunk} tokens x {V} vocab, {LOGITS_CHUNK_BYTES} B each"
-    if setup.compiled_loss:
-        return LOGITS_COMPILED_BYTES * tokens * V, f"full {tokens} x {V} logits, compiled cross-entropy"
-    per = LOGITS_EAGER_BYTES + ((r or regime(setup)).logits if logits_held else 0)
-    return per * tokens * V, f"full {tokens} x {V} logits, eager fp32 loss, {per} B each"
+        chunk, per = min(setup.loss_chunk_size, tokens), LOGITS_CHUNK_BYTES + cap
+        return per * chunk * V, f"one chunk of {chunk} tokens x {V} vocab, {per} B each{capped}"
+    if compiled:
+        per = LOGITS_COMPILED_BYTES + cap
+        return per * tokens * V, f"full {tokens} x {V} logits, compiled cross-entropy{capped}"
+    per = LOGITS_EAGER_BYTES + cap + ((r or regime(setup)).logits if logits_held else 0)
+    return per * tokens * V, f"full {tokens} x {V} logits, eager fp32 loss, {per} B each{capped}"
 
 
 # ===================================================================================================================

@@ -107,6 +107,8 @@ class ModelShape:
     of the 2 * value_embeddings layers they feed."""
     unet_skips: bool = False
     """One learnable skip weight per early block, n_layer // 2 in all (cgpt ``unet_skips``)."""
+    logit_softcap: float = 0.0
+    """Soft-capped logits (cgpt ``logit_softcap``): no parameters, a second saved copy of the logits."""
     layer_loops: int = 1
     """Passes through the block stack with shared weights (cgpt ``layer_loops``): FLOPs and activations count every
     pass (``depth``), parameters once."""
@@ -364,7 +366,7 @@ def _shape_from_config(config: Any, name: str = "") -> ModelShape:
             bias=bool(cfg.get("bias", gpt2)), tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             norm_bias=False if cfg.get("norm") == "rmsnorm" else None, qk_norm=bool(cfg.get("qk_norm", False)),
             value_embeddings=int(cfg.get("value_embeddings", 0)), unet_skips=bool(cfg.get("unet_skips", False)),
-            layer_loops=int(cfg.get("layer_loops", 1)),
+            layer_loops=int(cfg.get("layer_loops", 1)), logit_softcap=float(cfg.get("logit_softcap", 0.0)),
         )
     if model_type in _NEOX_TYPES:
         return ModelShape(
