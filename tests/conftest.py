@@ -109,3 +109,15 @@ def isolated_cache(tmp_path_factory):
     mp.setenv("HF_CGPU_CACHE", str(tmp_path_factory.mktemp("cache")))
     yield
     mp.undo()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny models gain
+    nothing from more and stall on a shared machine, and a child forked after a multi-threaded MKL matmul hangs in its
+    first matmul (GNU OpenMP's thread pool does not survive fork()), so forked children and their parent's reference
+    runs compute alike."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -62,16 +62,7 @@ def cfg(out, **kw):
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread in this module, parent and children alike. A child forked after a multi-threaded MKL matmul
-    (any earlier test in the process) hangs in its first matmul: GNU OpenMP's thread pool does not survive fork()
-    (a 512x512 matmul before the fork reproduces it); one thread never enters that pool, and the children and the
-    parent's reference runs compute with the same thread count, so "bit-identical" compares like with like."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def in_child(fn) -> int:

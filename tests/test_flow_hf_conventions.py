@@ -28,13 +28,7 @@ from hf_cgpu.flow.scheduling_flow_match import FlowMatchEulerScheduler, FlowMatc
 SCHEDULERS = [FlowMatchEulerScheduler, FlowMatchHeunScheduler]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: intra-op threads cost more than they save (and stall badly on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_unet(seed=0):

@@ -20,13 +20,7 @@ from hf_cgpu.models.cgpt.modeling_cgpt import _CACHE_FIELD
 V, L, H, C = 97, 2, 4, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: intra-op threads cost more than they save (and stall badly on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(cls=CgptForCausalLM, seed=0, **kw):

@@ -40,12 +40,7 @@ IDS = [*OPTIONS, "all"]
 NEW_PARAMETERS = ("value_embeds", "value_mix", "skip_weights")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model(seed=1, random_head=True, **kw):
