@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..budget.ladder import RUNGS, autofit, next_rung
+from ..budget.ladder import GRAPHS_RECOMPUTE_NOTE, RUNGS, autofit, next_rung
 from ..budget.memory import FRAGMENTATION_FRACTION, GiB, Ledger, fmt_gib, ledger, model_state_bytes, parse_memory
 from ..budget.shape import REFERENCE_CONFIGS, ModelShape, RunShape, TrainSetup, fmt_count
 from ..budget.time import (
@@ -371,6 +371,9 @@ def run(argv: Sequence[str] | None = None) -> str:
     else:
         led = ledger(shape, setup, cap)
     out.append(format_ledger(led))
+    if setup.recompute and train.compile and train.compile_mode == "reduce-overhead":  # autofit never plans this
+        out.append(f"  note: {GRAPHS_RECOMPUTE_NOTE}, so the card reserves more than this; add --compile_mode "
+                   "default for the figure above")
     if not led.fits and not train.autofit:
         nxt = next_rung(shape, setup, cap)
         if nxt:
