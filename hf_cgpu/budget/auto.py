@@ -21,32 +21,30 @@ from typing import Any
 # ---------------------------------------------------------------------------------------------------- the rule
 COMPILE_SECONDS = 60.0
 """Seconds of --max_minutes a compiled GPU run spends before its first step (torch.compile, cold)."""
-# Fitted: the 7-minute zh-poetry-modern runs of "Quality, 2026-12-01" took 53-83 s to the first step cold, 24-28 s
-# with a warm compile cache.
+# Fitted: the start-up of the 7-minute zh-poetry-modern runs (RESULTS.md, "Quality, 2026-12-03: what the auto rule's
+# constants are fitted to").
 TRAIN_FRACTION = 0.9
 """Share of the minutes after the first step spent in training steps (evaluations and best-weight saves take the
 rest)."""
-# Fitted: "Quality, 2026-12-01: the rotary table, back to back with the seed": 181M tokens in 7 minutes (83 s to the
-# first step) at 553k tokens/s, against the ledger's 523k tokens/s for the H200.
+# Fitted: the tokens that run trained against the ledger's rate for its card (the same RESULTS.md entry).
 MIN_TRAIN_SHARE = 0.25
 """Where start-up would take nearly all the minutes, at least this share of them is counted as training."""
 TOKENS_PER_PARAM = 20
 """Compute-optimal tokens per parameter where data is not short (Chinchilla, Hoffmann et al. 2022)."""
 DATA_BOUND_SCALE = 4.0
 """Where data is short, the model is this times the compute-optimal size, held back by strong regularisation."""
-# Fitted: "Quality, 2026-12-01: strong weight decay for a data-bound run" and the rotary-table entry: 12 x 768 (91M)
-# on 10.6M tokens in 7 minutes, about 3x the Chinchilla size for that compute (Kim et al. 2025, "Pre-training under
-# infinite compute": with regularisation tuned, larger models keep gaining on repeated data). 4, not 3: 12 x 768 is
-# then the shape chosen for that cell.
+# Fitted: the shape zh-poetry-modern measured best against the Chinchilla size for its compute (the same RESULTS.md
+# entry), rounded up so that shape is the one chosen for that cell; with regularisation tuned, larger models keep
+# gaining on repeated data (Kim et al. 2025, "Pre-training under infinite compute").
 MAX_PARAMS_PER_TOKEN = 9.0
 """A data-bound model has at most this many parameters per corpus token (the most measured)."""
-# Fitted: zh-poetry-modern, 91M parameters / 10.6M tokens (the entries above).
+# Fitted: zh-poetry-modern's parameters per corpus token (the same RESULTS.md entry).
 WARMUP_FRACTION = 0.07
 """Warm-up as a share of the steps the minutes hold."""
-# Fitted: zh-poetry-modern, 200 of ~2,800 steps ("Quality, 2026-12-01: the cosine fitted to the 7 minutes").
+# Fitted: zh-poetry-modern's warm-up against its fitted steps (the same RESULTS.md entry).
 WARMUP_MAX = 200
 """The longest warm-up chosen (the ledger overestimates the steps of small shapes, whose steps are launch-bound)."""
-# Fitted: zh-poetry-modern's 200.
+# Fitted: zh-poetry-modern's warm-up as it was fitted (the same RESULTS.md entry).
 MAX_STEPS_HEADROOM = 2.0
 """max_steps is this times the estimated steps: an upper bound the fitted cosine (fit_schedule_to_time) lowers."""
 
@@ -69,13 +67,10 @@ REGIMES = (
     # (Muennighoff et al. 2023), so the ordinary single-epoch pretraining settings: no dropout, weight decay 0.1,
     # Muon's default 0, the seed's cosine to 10%.
     Regime(0.8, "compute-bound", 0.0, 0.1, 0.0, 0.1),
-    # zh-poetry-modern (pressure ~150 in 7 minutes on an H200): dropout 0.1 beat 0.15 and 0.2, weight decay 0.25 / 2.0
-    # beat 0 / 0.1 and 0.1 / 1.0 and 0.5 / 4.0, the cosine to 0 beat the one to 10%. "Quality, 2026-12-01": "strong
-    # weight decay for a data-bound run", "the cosine fitted to the 7 minutes", "the seed recipe back to back; dropout
-    # 0.1 and a cosine to zero", "the rotary table, back to back with the seed".
+    # zh-poetry-modern's measured best dropout, weight decay and cosine floor (the same RESULTS.md entry, which names
+    # the runs they beat).
     Regime(1000.0, "data-bound", 0.1, 2.0, 0.25, 0.0),
-    # Beyond ~6x that pressure dropout 0.1 turns well before the end (it bottomed at ~12-14 epochs, dropout 0.2 at
-    # ~18: "Quality, 2026-12-01: the zh-poetry preset against the seed's text recipe"), so 0.2.
+    # Far beyond that pressure dropout 0.1 turns well before the end and 0.2 later (the same RESULTS.md entry), so 0.2.
     Regime(math.inf, "far data-bound", 0.2, 2.0, 0.25, 0.0),
 )
 
