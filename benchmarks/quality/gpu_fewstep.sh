@@ -10,6 +10,8 @@
 #                                                    flow-distill --preset cifar10, DISTILL_MINUTES, default 3, cut
 #                                                    to leave TABLE_S for the table), then the table until the deadline
 #   PART=3 bash benchmarks/quality/gpu_fewstep.sh   (if rows are left) the rest of the table on what PART=2 left
+#   DISTILL_MORE=m (PART=2 and the first PART=3)      PART=2 leaves the table out; PART=3 resumes the distillation
+#                                                    for m more minutes (its learning rate is constant), then the table
 #
 # The table includes autoguidance rows (fewstep_table.py: each pipeline guided by its raw weights and by an early
 # checkpoint of its run), so both runs keep every checkpoint (ours one every 3000 steps).
@@ -90,7 +92,21 @@ part2() {
   timeout "$(left)" python3 recipes/train_flow_distill.py "${DISTILL[@]}" --teacher $R/ours --dataset "$DATA" \
     "${DISTILL_GUIDANCE[@]}" --max_minutes "$minutes" --output_dir $R/distill --progress false > "$OUT/distill.log" 2>&1
   mark "distilled ($minutes min)"
-  table
+  [ -n "${DISTILL_MORE:-}" ] || table  # PART=3 continues the distillation first: a table now would be of the wrong model
+}
+distill_more() {  # PART=3 with DISTILL_MORE=m: m more minutes of the same distillation run (exact resume), then the table
+  [ -f $R/distill/model_index.json ] || { echo "DISTILL_MORE needs PART=2's $R/distill (warm machine)"; exit 1; }
+  python3 - "$W/table.json" <<'PY'  # rows of the distilled pipeline were of the shorter run: measure them again
+import json, sys
+from pathlib import Path
+p = Path(sys.argv[1])
+if p.is_file():
+    p.write_text(json.dumps([r for r in json.loads(p.read_text()) if r["model"] != "distilled"], indent=1))
+PY
+  timeout "$(left)" python3 recipes/train_flow_distill.py "${DISTILL[@]}" --teacher $R/ours --dataset "$DATA" \
+    "${DISTILL_GUIDANCE[@]}" --max_minutes "$DISTILL_MORE" --output_dir $R/distill --progress false \
+    --resume_from_checkpoint latest >> "$OUT/distill.log" 2>&1
+  mark "distilled $DISTILL_MORE more min"
 }
 table() {
   local distilled=$R/distill
@@ -104,8 +120,8 @@ table() {
 case "${PART:-}" in
   1) part1 ;;
   2) part2 ;;
-  3) table ;;
+  3) [ -n "${DISTILL_MORE:-}" ] && distill_more; table ;;
   *) if [ -z "${SMOKE:-}" ]; then echo "PART=1, 2 or 3 (or SMOKE=1)"; exit 2; fi
-     part1; part2 ;;
+     part1; part2; if [ -n "${DISTILL_MORE:-}" ]; then distill_more; table; fi ;;
 esac
 mark "done"
