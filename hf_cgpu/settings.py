@@ -97,6 +97,10 @@ class TrainSettings:
     """Linear warmup steps from 0 to learning_rate."""
     weight_decay: float = field(default=0.1, metadata=FIXED)
     """AdamW weight decay, applied to >=2-D weights only (not norms, biases, 1-D tensors)."""
+    embedding_learning_rate: float = field(default=0.0, metadata=FIXED)
+    """Peak learning rate of the input embedding tables (token table when untied from the head, learned positions,
+    value embeddings), on the same schedule; their per-step weight decay stays what --weight_decay gives at
+    --learning_rate. 0 = --learning_rate."""
     adam_beta1: float = field(default=0.9, metadata=FIXED)
     """AdamW beta1."""
     adam_beta2: float = field(default=0.95, metadata=FIXED)
@@ -247,7 +251,7 @@ class TrainSettings:
         eval_steps evaluated every step, min_lr_ratio 2 raised the learning rate, a negative clip turned it off)."""
         at_least = {"log_steps": 1, "checkpoints_total_limit": 1, "nan_patience": 1, "lora_r": 1, "eval_steps": 0,
                     "checkpointing_steps": 0, "max_minutes": 0, "max_grad_norm": 0, "weight_decay": 0, "seed": 0,
-                    "peak_tflops": 0}
+                    "peak_tflops": 0, "embedding_learning_rate": 0}
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 zero = {"eval_steps": " (0 = only at the end)", "checkpointing_steps": " (0 = only at the end)",

@@ -153,3 +153,37 @@ def test_batched_newton_schulz_matches_torch_per_matrix():
         for i in range(3):
             ref = _zeropower_via_newtonschulz(g[i], (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
             assert (ours[i] - ref).abs().max() < 0.03, shape
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_embedding_tables_take_their_learning_rate_with_the_same_decay_per_step(optimizer):
+    """Adam's first step moves every element by exactly lr (m / sqrt(v) = sign(g)) after decoupled decay lr * wd: the
+    value tables (and an untied token table) at --embedding_learning_rate, with the decay per step of the others."""
+    lr, embed_lr, wd = 1e-3, 0.05, 0.5
+    options = MuonSettings() if optimizer == "muon" else None
+    settings = TrainSettings(learning_rate=lr, embedding_learning_rate=embed_lr, weight_decay=wd, adam_eps=1e-12,
+                             optimizer=optimizer, optimizer_options=options)
+    model = _gpt(value_embeddings=1, tie_word_embeddings=False)
+    opt = build_optimizer(model, settings)
+    set_lr(opt, lr)  # the schedule at its peak
+    tables = [model.transformer.wte.weight, *(t.weight for t in model.transformer.value_embeds)]
+    others = [model.lm_head.weight]
+    before = {id(p): p.detach().clone() for p in tables + others}
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p, rate in [(p, embed_lr) for p in tables] + [(p, lr) for p in others]:
+        expected = before[id(p)] * (1 - lr * wd) - rate * p.grad.sign()
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
+
+
+def test_embedding_learning_rate_off_keeps_the_groups_and_a_tied_table_is_refused():
+    plain = build_optimizer(_gpt(value_embeddings=1), TrainSettings(learning_rate=1e-3))
+    assert [len(g["params"]) for g in plain.param_groups] == [
+        len(g["params"]) for g in build_optimizer(_gpt(value_embeddings=1),
+                                                  TrainSettings(learning_rate=1e-3, embedding_learning_rate=0.0))
+        .param_groups]
+    assert all("lr_scale" not in g for g in plain.param_groups)
+    with pytest.raises(SettingsError, match="tie_word_embeddings false"):
+        build_optimizer(_gpt(position_embedding="rotary"), TrainSettings(learning_rate=1e-3,
+                                                                         embedding_learning_rate=0.01))

@@ -52,7 +52,9 @@ def build(model, named: list, settings: Any, fused: bool):
     state can spill to host memory) for tier adamw8bit; bitsandbytes keeps 32-bit state for tensors under 4096
     elements."""
     s = settings
-    groups = decay_groups(named, s.weight_decay)
+    from .groups import with_embedding_lr  # torch: only when a run starts
+
+    groups = with_embedding_lr(model, decay_groups(named, s.weight_decay), s)
     kwargs = dict(lr=s.learning_rate, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps, weight_decay=s.weight_decay)
     if s.tier == "adamw8bit":
         import bitsandbytes as bnb

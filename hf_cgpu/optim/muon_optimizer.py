@@ -24,17 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def _output_weights(model: nn.Module) -> set[int]:
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    return {id(head.weight)} if head is not None and getattr(head, "weight", None) is not None else set()
+from .groups import output_weight_ids, with_embedding_lr
 
 
 def is_muon_param(model: nn.Module) -> dict[int, bool]:
     """By parameter id: True for 2-D weights of hidden layers (not an ``nn.Embedding``, not the output head)."""
     embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    outside = embeddings | _output_weights(model)
+    outside = embeddings | output_weight_ids(model)
     return {id(p): p.ndim == 2 and id(p) not in outside for p in model.parameters()}
 
 
@@ -149,7 +145,7 @@ def newton_schulz_batched(g: torch.Tensor, coefficients: tuple[float, float, flo
 def build(model: nn.Module, named: list, settings: Any, fused: bool) -> MuonWithAdamW:
     """The registry's builder: Muon at ``muon_learning_rate`` on the hidden matrices, AdamW on the rest."""
     s, o = settings, settings.optimizer_options
-    groups = muon_param_groups(model, named, s.learning_rate, s.weight_decay, o.muon_learning_rate, o.muon_momentum,
-                               o.muon_weight_decay)
+    groups = with_embedding_lr(model, muon_param_groups(model, named, s.learning_rate, s.weight_decay,
+                                                        o.muon_learning_rate, o.muon_momentum, o.muon_weight_decay), s)
     return MuonWithAdamW(groups, lr=s.learning_rate, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
                          weight_decay=s.weight_decay, momentum=o.muon_momentum, fused=fused)
