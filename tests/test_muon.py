@@ -187,3 +187,18 @@ def test_embedding_learning_rate_off_keeps_the_groups_and_a_tied_table_is_refuse
     with pytest.raises(SettingsError, match="tie_word_embeddings false"):
         build_optimizer(_gpt(position_embedding="rotary"), TrainSettings(learning_rate=1e-3,
                                                                          embedding_learning_rate=0.01))
+
+
+def test_an_optimizer_that_ignores_the_embedding_learning_rate_is_refused():
+    from hf_cgpu.optim import OPTIMIZERS, OptimizerSpec
+
+    OPTIMIZERS.add("plain-sgd", OptimizerSpec(
+        "plain-sgd", "SGD over one group", state_bytes=lambda tensors, tier: (0.0, ""),
+        build=lambda model, named, s, fused: torch.optim.SGD([p for _, p in named], lr=s.learning_rate)))
+    try:
+        settings = TrainSettings(learning_rate=1e-3, embedding_learning_rate=0.01, optimizer="plain-sgd")
+        with pytest.raises(SettingsError, match="does not take --embedding_learning_rate"):
+            build_optimizer(_gpt(), settings)
+        build_optimizer(_gpt(), TrainSettings(learning_rate=1e-3, optimizer="plain-sgd"))  # without the flag: fine
+    finally:
+        OPTIMIZERS.remove("plain-sgd")

@@ -72,7 +72,12 @@ def build_optimizer(model: torch.nn.Module, settings: Any, fused: bool | None = 
                             "(hf_cgpu.tiers.apply_tiers) for adapter tiers or unfreeze the model for full/adamw8bit")
     if fused is None:
         fused = all(p.is_cuda for _, p in named)
-    return spec.builder()(model, named, settings, fused)
+    optimizer = spec.builder()(model, named, settings, fused)
+    embed_lr = getattr(settings, "embedding_learning_rate", 0.0)
+    if embed_lr and not any(g.get("lr_scale") == embed_lr / settings.learning_rate for g in optimizer.param_groups):
+        raise SettingsError(f"optimizer {settings.optimizer} does not take --embedding_learning_rate (its builder "
+                            "makes no group for the tables: hf_cgpu.optim.groups.with_embedding_lr); drop the flag")
+    return optimizer
 
 __all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "optimizer_choices", "optimizer_settings",
            "optimizer_spec", "trainable_parameters"]
