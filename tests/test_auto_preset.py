@@ -12,6 +12,7 @@ from hf_cgpu.budget.auto import COMPILE_SECONDS, REGIMES, SHAPES, Candidate, cho
 from hf_cgpu.cli import main as cli_main
 from hf_cgpu.commands.budget import describe_run
 from hf_cgpu.commands.budget import run as budget_run
+from hf_cgpu.errors import SettingsError
 from hf_cgpu.recipes import RECIPES, parse
 from hf_cgpu.tasks.auto import CHOICE_FILE, auto_choice, candidates, resolve
 
@@ -106,6 +107,49 @@ def test_the_command_line_wins_over_the_choice(tmp_path):
     assert "given, kept: --n_layer 3, --dropout 0.3, --muon_weight_decay 0.05" in line
     assert all(c.n_layer == 3 for c in candidates(gpt, train))  # the shapes priced are those it can build
     assert json.loads((tmp_path / CHOICE_FILE).read_text())["settings"]["dropout"] == 0.1  # the rule's own choice
+
+
+@pytest.mark.parametrize("flags, smallest", [(["--value_embeddings", "3"], "6x384"), (["--n_head", "24"], "6x384"),
+                                             (["--n_embd", "120"], "4x120")])
+def test_an_option_some_shapes_cannot_take_leaves_those_out(flags, smallest):
+    """A flag valid for the larger shapes only (3 value tables need 6 layers) narrows the shapes the rule chooses
+    from, instead of refusing the run over a shape it need not choose."""
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto", *flags])
+    shapes = candidates(gpt, train)
+    assert min(shapes, key=lambda c: c.n_params).name == smallest
+    assert f"at {smallest} (" in choose(1_000, 7, H200, shapes, STEP).why  # a tiny corpus: the smallest left
+
+
+def test_options_no_shape_can_take_are_one_line(tmp_path):
+    """A preset file may set what the command line cannot reach: 7 value tables need 14 layers, more than any shape."""
+    preset = tmp_path / "deep.json"
+    preset.write_text(json.dumps({"auto": True, "n_layer": 14, "value_embeddings": 7, "max_minutes": 7}))
+    gpt, train = parse(RECIPES["gpt"], ["--preset", str(preset)])
+    with pytest.raises(SettingsError, match=r"^--auto chooses among the shapes 4x128, .*12x768 and none takes these "
+                                            r"options: at 12x768, value_embeddings=7 must be in \[0, n_layer // 2 = 6\]"):
+        candidates(gpt, train)
+
+
+def test_a_schedule_not_fitted_to_the_minutes_plans_the_steps_they_hold():
+    """--fit_schedule_to_time false (given): the cosine ends at the steps the minutes are estimated to hold, not at
+    the fitted run's upper bound (twice as many), and the line does not claim a fitted cosine."""
+    argv = ["--preset", "auto", "--max_minutes", "7"]
+    fitted = auto_choice(*parse(RECIPES["gpt"], argv), ZH_POETRY, H200)
+    fixed = auto_choice(*parse(RECIPES["gpt"], [*argv, "--fit_schedule_to_time", "false"]), ZH_POETRY, H200)
+    steps = int(fitted.why.split("~")[-2].split(" steps")[0].replace(",", ""))
+    assert fitted.settings["max_steps"] >= 2 * steps and "fitted to the minutes" in fitted.why
+    assert fixed.settings["max_steps"] == steps and "fitted" not in fixed.why
+    assert f"cosine to 0 over {steps:,} steps" in fixed.why
+
+
+def test_the_line_names_small_counts_and_the_single_epoch_reason():
+    """A corpus of thousands of tokens is named as such (not 0.00M); where the smallest shape sees every token at
+    most once the line says so, not a regime whose bound the figure it shows exceeds."""
+    tiny = choose(677, 7, H200, LADDER, STEP)
+    assert tiny.why.startswith("677 tokens x 7 min") and "far data-bound" in tiny.why
+    once = choose(100_684, 0.2, 4e10, LADDER, STEP)
+    assert once.why.startswith("100.7k tokens x 0.2 min") and once.settings["dropout"] == 0.0
+    assert "(at most one epoch at the smallest shape: no token is seen twice)" in once.why, once.why
 
 
 def test_budget_shows_the_choice_a_run_makes():

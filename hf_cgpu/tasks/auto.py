@@ -28,14 +28,22 @@ def given(gpt: GPTSettings) -> set[str]:
 
 def candidates(gpt: GPTSettings, train: TrainSettings, vocab_size: int | None = None) -> list[Candidate]:
     """The rule's shapes (a shape flag given on the command line replaces that part of each) with their parameters
-    and training FLOPs per token from the ledger."""
+    and training FLOPs per token from the ledger. A shape the given options cannot build (3 value tables in 4 layers,
+    a width the given heads do not divide) is left out; a one-line error where none is left."""
     out = []
     for values in dict.fromkeys(SHAPES):
         shape = dict(zip(SHAPE_FLAGS, values))
         shape.update({k: getattr(gpt, k) for k in SHAPE_FLAGS if k in given(gpt)})
-        run = dataclasses.replace(gpt, **shape).run_shape(vocab_size=vocab_size)
+        try:
+            run = dataclasses.replace(gpt, **shape).run_shape(vocab_size=vocab_size)
+        except SettingsError as err:
+            refused = err
+            continue
         out.append(Candidate(**shape, n_params=run.model.n_params,
                              flops_per_token=flops_per_token(run.model, run.setup(train))))
+    if not out:
+        names = ", ".join(f"{layers}x{width}" for layers, width, _ in SHAPES)
+        raise SettingsError(f"--auto chooses among the shapes {names} and none takes these options: at 12x768, {refused}")
     return list({(c.n_layer, c.n_embd, c.n_head): c for c in out}.values())
 
 
@@ -62,8 +70,9 @@ def auto_choice(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop
         raise SettingsError(f"--auto needs the training split's token count, got {corpus_tokens}; give a corpus "
                             "(or --corpus_tokens N to hf-cgpu budget)")
     per_step = train.samples_per_step(processes) * gpt.seq_len
+    fitted = train.fit_schedule_to_time or "fit_schedule_to_time" not in given(gpt)  # the rule's, unless given false
     return choose(corpus_tokens, train.max_minutes, flop_rate, candidates(gpt, train, vocab_size), per_step,
-                  startup_seconds(train, device_type))
+                  startup_seconds(train, device_type), fitted)
 
 
 def apply_choice(gpt: GPTSettings, train: TrainSettings, chosen: dict[str, Any]) -> tuple[GPTSettings, TrainSettings,
