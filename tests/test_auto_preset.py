@@ -19,7 +19,7 @@ from hf_cgpu.budget.auto import (
 from hf_cgpu.cli import main as cli_main
 from hf_cgpu.commands.budget import describe_run
 from hf_cgpu.commands.budget import run as budget_run
-from hf_cgpu.errors import SettingsError
+from hf_cgpu.errors import CheckpointError, SettingsError
 from hf_cgpu.recipes import RECIPES, parse
 from hf_cgpu.tasks.auto import CHOICE_FILE, auto_choice, candidates, resolve
 
@@ -157,6 +157,16 @@ def test_the_line_names_small_counts_and_the_single_epoch_reason():
     once = choose(100_684, 0.2, 4e10, LADDER, STEP)
     assert once.why.startswith("100.7k tokens x 0.2 min") and once.settings["dropout"] == 0.0
     assert "(at most one epoch at the smallest shape: no token is seen twice)" in once.why, once.why
+
+
+@pytest.mark.parametrize("damage", ['{"settings": {"dropout": 0.1', '{"why": "x"}', "[]",
+                                    '{"settings": {"colour": 1}, "why": "x"}'])
+def test_a_damaged_choice_file_on_resume_is_one_line(tmp_path, damage):
+    """A resume reads the choice back; a file cut short or edited is refused naming it and the way out."""
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto", "--resume_from_checkpoint", "latest"])
+    (tmp_path / CHOICE_FILE).write_text(damage)
+    with pytest.raises(CheckpointError, match=f"^{tmp_path / CHOICE_FILE} cannot be read .*a fresh --output_dir$"):
+        resolve(gpt, train, ZH_POETRY, H200, tmp_path)
 
 
 def test_budget_shows_the_choice_a_run_makes():

@@ -11,7 +11,8 @@ from typing import Any
 
 from ..budget.auto import CHOSEN, COMPILE_SECONDS, SHAPES, AutoChoice, Candidate, choose
 from ..budget.time import ASSUMED_PEAK_TFLOPS, DEFAULT_MFU, flops_per_token, peak_tflops
-from ..errors import SettingsError
+from ..errors import CheckpointError, SettingsError
+from ..integrity import atomic_write_json
 from ..settings import TrainSettings
 from .settings import GPTSettings
 
@@ -93,22 +94,36 @@ def apply_choice(gpt: GPTSettings, train: TrainSettings, chosen: dict[str, Any])
     return gpt, train, kept
 
 
+def saved_choice(path: Path) -> AutoChoice:
+    """The choice an --auto run saved (``CHOICE_FILE``); a damaged file is a one-line ``CheckpointError``."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        choice = AutoChoice(dict(saved["settings"]), str(saved["why"]))
+        if choice.settings.keys() - set(CHOSEN):
+            raise KeyError(f"settings --auto never chooses: {sorted(choice.settings.keys() - set(CHOSEN))}")
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}); the resumed run needs the "
+                              "settings --auto chose for it: delete the file and give them as flags (a refused resume "
+                              "names each that differs), or start a fresh --output_dir") from None
+    return choice
+
+
 def resolve(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rate: float, output_dir: Path,
             vocab_size: int | None = None, processes: int = 1, save: bool = True, device_type: str = "cuda"):
     """(GPTSettings, TrainSettings, the line to print) of an --auto run: the choice this output folder's run made
     when resuming, else a new one (saved to ``output_dir/auto_choice.json`` when ``save``)."""
     path = output_dir / CHOICE_FILE
     if train.resume_from_checkpoint and path.is_file():
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        choice, how = AutoChoice(saved["settings"], saved["why"]), "the choice this run made (resumed)"
+        choice, how = saved_choice(path), "the choice this run made (resumed)"
     else:
         choice, how = auto_choice(gpt, train, corpus_tokens, flop_rate, vocab_size, processes, device_type), ""
         if save:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(dataclasses.asdict(choice), indent=1, ensure_ascii=False), encoding="utf-8")
+            atomic_write_json(path, dataclasses.asdict(choice), indent=1)  # a crash never leaves half a choice
     gpt, train, kept = apply_choice(gpt, train, choice.settings)
     line = f"auto: {how + ': ' if how else ''}{choice.why}" + (f"; given, kept: {', '.join(kept)}" if kept else "")
     return gpt, train, line
 
 
-__all__ = ["CHOICE_FILE", "apply_choice", "auto_choice", "candidates", "card_flop_rate", "resolve", "startup_seconds"]
+__all__ = ["CHOICE_FILE", "apply_choice", "auto_choice", "candidates", "card_flop_rate", "resolve", "saved_choice",
+           "startup_seconds"]
