@@ -169,6 +169,19 @@ def test_a_damaged_choice_file_on_resume_is_one_line(tmp_path, damage):
         resolve(gpt, train, ZH_POETRY, H200, tmp_path)
 
 
+def test_an_adamw_run_gets_the_adamw_settings_only(tmp_path):
+    """--optimizer adamw has no Muon weight decay: the choice sets AdamW's, and the line names that one only."""
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto", "--optimizer", "adamw"])
+    new_gpt, new_train, line = resolve(gpt, train, ZH_POETRY, H200, tmp_path)
+    assert new_train.optimizer == "adamw" and new_train.weight_decay == 2.0 and new_gpt.dropout == 0.1
+    assert "weight decay 2 (AdamW)," in line and "Muon" not in line
+    assert "muon_weight_decay" not in json.loads((tmp_path / CHOICE_FILE).read_text())["settings"]
+    assert budget_run(["--preset", "auto", "--optimizer", "adamw", "--corpus_tokens", str(ZH_POETRY)])
+    resolve(*parse(RECIPES["gpt"], ["--preset", "auto"]), ZH_POETRY, H200, tmp_path)  # a Muon run's choice
+    resumed = parse(RECIPES["gpt"], ["--preset", "auto", "--optimizer", "adamw", "--resume_from_checkpoint", "latest"])
+    assert resolve(*resumed, ZH_POETRY, H200, tmp_path)[1].weight_decay == 2.0  # (the fingerprint then refuses)
+
+
 def test_budget_shows_the_choice_a_run_makes():
     argv = ["--preset", "auto", "--corpus_tokens", str(ZH_POETRY), "--max_minutes", "2", "--peak_tflops", "790"]
     text = budget_run(argv)

@@ -105,7 +105,7 @@ CHOSEN = ("n_layer", "n_embd", "n_head", "dropout", "weight_decay", "muon_weight
 @dataclass(frozen=True)
 class AutoChoice:
     settings: dict[str, Any]
-    """Setting name -> chosen value (all of ``CHOSEN``)."""
+    """Setting name -> chosen value (all of ``CHOSEN``; ``muon_weight_decay`` only for a Muon run)."""
     why: str
     """The one line: what was chosen and why."""
 
@@ -134,11 +134,12 @@ def train_seconds(minutes: float, startup_s: float = 0.0) -> float:
 
 
 def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Sequence[Candidate],
-           tokens_per_step: int, startup_s: float = 0.0, fitted: bool = True) -> AutoChoice:
+           tokens_per_step: int, startup_s: float = 0.0, fitted: bool = True, muon: bool = True) -> AutoChoice:
     """The settings for ``corpus_tokens`` training tokens in ``minutes`` on a card sustaining ``flop_rate`` FLOP/s
     (peak x utilisation, all processes), choosing the shape from ``candidates``; ``tokens_per_step``: the run's
     effective batch in tokens; ``startup_s``: seconds before the first step (``COMPILE_SECONDS`` when compiled);
-    ``fitted``: the cosine is fitted to the minutes (max_steps only bounds it), else it ends at the estimated steps."""
+    ``fitted``: the cosine is fitted to the minutes (max_steps only bounds it), else it ends at the estimated steps;
+    ``muon``: the run trains its block matrices with Muon (its own weight decay), else AdamW trains all."""
     compute = flop_rate * train_seconds(minutes, startup_s)
     p = pressure(corpus_tokens, compute)
     reg = regime(p)
@@ -152,15 +153,18 @@ def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Seq
     steps = max(1, round(tokens / tokens_per_step))
     warmup = min(WARMUP_MAX, max(1, round(WARMUP_FRACTION * steps)))
     settings = {"n_layer": shape.n_layer, "n_embd": shape.n_embd, "n_head": shape.n_head, "dropout": reg.dropout,
-                "weight_decay": reg.weight_decay, "muon_weight_decay": reg.muon_weight_decay,
-                "min_lr_ratio": reg.min_lr_ratio, "warmup_steps": warmup,
+                "weight_decay": reg.weight_decay, "min_lr_ratio": reg.min_lr_ratio, "warmup_steps": warmup,
                 "max_steps": max(warmup + 1, math.ceil(MAX_STEPS_HEADROOM * steps) if fitted else steps),
                 "fit_schedule_to_time": True}
+    decay = f"{reg.weight_decay:g} (AdamW)"
+    if muon:
+        settings["muon_weight_decay"] = reg.muon_weight_decay
+        decay = f"{reg.muon_weight_decay:g} (Muon) / {decay}"
     cosine = "fitted to the minutes" if fitted else f"over {steps:,} steps"
     why = (f"{fmt_count(corpus_tokens)} tokens x {minutes:g} min at {flop_rate / 1e12:,.3g} TFLOP/s ~ "
            f"{tokens / corpus_tokens:,.1f} epochs at {shape.name} ({fmt_count(shape.n_params)} params, "
-           f"~{steps:,} steps) -> dropout {reg.dropout:g}, weight decay {reg.muon_weight_decay:g} (Muon) / "
-           f"{reg.weight_decay:g} (AdamW), warm-up {warmup:,}, cosine to {reg.min_lr_ratio:g} {cosine} ({reason})")
+           f"~{steps:,} steps) -> dropout {reg.dropout:g}, weight decay {decay}, warm-up {warmup:,}, "
+           f"cosine to {reg.min_lr_ratio:g} {cosine} ({reason})")
     return AutoChoice(settings, why)
 
 

@@ -73,19 +73,22 @@ def auto_choice(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop
     per_step = train.samples_per_step(processes) * gpt.seq_len
     fitted = train.fit_schedule_to_time or "fit_schedule_to_time" not in given(gpt)  # the rule's, unless given false
     return choose(corpus_tokens, train.max_minutes, flop_rate, candidates(gpt, train, vocab_size), per_step,
-                  startup_seconds(train, device_type), fitted)
+                  startup_seconds(train, device_type), fitted, muon=train.optimizer == "muon")
 
 
 def apply_choice(gpt: GPTSettings, train: TrainSettings, chosen: dict[str, Any]) -> tuple[GPTSettings, TrainSettings,
                                                                                           list[str]]:
-    """New settings objects with ``chosen`` applied where no flag was given, and the flags that kept their value."""
+    """New settings objects with ``chosen`` applied where no flag was given, and the flags that kept their value. A
+    setting the run has no place for (a Muon weight decay, saved by a Muon run, where the optimizer is AdamW) is left
+    out: the resume's fingerprint names the optimizer that changed."""
     keep = given(gpt)
     take = {k: v for k, v in chosen.items() if k not in keep}
     names = {f.name for f in dataclasses.fields(GPTSettings)}
     gpt = dataclasses.replace(gpt, **{k: v for k, v in take.items() if k in names})
     options = train.optimizer_options
     own = {f.name for f in dataclasses.fields(options)} if options is not None else set()
-    changes = {k: v for k, v in take.items() if k not in names and k not in own}
+    fields = {f.name for f in dataclasses.fields(TrainSettings)}
+    changes = {k: v for k, v in take.items() if k in fields - names - own}
     if own & take.keys():
         changes["optimizer_options"] = dataclasses.replace(options, **{k: take[k] for k in own & take.keys()})
     train = dataclasses.replace(train, **changes)
