@@ -8,14 +8,7 @@ import json
 
 import pytest
 
-from hf_cgpu.budget.auto import (
-    COMPILE_SECONDS,
-    REGIMES,
-    SHAPES,
-    Candidate,
-    choose,
-    train_seconds,
-)
+from hf_cgpu.budget.auto import COMPILE_SECONDS, REGIMES, SHAPES, Candidate, choose, train_seconds
 from hf_cgpu.cli import main as cli_main
 from hf_cgpu.commands.budget import describe_run
 from hf_cgpu.commands.budget import run as budget_run
