@@ -38,13 +38,13 @@ def candidates(gpt: GPTSettings, train: TrainSettings, vocab_size: int | None = 
         try:
             run = dataclasses.replace(gpt, **shape).run_shape(vocab_size=vocab_size)
         except SettingsError as err:
-            refused = err
+            refused = f"at {shape['n_layer']}x{shape['n_embd']}, {err}"
             continue
         out.append(Candidate(**shape, n_params=run.model.n_params,
                              flops_per_token=flops_per_token(run.model, run.setup(train))))
     if not out:
         names = ", ".join(f"{layers}x{width}" for layers, width, _ in SHAPES)
-        raise SettingsError(f"--auto chooses among the shapes {names} and none takes these options: at 12x768, {refused}")
+        raise SettingsError(f"--auto chooses among the shapes {names} and none takes these options: {refused}")
     return list({(c.n_layer, c.n_embd, c.n_head): c for c in out}.values())
 
 
