@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -207,6 +208,12 @@ def test_a_run_prints_one_line_records_the_choice_and_a_resume_keeps_it(tmp_path
                  capsys, monkeypatch)
     lines = [x for x in log.splitlines() if x.startswith("auto: ")]
     assert len(lines) == 1 and "epochs at 4x128" in lines[0] and "given, kept: --max_steps 4" in lines[0], log
+    # hf-cgpu budget gives the same line from the figures the run printed (docs/budget.md): its training tokens and
+    # its tokenizer's size, on the CPU's terms (no compile: TINY says so)
+    vocab, tokens = re.search(r"vocab (\d+), .* train ([\d,]+) tokens", log).groups()
+    budget = budget_run([*TINY[2:], "--max_minutes", "0.2", "--max_steps", "4", "--peak_tflops", "5",
+                         "--corpus_tokens", tokens.replace(",", ""), "--vocab_size", vocab])
+    assert lines[0] in [x.strip() for x in budget.splitlines()]
     chosen = json.loads((out / CHOICE_FILE).read_text())["settings"]
     assert chosen["dropout"] == 0.1
     saved = json.loads((out / "all_results.json").read_text())["settings"]
