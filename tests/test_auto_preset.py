@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -141,6 +142,15 @@ def test_a_schedule_not_fitted_to_the_minutes_plans_the_steps_they_hold():
     assert fitted.settings["max_steps"] >= 2 * steps and "fitted to the minutes" in fitted.why
     assert fixed.settings["max_steps"] == steps and "fitted" not in fixed.why
     assert f"cosine to 0 over {steps:,} steps" in fixed.why
+
+
+def test_a_given_max_steps_below_the_estimate_gets_a_warmup_that_fits():
+    """--max_steps 100 where the minutes hold ~2,600 steps: the warm-up is a share of the 100 (it was 181, so the
+    learning rate never reached its peak and never decayed)."""
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto", "--max_steps", "100"])
+    new_gpt, new_train, line = resolve(gpt, train, ZH_POETRY, H200, Path("."), save=False)
+    assert new_train.max_steps == 100 and new_train.warmup_steps == 7 and "warm-up 7," in line
+    assert auto_choice(*parse(RECIPES["gpt"], ["--preset", "auto"]), ZH_POETRY, H200).settings["warmup_steps"] == 181
 
 
 def test_the_line_names_small_counts_and_the_single_epoch_reason():

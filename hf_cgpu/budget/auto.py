@@ -134,12 +134,14 @@ def train_seconds(minutes: float, startup_s: float = 0.0) -> float:
 
 
 def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Sequence[Candidate],
-           tokens_per_step: int, startup_s: float = 0.0, fitted: bool = True, muon: bool = True) -> AutoChoice:
+           tokens_per_step: int, startup_s: float = 0.0, fitted: bool = True, muon: bool = True,
+           max_steps: int = 0) -> AutoChoice:
     """The settings for ``corpus_tokens`` training tokens in ``minutes`` on a card sustaining ``flop_rate`` FLOP/s
     (peak x utilisation, all processes), choosing the shape from ``candidates``; ``tokens_per_step``: the run's
     effective batch in tokens; ``startup_s``: seconds before the first step (``COMPILE_SECONDS`` when compiled);
     ``fitted``: the cosine is fitted to the minutes (max_steps only bounds it), else it ends at the estimated steps;
-    ``muon``: the run trains its block matrices with Muon (its own weight decay), else AdamW trains all."""
+    ``muon``: the run trains its block matrices with Muon (its own weight decay), else AdamW trains all;
+    ``max_steps``: a step limit given by the user (0 = none), which the schedule then plans for if it is fewer."""
     compute = flop_rate * train_seconds(minutes, startup_s)
     p = pressure(corpus_tokens, compute)
     reg = regime(p)
@@ -151,10 +153,11 @@ def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Seq
         # larger than the compute calls for: no token is seen twice
         reg, reason = REGIMES[0], "at most one epoch at the smallest shape: no token is seen twice"
     steps = max(1, round(tokens / tokens_per_step))
-    warmup = min(WARMUP_MAX, max(1, round(WARMUP_FRACTION * steps)))
+    planned = min(steps, max_steps) if max_steps > 0 else steps
+    warmup = min(WARMUP_MAX, max(1, round(WARMUP_FRACTION * planned)))
     settings = {"n_layer": shape.n_layer, "n_embd": shape.n_embd, "n_head": shape.n_head, "dropout": reg.dropout,
                 "weight_decay": reg.weight_decay, "min_lr_ratio": reg.min_lr_ratio, "warmup_steps": warmup,
-                "max_steps": max(warmup + 1, math.ceil(MAX_STEPS_HEADROOM * steps) if fitted else steps),
+                "max_steps": max(warmup + 1, math.ceil(MAX_STEPS_HEADROOM * steps) if fitted else planned),
                 "fit_schedule_to_time": True}
     decay = f"{reg.weight_decay:g} (AdamW)"
     if muon:

@@ -72,8 +72,9 @@ def auto_choice(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop
                             "(or --corpus_tokens N to hf-cgpu budget)")
     per_step = train.samples_per_step(processes) * gpt.seq_len
     fitted = train.fit_schedule_to_time or "fit_schedule_to_time" not in given(gpt)  # the rule's, unless given false
+    cap = train.max_steps if "max_steps" in given(gpt) else 0
     return choose(corpus_tokens, train.max_minutes, flop_rate, candidates(gpt, train, vocab_size), per_step,
-                  startup_seconds(train, device_type), fitted, muon=train.optimizer == "muon")
+                  startup_seconds(train, device_type), fitted, muon=train.optimizer == "muon", max_steps=cap)
 
 
 def apply_choice(gpt: GPTSettings, train: TrainSettings, chosen: dict[str, Any]) -> tuple[GPTSettings, TrainSettings,
