@@ -169,7 +169,8 @@ def test_a_damaged_choice_file_on_resume_is_one_line(tmp_path, damage):
     """A resume reads the choice back; a file cut short or edited is refused naming it and the way out."""
     gpt, train = parse(RECIPES["gpt"], ["--preset", "auto", "--resume_from_checkpoint", "latest"])
     (tmp_path / CHOICE_FILE).write_text(damage)
-    with pytest.raises(CheckpointError, match=f"^{re.escape(str(tmp_path / CHOICE_FILE))} cannot be read .*a fresh --output_dir$"):
+    named = re.escape(str(tmp_path / CHOICE_FILE))
+    with pytest.raises(CheckpointError, match=f"^{named} cannot be read .*a fresh --output_dir$"):
         resolve(gpt, train, ZH_POETRY, H200, tmp_path)
 
 
