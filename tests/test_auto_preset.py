@@ -127,8 +127,8 @@ def test_options_no_shape_can_take_are_one_line(tmp_path):
     preset = tmp_path / "deep.json"
     preset.write_text(json.dumps({"auto": True, "n_layer": 14, "value_embeddings": 7, "max_minutes": 7}))
     gpt, train = parse(RECIPES["gpt"], ["--preset", str(preset)])
-    with pytest.raises(SettingsError, match=r"^--auto chooses among the shapes 4x128, .*12x768 and none takes these "
-                                            r"options: at 12x768, value_embeddings=7 must be in \[0, n_layer // 2 = 6\]"):
+    expected = r"^--auto chooses among the shapes 4x128, .*12x768 and none takes these options: at 12x768, "
+    with pytest.raises(SettingsError, match=expected + r"value_embeddings=7 must be in \[0, n_layer // 2 = 6\]"):
         candidates(gpt, train)
 
 
