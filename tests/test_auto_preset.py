@@ -142,6 +142,9 @@ def test_a_schedule_not_fitted_to_the_minutes_plans_the_steps_they_hold():
     assert fitted.settings["max_steps"] >= 2 * steps and "fitted to the minutes" in fitted.why
     assert fixed.settings["max_steps"] == steps and "fitted" not in fixed.why
     assert f"cosine to 0 over {steps:,} steps" in fixed.why
+    line = resolve(*parse(RECIPES["gpt"], [*argv, "--fit_schedule_to_time", "false"]), ZH_POETRY, H200, Path("."),
+                   save=False)[2]
+    assert line.endswith("; given, kept: --fit_schedule_to_time false")  # as it is written on the command line
 
 
 def test_a_given_max_steps_below_the_estimate_gets_a_warmup_that_fits():

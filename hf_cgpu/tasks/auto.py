@@ -13,7 +13,7 @@ from ..budget.auto import CHOSEN, COMPILE_SECONDS, SHAPES, AutoChoice, Candidate
 from ..budget.time import ASSUMED_PEAK_TFLOPS, DEFAULT_MFU, flops_per_token, peak_tflops
 from ..errors import CheckpointError, SettingsError
 from ..integrity import atomic_write_json
-from ..settings import TrainSettings
+from ..settings import TrainSettings, _shown
 from .settings import GPTSettings
 
 CPU_PEAK_TFLOPS = 0.1
@@ -94,7 +94,7 @@ def apply_choice(gpt: GPTSettings, train: TrainSettings, chosen: dict[str, Any])
         changes["optimizer_options"] = dataclasses.replace(options, **{k: take[k] for k in own & take.keys()})
     train = dataclasses.replace(train, **changes)
     where = {k: gpt if k in names else options if k in own else train for k in CHOSEN}
-    kept = [f"--{k} {getattr(where[k], k)}" for k in CHOSEN if k in keep]
+    kept = [f"--{k} {_shown(getattr(where[k], k))}" for k in CHOSEN if k in keep]  # as typed on the command line
     return gpt, train, kept
 
 
