@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ from hf_cgpu.budget.auto import COMPILE_SECONDS, REGIMES, SHAPES, Candidate, cho
 from hf_cgpu.cli import main as cli_main
 from hf_cgpu.commands.budget import describe_run
 from hf_cgpu.commands.budget import run as budget_run
+from hf_cgpu.errors import CheckpointError, SettingsError
 from hf_cgpu.recipes import RECIPES, parse
 from hf_cgpu.tasks.auto import CHOICE_FILE, auto_choice, candidates, resolve
 
@@ -108,6 +111,85 @@ def test_the_command_line_wins_over_the_choice(tmp_path):
     assert json.loads((tmp_path / CHOICE_FILE).read_text())["settings"]["dropout"] == 0.1  # the rule's own choice
 
 
+@pytest.mark.parametrize("flags, smallest", [(["--value_embeddings", "3"], "6x384"), (["--n_head", "24"], "6x384"),
+                                             (["--n_embd", "120"], "4x120")])
+def test_an_option_some_shapes_cannot_take_leaves_those_out(flags, smallest):
+    """A flag valid for the larger shapes only (3 value tables need 6 layers) narrows the shapes the rule chooses
+    from, instead of refusing the run over a shape it need not choose."""
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto", *flags])
+    shapes = candidates(gpt, train)
+    assert min(shapes, key=lambda c: c.n_params).name == smallest
+    assert f"at {smallest} (" in choose(1_000, 7, H200, shapes, STEP).why  # a tiny corpus: the smallest left
+
+
+def test_options_no_shape_can_take_are_one_line(tmp_path):
+    """A preset file may set what the command line cannot reach: 7 value tables need 14 layers, more than any shape."""
+    preset = tmp_path / "deep.json"
+    preset.write_text(json.dumps({"auto": True, "n_layer": 14, "value_embeddings": 7, "max_minutes": 7}))
+    gpt, train = parse(RECIPES["gpt"], ["--preset", str(preset)])
+    expected = r"^--auto chooses among the shapes 4x128, .*12x768 and none takes these options: at 12x768, "
+    with pytest.raises(SettingsError, match=expected + r"value_embeddings=7 must be in \[0, n_layer // 2 = 6\]"):
+        candidates(gpt, train)
+
+
+def test_a_schedule_not_fitted_to_the_minutes_plans_the_steps_they_hold():
+    """--fit_schedule_to_time false (given): the cosine ends at the steps the minutes are estimated to hold, not at
+    the fitted run's upper bound (twice as many), and the line does not claim a fitted cosine."""
+    argv = ["--preset", "auto", "--max_minutes", "7"]
+    fitted = auto_choice(*parse(RECIPES["gpt"], argv), ZH_POETRY, H200)
+    fixed = auto_choice(*parse(RECIPES["gpt"], [*argv, "--fit_schedule_to_time", "false"]), ZH_POETRY, H200)
+    steps = int(fitted.why.split("~")[-2].split(" steps")[0].replace(",", ""))
+    assert fitted.settings["max_steps"] >= 2 * steps and "fitted to the minutes" in fitted.why
+    assert fixed.settings["max_steps"] == steps and "fitted" not in fixed.why
+    assert f"cosine to 0 over {steps:,} steps" in fixed.why
+    line = resolve(*parse(RECIPES["gpt"], [*argv, "--fit_schedule_to_time", "false"]), ZH_POETRY, H200, Path("."),
+                   save=False)[2]
+    assert line.endswith("; given, kept: --fit_schedule_to_time false")  # as it is written on the command line
+
+
+def test_a_given_max_steps_below_the_estimate_gets_a_warmup_that_fits():
+    """--max_steps 100 where the minutes hold ~2,600 steps: the warm-up is a share of the 100 (it was 181, so the
+    learning rate never reached its peak and never decayed)."""
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto", "--max_steps", "100"])
+    new_gpt, new_train, line = resolve(gpt, train, ZH_POETRY, H200, Path("."), save=False)
+    assert new_train.max_steps == 100 and new_train.warmup_steps == 7 and "warm-up 7," in line
+    assert auto_choice(*parse(RECIPES["gpt"], ["--preset", "auto"]), ZH_POETRY, H200).settings["warmup_steps"] == 181
+
+
+def test_the_line_names_small_counts_and_the_single_epoch_reason():
+    """A corpus of thousands of tokens is named as such (not 0.00M); where the smallest shape sees every token at
+    most once the line says so, not a regime whose bound the figure it shows exceeds."""
+    tiny = choose(677, 7, H200, LADDER, STEP)
+    assert tiny.why.startswith("677 tokens x 7 min") and "far data-bound" in tiny.why
+    once = choose(100_684, 0.2, 4e10, LADDER, STEP)
+    assert once.why.startswith("100.7k tokens x 0.2 min") and once.settings["dropout"] == 0.0
+    assert "(at most one epoch at the smallest shape: no token is seen twice)" in once.why, once.why
+
+
+@pytest.mark.parametrize("damage", ['{"settings": {"dropout": 0.1', '{"why": "x"}', "[]",
+                                    '{"settings": {"colour": 1}, "why": "x"}'])
+def test_a_damaged_choice_file_on_resume_is_one_line(tmp_path, damage):
+    """A resume reads the choice back; a file cut short or edited is refused naming it and the way out."""
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto", "--resume_from_checkpoint", "latest"])
+    (tmp_path / CHOICE_FILE).write_text(damage)
+    named = re.escape(str(tmp_path / CHOICE_FILE))
+    with pytest.raises(CheckpointError, match=f"^{named} cannot be read .*a fresh --output_dir$"):
+        resolve(gpt, train, ZH_POETRY, H200, tmp_path)
+
+
+def test_an_adamw_run_gets_the_adamw_settings_only(tmp_path):
+    """--optimizer adamw has no Muon weight decay: the choice sets AdamW's, and the line names that one only."""
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "auto", "--optimizer", "adamw"])
+    new_gpt, new_train, line = resolve(gpt, train, ZH_POETRY, H200, tmp_path)
+    assert new_train.optimizer == "adamw" and new_train.weight_decay == 2.0 and new_gpt.dropout == 0.1
+    assert "weight decay 2 (AdamW)," in line and "Muon" not in line
+    assert "muon_weight_decay" not in json.loads((tmp_path / CHOICE_FILE).read_text())["settings"]
+    assert budget_run(["--preset", "auto", "--optimizer", "adamw", "--corpus_tokens", str(ZH_POETRY)])
+    resolve(*parse(RECIPES["gpt"], ["--preset", "auto"]), ZH_POETRY, H200, tmp_path)  # a Muon run's choice
+    resumed = parse(RECIPES["gpt"], ["--preset", "auto", "--optimizer", "adamw", "--resume_from_checkpoint", "latest"])
+    assert resolve(*resumed, ZH_POETRY, H200, tmp_path)[1].weight_decay == 2.0  # (the fingerprint then refuses)
+
+
 def test_budget_shows_the_choice_a_run_makes():
     argv = ["--preset", "auto", "--corpus_tokens", str(ZH_POETRY), "--max_minutes", "2", "--peak_tflops", "790"]
     text = budget_run(argv)
@@ -140,6 +222,12 @@ def test_a_run_prints_one_line_records_the_choice_and_a_resume_keeps_it(tmp_path
                  capsys, monkeypatch)
     lines = [x for x in log.splitlines() if x.startswith("auto: ")]
     assert len(lines) == 1 and "epochs at 4x128" in lines[0] and "given, kept: --max_steps 4" in lines[0], log
+    # hf-cgpu budget gives the same line from the figures the run printed (docs/budget.md): its training tokens and
+    # its tokenizer's size, on the CPU's terms (no compile: TINY says so)
+    vocab, tokens = re.search(r"vocab (\d+), .* train ([\d,]+) tokens", log).groups()
+    budget = budget_run([*TINY[2:], "--max_minutes", "0.2", "--max_steps", "4", "--peak_tflops", "5",
+                         "--corpus_tokens", tokens.replace(",", ""), "--vocab_size", vocab])
+    assert lines[0] in [x.strip() for x in budget.splitlines()]
     chosen = json.loads((out / CHOICE_FILE).read_text())["settings"]
     assert chosen["dropout"] == 0.1
     saved = json.loads((out / "all_results.json").read_text())["settings"]

@@ -78,6 +78,17 @@ def test_card_without_results_or_hub_dataset(tmp_path):
     assert "No `all_results.json`" in text
 
 
+@pytest.mark.parametrize("eval_batches", [0, 8])
+def test_the_gpt_card_says_how_much_of_the_validation_split_was_scored(tmp_path, eval_batches):
+    """--eval_batches N scores N micro-batches of the split, not all of it (the tiny preset sets 8)."""
+    d = make_run(tmp_path, "gpt")
+    text = hub.render_model_card("gpt", d, settings={"eval_batches": eval_batches, "micro_batch_size": 16})
+    text = " ".join(text.split())
+    assert ("on the whole held-out validation split (every token scored once)" in text) == (eval_batches == 0)
+    if eval_batches:
+        assert "on the first 8 micro-batches of the held-out validation split (`--eval_batches`" in text
+
+
 def test_count_parameters_skips_checkpoints(tmp_path):
     assert hub.count_parameters(make_run(tmp_path, "gpt")) == 205
 

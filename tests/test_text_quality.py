@@ -234,6 +234,9 @@ def test_epoch_plan_warns_beyond_four_epochs():
     assert "--dropout" not in taken[1] and "--load_best_at_end" not in taken[1]  # nothing the run already does
     assert "--load_best_at_end true" in epoch_plan(dataclasses.replace(s, eval_steps=10), seq_len=128,
                                                    corpus_tokens=1024, num_params=10**6)[1]
+    # --auto chose the epochs and regularised for them (its line says so): no warning that contradicts it
+    chosen = epoch_plan(s, seq_len=128, corpus_tokens=100 * 8 * 128 // 10, num_params=10**6, auto=True)
+    assert len(chosen) == 1 and "10.0 epochs" in chosen[0]
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .shape import fmt_count
+
 # ---------------------------------------------------------------------------------------------------- the rule
 COMPILE_SECONDS = 60.0
 """Seconds of --max_minutes a compiled GPU run spends before its first step (torch.compile, cold)."""
@@ -103,7 +105,7 @@ CHOSEN = ("n_layer", "n_embd", "n_head", "dropout", "weight_decay", "muon_weight
 @dataclass(frozen=True)
 class AutoChoice:
     settings: dict[str, Any]
-    """Setting name -> chosen value (all of ``CHOSEN``)."""
+    """Setting name -> chosen value (all of ``CHOSEN``; ``muon_weight_decay`` only for a Muon run)."""
     why: str
     """The one line: what was chosen and why."""
 
@@ -132,29 +134,40 @@ def train_seconds(minutes: float, startup_s: float = 0.0) -> float:
 
 
 def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Sequence[Candidate],
-           tokens_per_step: int, startup_s: float = 0.0) -> AutoChoice:
+           tokens_per_step: int, startup_s: float = 0.0, fitted: bool = True, muon: bool = True,
+           max_steps: int = 0) -> AutoChoice:
     """The settings for ``corpus_tokens`` training tokens in ``minutes`` on a card sustaining ``flop_rate`` FLOP/s
     (peak x utilisation, all processes), choosing the shape from ``candidates``; ``tokens_per_step``: the run's
-    effective batch in tokens; ``startup_s``: seconds before the first step (``COMPILE_SECONDS`` when compiled)."""
+    effective batch in tokens; ``startup_s``: seconds before the first step (``COMPILE_SECONDS`` when compiled);
+    ``fitted``: the cosine is fitted to the minutes (max_steps only bounds it), else it ends at the estimated steps;
+    ``muon``: the run trains its block matrices with Muon (its own weight decay), else AdamW trains all;
+    ``max_steps``: a step limit given by the user (0 = none), which the schedule then plans for if it is fewer."""
     compute = flop_rate * train_seconds(minutes, startup_s)
     p = pressure(corpus_tokens, compute)
     reg = regime(p)
+    reason = f"{reg.name}: epochs x params/token ~ {p:,.3g}"
     shape = pick_shape(candidates, compute, corpus_tokens, reg)
     tokens = compute / shape.flops_per_token
     smallest = min(candidates, key=lambda c: c.n_params)
-    if shape == smallest and tokens <= corpus_tokens:  # larger than the compute calls for: no token is seen twice
-        reg = REGIMES[0]
+    if shape == smallest and tokens <= corpus_tokens and reg is not REGIMES[0]:
+        # larger than the compute calls for: no token is seen twice
+        reg, reason = REGIMES[0], "at most one epoch at the smallest shape: no token is seen twice"
     steps = max(1, round(tokens / tokens_per_step))
-    warmup = min(WARMUP_MAX, max(1, round(WARMUP_FRACTION * steps)))
+    planned = min(steps, max_steps) if max_steps > 0 else steps
+    warmup = min(WARMUP_MAX, max(1, round(WARMUP_FRACTION * planned)))
     settings = {"n_layer": shape.n_layer, "n_embd": shape.n_embd, "n_head": shape.n_head, "dropout": reg.dropout,
-                "weight_decay": reg.weight_decay, "muon_weight_decay": reg.muon_weight_decay,
-                "min_lr_ratio": reg.min_lr_ratio, "warmup_steps": warmup,
-                "max_steps": max(warmup + 1, math.ceil(MAX_STEPS_HEADROOM * steps)), "fit_schedule_to_time": True}
-    why = (f"{corpus_tokens / 1e6:,.2f}M tokens x {minutes:g} min at {flop_rate / 1e12:,.3g} TFLOP/s ~ "
-           f"{tokens / corpus_tokens:,.1f} epochs at {shape.name} ({shape.n_params / 1e6:,.1f}M params, "
-           f"~{steps:,} steps) -> dropout {reg.dropout:g}, weight decay {reg.muon_weight_decay:g} (Muon) / "
-           f"{reg.weight_decay:g} (AdamW), warm-up {warmup:,}, cosine to {reg.min_lr_ratio:g} fitted to the minutes "
-           f"({reg.name}: epochs x params/token ~ {p:,.3g})")
+                "weight_decay": reg.weight_decay, "min_lr_ratio": reg.min_lr_ratio, "warmup_steps": warmup,
+                "max_steps": max(warmup + 1, math.ceil(MAX_STEPS_HEADROOM * steps) if fitted else planned),
+                "fit_schedule_to_time": True}
+    decay = f"{reg.weight_decay:g} (AdamW)"
+    if muon:
+        settings["muon_weight_decay"] = reg.muon_weight_decay
+        decay = f"{reg.muon_weight_decay:g} (Muon) / {decay}"
+    cosine = "fitted to the minutes" if fitted else f"over {steps:,} steps"
+    why = (f"{fmt_count(corpus_tokens)} tokens x {minutes:g} min at {flop_rate / 1e12:,.3g} TFLOP/s ~ "
+           f"{tokens / corpus_tokens:,.1f} epochs at {shape.name} ({fmt_count(shape.n_params)} params, "
+           f"~{steps:,} steps) -> dropout {reg.dropout:g}, weight decay {decay}, warm-up {warmup:,}, "
+           f"cosine to {reg.min_lr_ratio:g} {cosine} ({reason})")
     return AutoChoice(settings, why)
 
 

@@ -412,6 +412,7 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
         results_rows=_rows(results, skip={"settings", "samples", "sample_grid"}, public=public),
         samples=[str(x) for x in results.get("samples") or []],
         settings_rows=_rows(settings, public=public),
+        eval_batches=settings.get("eval_batches") or 0,  # validation scored on that many micro-batches only
         config_rows=_rows(config, skip=CONFIG_NOISE, public=public),
         base_model_name=base_model or "BASE_MODEL",
         base_model_label=(f"[{base_model}](https://huggingface.co/{base_model})" if _is_hub_id(base_model)

@@ -42,9 +42,10 @@ TOKENS_PER_PARAM = 20
 
 
 def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_params: int, processes: int = 1,
-               dropout: float = 0.0) -> list[str]:
+               dropout: float = 0.0, auto: bool = False) -> list[str]:
     """Lines saying how many epochs the planned tokens are, and a warning where that many epochs over-fit, with the
-    remedies this run has not taken yet."""
+    remedies this run has not taken yet; none for ``auto`` (--auto chose the epochs and the regularisation for them,
+    and its line said why)."""
     per_step = settings.samples_per_step(processes) * seq_len
     planned = settings.max_steps * per_step
     epochs = planned / max(1, corpus_tokens)
@@ -53,7 +54,7 @@ def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_pa
              + (f" at most: the cosine is fitted to --max_minutes {settings.max_minutes:g} once step "
                 f"{calibration_step(settings):,} is timed" if settings.fit_schedule_to_time
                 else f" (or fewer: --max_minutes {settings.max_minutes:g})" if settings.max_minutes else "")]
-    if epochs > MANY_EPOCHS:
+    if epochs > MANY_EPOCHS and not auto:
         supported = corpus_tokens / TOKENS_PER_PARAM
         lines.append(
             f"warning: {epochs:.0f} epochs of one corpus over-fit (beyond ~{MANY_EPOCHS} epochs repeated tokens are "
@@ -117,7 +118,7 @@ class CausalLMTask(PackedTokensTask):
         if self.val_data.n_tokens < cfg.seq_len + 1:
             raise SettingsError(f"validation split has fewer than seq_len+1={cfg.seq_len + 1} tokens; lower --seq_len")
         for line in epoch_plan(settings, cfg.seq_len, self.train_data.n_tokens, num_params,
-                               accelerator.num_processes, cfg.dropout):
+                               accelerator.num_processes, cfg.dropout, cfg.auto):
             accelerator.print(line)
         return TaskPlan(model, expected_initial_loss=math.log(vocab), shape=cgpt_run_shape(config), settings=chosen)
 
