@@ -333,6 +333,16 @@ def test_cli_autoguidance_by_raw_weights_and_an_early_checkpoint(tmp_path, synth
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert rc == 0 and raw["guidance_model"] == "raw (step_0000003)" and raw["nfe_per_image"] == 4
     assert "guided by raw" in out
+    # the raw weights guided by themselves would be no guidance at twice the cost: a sweep leaves them out, and
+    # asking for them is one line
+    rc, _, _ = _eval([*common, "--sweep", "--sweep_schedulers", "euler", "--sweep_steps", "1",
+                      "--sweep_guidance", "1,2", "--guidance_model", "raw"], capsys)
+    rows = json.loads((run / "eval" / "sweep.json").read_text())
+    assert rc == 0 and [r["weights"] for r in rows] == ["ema", "ema"]
+    assert any("raw weights not scored" in n for n in json.loads((run / "eval" / "sweep_notes.json").read_text())
+               ["notes"])
+    rc, _, err = _eval([*common, "--weights", "raw", "--guidance_model", "raw"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--weights ema" in err, err
 
     sample = ["sample", str(run), "--num_images", "4", "--class_labels", "0,1", "--num_inference_steps", "2",
               "--guidance_scale", "2", "--guidance_model", "raw"]

@@ -466,6 +466,27 @@ def parse(argv: list[str]) -> tuple[Path, ImageEvalSettings]:
     return run_dir, ImageEvalSettings(**{k: v for k, v in ns.items() if v is not None})
 
 
+def weights_to_score(run_dir: Path, s: ImageEvalSettings) -> tuple[dict[str, Path | None], list[str]]:
+    """The weight variants to evaluate ({name: raw-weights file or None}) and notes: the one --weights names, else
+    every variant for a sweep and the first for one evaluation; never the raw weights guided by themselves (with
+    --guidance_model raw the guide and the model would be one network: no guidance at twice the cost)."""
+    variants, notes = weight_variants(run_dir)
+    if s.weights and s.weights not in variants:
+        raise SettingsError(f"--weights {s.weights}: this folder has {', '.join(variants)}; drop --weights or pick one")
+    if s.guidance_model == "raw" and s.weights == "raw":
+        raise SettingsError("--weights raw with --guidance_model raw guides the raw weights by themselves; use "
+                            "--weights ema, or an earlier checkpoint (RUN/checkpoints/step_N) as the guide")
+    if s.weights:
+        return {s.weights: variants[s.weights]}, notes
+    if s.guidance_model == "raw" and "raw" in variants:
+        del variants["raw"]
+        notes.append("raw weights not scored: they are the guide (--guidance_model raw)")
+    if not s.sweep:
+        first = next(iter(variants))
+        variants = {first: variants[first]}
+    return variants, notes
+
+
 def _main(argv: list[str] | None) -> int:
     run_dir, s = parse(list(argv or []))
     if not (run_dir / "model_index.json").is_file():
@@ -478,14 +499,7 @@ def _main(argv: list[str] | None) -> int:
         load_real_images(s)  # raises the one-line error before anything slow runs
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     classifier = load_classifier(s.classifier, device)
-    variants, notes = weight_variants(run_dir)
-    if s.weights:
-        if s.weights not in variants:
-            raise SettingsError(f"--weights {s.weights}: this folder has {', '.join(variants)}; drop --weights or pick one")
-        variants = {s.weights: variants[s.weights]}
-    elif not s.sweep:
-        first = next(iter(variants))
-        variants = {first: variants[first]}
+    variants, notes = weights_to_score(run_dir, s)
     out_dir = Path(s.output_dir or run_dir / "eval")
     out_dir.mkdir(parents=True, exist_ok=True)
     real = real_reference(classifier, s.classifier, s)
