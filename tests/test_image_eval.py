@@ -367,3 +367,27 @@ def test_cli_autoguidance_by_raw_weights_and_an_early_checkpoint(tmp_path, synth
     capsys.readouterr()
     assert cli_main([*sample, "--save_pipeline", str(run)]) == 2
     assert "MODEL_DIR itself" in capsys.readouterr().err
+
+
+def test_a_guide_loads_quietly_and_a_file_that_is_no_weights_file_is_one_line(tmp_path):
+    """A guide folder loads without diffusers' dtype-cast warning (it would sit above a one-line error), and a
+    --guidance_model file that is not safetensors weights is a SettingsError naming what to pass, not a traceback."""
+    import logging
+
+    from hf_cgpu.flow.guide import guidance_model
+    from hf_cgpu.flow.pipeline_flow_match import FlowMatchPipeline
+
+    pipe = FlowMatchPipeline.from_pretrained(_tiny_pipeline(tmp_path / "pipe", num_classes=10))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("diffusers").addHandler(handler)
+    try:
+        weak, name = guidance_model(str(tmp_path / "pipe"), tmp_path / "pipe", pipe.unet)
+    finally:
+        logging.getLogger("diffusers").removeHandler(handler)
+    assert name == str(tmp_path / "pipe") and weak.dtype == pipe.unet.dtype
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+    for bad in (tmp_path / "pipe" / "unet" / "config.json", tmp_path / "pipe" / "model_index.json"):
+        with pytest.raises(SettingsError, match="not a safetensors weights file"):
+            guidance_model(str(bad), tmp_path / "pipe", pipe.unet)
