@@ -144,3 +144,18 @@ def test_a_teacher_saved_with_autoguidance_is_distilled_as_it_samples(runs, synt
         for t in (0.5, 0.1):  # inside the saved interval 0.2:0.9 guided, outside the teacher alone
             want = pipe._velocity(x, torch.tensor(t), y, 2.0 if 0.2 <= t <= 0.9 else 1.0)
             torch.testing.assert_close(tasks[0].teacher_fn(x, torch.full((2,), t), y), want)
+
+
+def test_a_guide_for_the_distilled_folder_needs_a_scale(runs, tmp_path, capsys):
+    """The distilled folder saves guidance scale 1 (its guidance is baked in): a --guidance_model given without
+    --guidance_scale would guide nothing at the cost of a second network call, so it is refused in one line; with a
+    scale it guides (two evaluations a step, one of them the early checkpoint's)."""
+    early = list_checkpoints(runs / "student")[0]
+    common = ["--num_images", "2", "--class_labels", "c3,1", "--guidance_model", str(early), "--output_dir",
+              str(tmp_path / "png")]
+    capsys.readouterr()
+    assert cli_main(["sample", str(runs / "student"), *common]) == 2
+    err = capsys.readouterr().err
+    assert "--guidance_scale" in err and len(err.strip().splitlines()) == 1, err
+    assert cli_main(["sample", str(runs / "student"), *common, "--guidance_scale", "3", "--num_inference_steps", "1"]
+                    ) == 0

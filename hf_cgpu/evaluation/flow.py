@@ -31,7 +31,7 @@ import torch
 
 from ..data.images import cache_file, load_image_dataset
 from ..errors import about, run_main
-from ..flow.guide import load_weights_file, set_guidance_model, weight_variants
+from ..flow.guide import check_guide_used, load_weights_file, set_guidance_model, weight_variants
 from ..flow.pipeline_flow_match import FlowMatchPipeline
 from ..flow.sample import image_grid
 from ..flow.sample import saved_sampling
@@ -515,6 +515,7 @@ def _main(argv: list[str] | None) -> int:
         sched = s.scheduler or saved_sampler_name(pipe)
         kw = saved_sampling(pipe, s.num_inference_steps, s.guidance_scale, s.guidance_interval, fallback_scale=1.5)
         steps, scale, interval = kw["num_inference_steps"], kw["guidance_scale"], kw["guidance_interval"]
+        check_guide_used(s.guidance_model, scale)
         row = evaluate_pipeline(pipe, classifier, real, s.num_images, sched, steps, scale, s.batch_size, s.seed,
                                 s.nearest_k, s.mixed_precision, s.progress,
                                 out_dir / grid_name(name, sched, steps, scale, interval), s.grid_images,

@@ -122,5 +122,13 @@ def set_guidance_model(pipe, spec: str, run_dir: str | Path) -> None:
         raise SettingsError(f"--guidance_model {spec}: {err}") from None
 
 
-__all__ = ["GUIDE_SOURCES", "copy_with_weights", "guidance_model", "load_weights_file", "set_guidance_model",
-           "weight_variants"]
+def check_guide_used(spec: str, scale: float) -> None:
+    """A --guidance_model given for a call at guidance scale 1 (a distilled folder's saved scale: its guidance is
+    baked in) would guide nothing at the cost of a second network call each step: one line naming the fix."""
+    if spec not in ("", "none") and scale == 1.0:
+        raise SettingsError(f"--guidance_model {spec} does nothing at guidance scale 1 (the folder's saved scale or "
+                            "yours); pass --guidance_scale, e.g. 2, or drop --guidance_model")
+
+
+__all__ = ["GUIDE_SOURCES", "check_guide_used", "copy_with_weights", "guidance_model", "load_weights_file",
+           "set_guidance_model", "weight_variants"]

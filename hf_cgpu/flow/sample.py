@@ -14,7 +14,7 @@ from PIL import Image
 from ..errors import MissingPathError, SettingsError, about, require_model
 from ..hub.checks import check_hub_model
 from ..settings import build_parser
-from .guide import set_guidance_model
+from .guide import check_guide_used, set_guidance_model
 from .pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
 from .samplers import check_sampler, parse_interval, sampler_class, sampler_names
 
@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe.to(device)
     sampling = a.sampling(pipe)
+    check_guide_used(a.guidance_model, sampling["guidance_scale"])
     names_file = Path(model_dir) / "class_names.txt"
     names = names_file.read_text().split() if names_file.is_file() else []
     labels = parse_labels(a.class_labels, names, pipe.unet.config.num_classes)
