@@ -56,6 +56,22 @@ def test_distilled_folder_samples_in_two_evaluations_with_guidance_baked_in(runs
     assert "flow-distill" in card and "shortcut" in card
 
 
+def test_the_card_states_the_folders_own_figures(runs, synthetic_data, tmp_path):
+    """Parameters, steps, evaluations and the guidance baked in, each as the folder holds it: a 1-step student's
+    card says 1 step, a teacher's guidance scale and interval are named, the snippet asks for the run's classes."""
+    pipe = FlowMatchPipeline.from_pretrained(runs / "student")
+    card = " ".join((runs / "student" / "README.md").read_text().split())  # the template's line breaks as spaces
+    assert f"{sum(p.numel() for p in pipe.unet.parameters()):,} parameters; 12 optimizer steps" in card
+    assert "2 Euler steps (one network evaluation each" in card
+    assert "classifier-free guidance (scale 2.5, t in 0.2:0.9) is baked in" in card
+    assert "class_labels=list(range(10))).images # the saved default: 2 steps" in card
+    _train("flow-distill", tmp_path / "one", "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data),
+           "--max_steps", "1", "--sample_steps", "1", "--guidance_scale", "3", "--guidance_interval", "full")
+    card = " ".join((tmp_path / "one" / "README.md").read_text().split())
+    assert "1 Euler step (one network evaluation" in card and "the saved default: 1 step " in card
+    assert "classifier-free guidance (scale 3, t in full) is baked in" in card
+
+
 def test_resume_from_mid_run_checkpoint_is_bit_identical(runs, synthetic_data, tmp_path):
     full, cut = runs / "student", tmp_path / "cut"
     shutil.copytree(full, cut)
@@ -138,6 +154,9 @@ def test_a_teacher_saved_with_autoguidance_is_distilled_as_it_samples(runs, synt
            "--max_steps", "2")
     results = json.loads((tmp_path / "student" / "all_results.json").read_text())
     assert results["teacher_guidance_model"] == "raw (step_0000004)" and results["teacher_guidance_scale"] == 2.0
+    card = " ".join((tmp_path / "student" / "README.md").read_text().split())
+    assert "autoguidance by raw (step_0000004) (scale 2, t in 0.2:0.9) is baked in" in card
+    assert "classifier-free" not in card
     pipe = FlowMatchPipeline.from_pretrained(guided)
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
     with torch.no_grad():
