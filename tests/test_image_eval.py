@@ -215,6 +215,7 @@ def test_cli_single_evaluation_writes_json_and_grid(tmp_path, synthetic_data, sy
     assert a["nfe_per_image"] == 2 * (2 * 2 - 1)  # Heun 2 steps = 3 calls, guided = 2 rows each
     assert math.isfinite(a["fd"]) and a["fd"] >= 0 and 0 <= a["precision"] <= 1 and 0 <= a["recall"] <= 1
     assert sum(a["class_histogram"]) == 20 and len(a["class_histogram"]) == 10
+    assert f"classes {'/'.join(map(str, a['class_histogram']))} (6 evaluations/image" in out  # the report says it
     assert 0 <= a["label_accuracy"] <= 1 and a["inception_fid"] is None and any("FID" in n for n in a["notes"])
     grid = Image.open(a["grid"])
     assert grid.size == (10 * 34 + 2, 2 * 34 + 2)  # one column per class, 20 images
@@ -260,7 +261,11 @@ def test_cli_sweep_over_ema_and_raw_weights(tmp_path, synthetic_data, synthetic_
     ema = {key(r): r["fd"] for r in rows if r["weights"] == "ema"}
     raw = {key(r): r["fd"] for r in rows if r["weights"] == "raw"}
     assert ema.keys() == raw.keys() and all(ema[k] != raw[k] for k in ema)  # two different sets of weights
-    assert len((run / "eval" / "sweep.md").read_text().splitlines()) == 2 + 16
+    table = (run / "eval" / "sweep.md").read_text().splitlines()
+    assert len(table) == 2 + 16 and "class_histogram" in table[0]
+    for r, line in zip(rows, table[2:]):  # every sampler's row reports its class histogram, on screen and in the table
+        assert f"| {'/'.join(map(str, r['class_histogram']))} |" in line and sum(r["class_histogram"]) == 20
+        assert f"classes {'/'.join(map(str, r['class_histogram']))} ({r['nfe_per_image']:g} evaluations/image" in out
     assert Image.open(run / "eval" / "sweep.png").size[0] > 100
 
 

@@ -386,10 +386,12 @@ def write_sweep(rows: list[dict], out_dir: Path, plot: bool = True) -> list[Path
     """sweep.json, sweep.md (a table) and, with matplotlib installed, sweep.png (``plot_sweep``)."""
     keys = ["weights", "scheduler", "num_inference_steps", "guidance_scale", "guidance_interval", "guidance_model",
             "nfe_per_image", "fd", "precision",
-            "recall", "label_accuracy", "class_share_min", "class_share_max", "images_per_s"]
+            "recall", "label_accuracy", "class_share_min", "class_share_max", "class_histogram", "images_per_s"]
     (out_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
 
     def cell(v):
+        if isinstance(v, list):  # the class histogram: counts per class, in class order
+            return "/".join(map(str, v))
         return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -466,6 +468,17 @@ def parse(argv: list[str]) -> tuple[Path, ImageEvalSettings]:
     return run_dir, ImageEvalSettings(**{k: v for k, v in ns.items() if v is not None})
 
 
+def report_line(row: dict) -> str:
+    """One evaluation as a line: the sampler, its guidance and guide, FD, precision, recall, label accuracy, the class
+    histogram of the generated images and the network evaluations each image took."""
+    acc = "-" if row["label_accuracy"] is None else f"{row['label_accuracy']:.3f}"
+    guide = f" guided by {row['guidance_model']}" if row["guidance_model"] else ""
+    return (f"{row['weights']} {row['scheduler']} {row['num_inference_steps']} steps w={row['guidance_scale']:g} t in "
+            f"{row['guidance_interval']}{guide}: FD {row['fd']:.3f} precision {row['precision']:.3f} recall "
+            f"{row['recall']:.3f} label accuracy {acc} classes {'/'.join(map(str, row['class_histogram']))} "
+            f"({row['nfe_per_image']:g} evaluations/image, {row['images_per_s']:.0f} img/s)")
+
+
 def weights_to_score(run_dir: Path, s: ImageEvalSettings) -> tuple[dict[str, Path | None], list[str]]:
     """The weight variants to evaluate ({name: raw-weights file or None}) and notes: the one --weights names, else
     every variant for a sweep and the first for one evaluation; never the raw weights guided by themselves (with
@@ -527,11 +540,7 @@ def _main(argv: list[str] | None) -> int:
         path = Path(s.output_json or out_dir / "eval.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))
-        acc = "-" if row["label_accuracy"] is None else f"{row['label_accuracy']:.3f}"
-        guide = f" guided by {row['guidance_model']}" if row["guidance_model"] else ""
-        print(f"{name} {sched} {steps} steps w={scale:g} t in {format_interval(interval)}{guide}: FD {row['fd']:.3f} "
-              f"precision {row['precision']:.3f} recall {row['recall']:.3f} label accuracy {acc} "
-              f"({row['nfe_per_image']:g} evaluations/image, {row['images_per_s']:.0f} img/s) -> {path}")
+        print(f"{report_line(result)} -> {path}")
         return 0
 
     conditional = None
@@ -547,9 +556,7 @@ def _main(argv: list[str] | None) -> int:
                                     guidance_interval=interval)
             rows.append({**common, "weights": name, **row})
             write_sweep(rows, out_dir, plot=False)  # a run cut short still leaves every finished row
-            print(f"{name} {sched} {steps} steps w={scale:g} t in {format_interval(interval)}: FD {row['fd']:.3f} "
-                  f"precision {row['precision']:.3f} "
-                  f"recall {row['recall']:.3f} ({row['nfe_per_image']:g} evaluations/image)")
+            print(report_line(rows[-1]))
     if not conditional and any(scale != 1.0 for _, _, scale, _ in s.grid):
         notes.append("unconditional model without --guidance_model: guidance scales other than 1 left out")
     written = write_sweep(rows, out_dir)
