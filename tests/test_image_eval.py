@@ -396,3 +396,22 @@ def test_a_guide_loads_quietly_and_a_file_that_is_no_weights_file_is_one_line(tm
     for bad in (tmp_path / "pipe" / "unet" / "config.json", tmp_path / "pipe" / "model_index.json"):
         with pytest.raises(SettingsError, match="not a safetensors weights file"):
             guidance_model(str(bad), tmp_path / "pipe", pipe.unet)
+
+
+def test_cli_scores_a_folder_saved_with_a_diffusers_scheduler(tmp_path, synthetic_data, synthetic_classifier, capsys):
+    """The pipeline samples with diffusers' flow-match schedulers too; eval takes the folder's own one (it named it
+    as if --scheduler had been given, and refused it) and counts the UNet rows it ran."""
+    from diffusers import FlowMatchHeunDiscreteScheduler
+
+    from hf_cgpu.flow.pipeline_flow_match import FlowMatchPipeline
+
+    folder = _tiny_pipeline(tmp_path / "pipe", num_classes=10)
+    pipe = FlowMatchPipeline.from_pretrained(folder)
+    pipe.scheduler = FlowMatchHeunDiscreteScheduler()
+    pipe.save_pretrained(folder)
+    rc, out, err = _eval([str(folder), "--classifier", str(synthetic_classifier), "--dataset", str(synthetic_data),
+                          "--num_images", "10", "--num_inference_steps", "2", "--guidance_scale", "2",
+                          "--cache_dir", str(tmp_path / "feat"), "--output_json", str(tmp_path / "d.json")], capsys)
+    assert rc == 0, err
+    row = json.loads((tmp_path / "d.json").read_text())
+    assert row["scheduler"] == "FlowMatchHeunDiscreteScheduler" and row["nfe_per_image"] == 2 * 3  # 2N - 1, guided

@@ -205,7 +205,8 @@ def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inferenc
     """
     from tqdm.auto import tqdm
 
-    klass = sampler_class(scheduler) if scheduler else type(pipe.scheduler)  # empty: the saved sampler
+    own = type(pipe.scheduler)  # empty, or the saved one's name (``saved_sampler_name``): the saved sampler
+    klass = own if scheduler in ("", own.__name__) else sampler_class(scheduler)
     guide = pipe.guide_unet
     sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=klass.from_config(pipe.scheduler.config), guide_unet=guide,
                                 guidance_model=pipe.config.get("guidance_model"))
