@@ -178,3 +178,15 @@ def test_a_guide_for_the_distilled_folder_needs_a_scale(runs, tmp_path, capsys):
     assert "--guidance_scale" in err and len(err.strip().splitlines()) == 1, err
     assert cli_main(["sample", str(runs / "student"), *common, "--guidance_scale", "3", "--num_inference_steps", "1"]
                     ) == 0
+
+
+def test_a_guidance_scale_for_an_unconditional_teacher_without_a_guide_is_refused(synthetic_data, tmp_path, capsys):
+    """With no class (and no saved guide) there is nothing to guide with: --guidance_scale 3 was silently distilled at
+    scale 1; now one line naming the fix."""
+    _train("flow", tmp_path / "u", "--dataset", str(synthetic_data), "--base_channels", "8", "--max_steps", "1",
+           "--checkpointing_steps", "0", "--limit", "32", "--class_conditional", "false")
+    capsys.readouterr()
+    rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(tmp_path / "d"), "--progress",
+                   "false", "--teacher", str(tmp_path / "u"), "--dataset", str(synthetic_data), "--guidance_scale", "3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--guidance_model" in err and len(err.strip().splitlines()) == 1, err
