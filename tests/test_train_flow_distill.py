@@ -190,3 +190,15 @@ def test_a_guidance_scale_for_an_unconditional_teacher_without_a_guide_is_refuse
                    "false", "--teacher", str(tmp_path / "u"), "--dataset", str(synthetic_data), "--guidance_scale", "3"])
     err = capsys.readouterr().err
     assert rc == 2 and "--guidance_model" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_save_pipeline_never_overwrites_another_run(runs, tmp_path, capsys):
+    """`sample TEACHER --save_pipeline STUDENT` would have replaced the distilled run's weights by the teacher's."""
+    unet = runs / "student" / "unet" / "diffusion_pytorch_model.safetensors"
+    before = unet.read_bytes()
+    capsys.readouterr()
+    assert cli_main(["sample", str(runs / "teacher"), "--num_images", "1", "--output_dir", str(tmp_path / "png"),
+                     "--save_pipeline", str(runs / "student")]) == 2
+    err = capsys.readouterr().err
+    assert "training run" in err and len(err.strip().splitlines()) == 1, err
+    assert unet.read_bytes() == before

@@ -77,7 +77,8 @@ class ImageEvalSettings:
     guidance_model: str = ""
     """Autoguidance: guide with this weaker model, for the same class, instead of the null class: raw (the run's
     live weights against its EMA), a checkpoint folder (RUN/checkpoints/step_N) or one of its .safetensors files,
-    a pipeline or UNet folder; none = off; empty = what the folder saved (off unless it saved one)."""
+    a pipeline or UNet folder; none = off; empty = what the folder saved (off unless it saved one). A sweep with raw
+    scores the EMA weights only; one evaluation needs a guidance scale other than 1."""
     weights: str = ""
     """Which weights: empty = what the folder's pipeline holds (EMA when the run kept one), ema, or raw (the last
     checkpoint's live weights)."""
