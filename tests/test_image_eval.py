@@ -348,6 +348,13 @@ def test_cli_autoguidance_by_raw_weights_and_an_early_checkpoint(tmp_path, synth
                ["notes"])
     rc, _, err = _eval([*common, "--weights", "raw", "--guidance_model", "raw"], capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "--weights ema" in err, err
+    no_ema = tmp_path / "no_ema"
+    _run_recipe("train_flow.py", ["--preset", "tiny", "--dataset", str(synthetic_data), "--output_dir", str(no_ema),
+                                  "--base_channels", "8", "--max_steps", "1", "--ema_decay", "0", "--limit", "32",
+                                  "--progress", "false"])
+    for extra in (["--guidance_scale", "2"], ["--sweep", "--sweep_steps", "1", "--sweep_schedulers", "euler"]):
+        rc, _, err = _eval([str(no_ema), *common[1:], "--guidance_model", "raw", *extra], capsys)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and "not an EMA" in err, err
 
     sample = ["sample", str(run), "--num_images", "4", "--class_labels", "0,1", "--num_inference_steps", "2",
               "--guidance_scale", "2", "--guidance_model", "raw"]

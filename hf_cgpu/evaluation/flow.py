@@ -493,7 +493,7 @@ def weights_to_score(run_dir: Path, s: ImageEvalSettings) -> tuple[dict[str, Pat
                             "--weights ema, or an earlier checkpoint (RUN/checkpoints/step_N) as the guide")
     if s.weights:
         return {s.weights: variants[s.weights]}, notes
-    if s.guidance_model == "raw" and "raw" in variants:
+    if s.guidance_model == "raw" and variants.get("raw") is not None:  # None: no EMA, the guide is refused later
         del variants["raw"]
         notes.append("raw weights not scored: they are the guide (--guidance_model raw)")
     if not s.sweep:
