@@ -89,6 +89,9 @@ def test_labels_and_guidance_errors():
         pipe(2, 2, _gen(), class_labels=[0, 1, 2])
     with pytest.raises(ValueError, match="num_classes"):
         _pipe(num_classes=None)(2, 2, _gen(), class_labels=[0, 1])
+    for bad in (3, [0, -1]):  # 3 = num_classes is the null class: it silently drew unconditional images
+        with pytest.raises(ValueError, match=r"class_labels in 0\.\.2"):
+            pipe(2, 2, _gen(), class_labels=bad)
 
 
 def test_heun_calls_the_unet_2n_minus_1_times():

@@ -172,6 +172,11 @@ class FlowMatchPipeline(DiffusionPipeline):
         if getattr(self.unet.config, "num_classes", None) is None:
             raise ValueError("class_labels given but the unet is unconditional; train it with num_classes set")
         labels = torch.as_tensor(class_labels, dtype=torch.long, device=device).reshape(-1)
+        classes = self.unet.config.num_classes
+        outside = (labels < 0) | (labels >= classes)  # index K is the null class: not a label to ask for
+        if outside.any():
+            raise ValueError(f"class_labels holds {labels[outside].unique().tolist()[:5]}; pass class_labels in "
+                             f"0..{classes - 1}, or None for the null class")
         if batch_size is None:
             return labels
         if labels.numel() == 1:
