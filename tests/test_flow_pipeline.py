@@ -89,6 +89,9 @@ def test_labels_and_guidance_errors():
         pipe(2, 2, _gen(), class_labels=[0, 1, 2])
     with pytest.raises(ValueError, match="num_classes"):
         _pipe(num_classes=None)(2, 2, _gen(), class_labels=[0, 1])
+    for bad in (3, [0, -1]):  # 3 = num_classes is the null class: it silently drew unconditional images
+        with pytest.raises(ValueError, match=r"class_labels in 0\.\.2"):
+            pipe(2, 2, _gen(), class_labels=bad)
 
 
 def test_heun_calls_the_unet_2n_minus_1_times():
@@ -297,6 +300,21 @@ def test_a_guide_of_another_shape_or_class_count_is_refused():
         pipe.set_guidance_model(FlowUNet2DModel(sample_size=16, base_channels=8, time_embed_dim=16, num_classes=3))
     with pytest.raises(ValueError, match="guide_unet"):
         _pipe(num_classes=None)(2, 2, _gen(), guidance_scale=3.0)  # no labels, no guide: nothing to guide with
+    # a distilled (step-size conditioned) UNet predicts the average velocity of a step, the flow UNet the
+    # instantaneous one: neither guides the other
+    distilled = FlowUNet2DModel(sample_size=8, base_channels=8, time_embed_dim=16, num_classes=3,
+                                step_size_embedding=True)
+    with pytest.raises(ValueError, match="step_size_embedding True vs False"):
+        pipe.set_guidance_model(distilled)
+
+
+@pytest.mark.parametrize("interval", [(0.8, 0.2), (0.5, 0.5), (-0.1, 0.5), (0.2, 1.5), (0.5,), "0.2:0.8"])
+def test_a_bad_guidance_interval_is_refused_not_silently_unguided(interval):
+    """LO >= HI would guide no call at all, silently; the constructor (a saved config) and a call both refuse it."""
+    with pytest.raises(ValueError, match="0 <= lo < hi <= 1"):
+        _pipe()(2, 2, _gen(), class_labels=[0, 1], guidance_scale=3.0, guidance_interval=interval)
+    with pytest.raises(ValueError, match="0 <= lo < hi <= 1"):
+        FlowMatchPipeline(unet=_pipe().unet, scheduler=FlowMatchEulerScheduler(), guidance_interval=interval)
 
 
 def _guided_pipe() -> FlowMatchPipeline:

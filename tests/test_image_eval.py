@@ -215,6 +215,7 @@ def test_cli_single_evaluation_writes_json_and_grid(tmp_path, synthetic_data, sy
     assert a["nfe_per_image"] == 2 * (2 * 2 - 1)  # Heun 2 steps = 3 calls, guided = 2 rows each
     assert math.isfinite(a["fd"]) and a["fd"] >= 0 and 0 <= a["precision"] <= 1 and 0 <= a["recall"] <= 1
     assert sum(a["class_histogram"]) == 20 and len(a["class_histogram"]) == 10
+    assert f"classes {'/'.join(map(str, a['class_histogram']))} (6 evaluations/image" in out  # the report says it
     assert 0 <= a["label_accuracy"] <= 1 and a["inception_fid"] is None and any("FID" in n for n in a["notes"])
     grid = Image.open(a["grid"])
     assert grid.size == (10 * 34 + 2, 2 * 34 + 2)  # one column per class, 20 images
@@ -260,7 +261,11 @@ def test_cli_sweep_over_ema_and_raw_weights(tmp_path, synthetic_data, synthetic_
     ema = {key(r): r["fd"] for r in rows if r["weights"] == "ema"}
     raw = {key(r): r["fd"] for r in rows if r["weights"] == "raw"}
     assert ema.keys() == raw.keys() and all(ema[k] != raw[k] for k in ema)  # two different sets of weights
-    assert len((run / "eval" / "sweep.md").read_text().splitlines()) == 2 + 16
+    table = (run / "eval" / "sweep.md").read_text().splitlines()
+    assert len(table) == 2 + 16 and "class_histogram" in table[0]
+    for r, line in zip(rows, table[2:]):  # every sampler's row reports its class histogram, on screen and in the table
+        assert f"| {'/'.join(map(str, r['class_histogram']))} |" in line and sum(r["class_histogram"]) == 20
+        assert f"classes {'/'.join(map(str, r['class_histogram']))} ({r['nfe_per_image']:g} evaluations/image" in out
     assert Image.open(run / "eval" / "sweep.png").size[0] > 100
 
 
@@ -333,6 +338,23 @@ def test_cli_autoguidance_by_raw_weights_and_an_early_checkpoint(tmp_path, synth
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert rc == 0 and raw["guidance_model"] == "raw (step_0000003)" and raw["nfe_per_image"] == 4
     assert "guided by raw" in out
+    # the raw weights guided by themselves would be no guidance at twice the cost: a sweep leaves them out, and
+    # asking for them is one line
+    rc, _, _ = _eval([*common, "--sweep", "--sweep_schedulers", "euler", "--sweep_steps", "1",
+                      "--sweep_guidance", "1,2", "--guidance_model", "raw"], capsys)
+    rows = json.loads((run / "eval" / "sweep.json").read_text())
+    assert rc == 0 and [r["weights"] for r in rows] == ["ema", "ema"]
+    assert any("raw weights not scored" in n for n in json.loads((run / "eval" / "sweep_notes.json").read_text())
+               ["notes"])
+    rc, _, err = _eval([*common, "--weights", "raw", "--guidance_model", "raw"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--weights ema" in err, err
+    no_ema = tmp_path / "no_ema"
+    _run_recipe("train_flow.py", ["--preset", "tiny", "--dataset", str(synthetic_data), "--output_dir", str(no_ema),
+                                  "--base_channels", "8", "--max_steps", "1", "--ema_decay", "0", "--limit", "32",
+                                  "--progress", "false"])
+    for extra in (["--guidance_scale", "2"], ["--sweep", "--sweep_steps", "1", "--sweep_schedulers", "euler"]):
+        rc, _, err = _eval([str(no_ema), *common[1:], "--guidance_model", "raw", *extra], capsys)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and "not an EMA" in err, err
 
     sample = ["sample", str(run), "--num_images", "4", "--class_labels", "0,1", "--num_inference_steps", "2",
               "--guidance_scale", "2", "--guidance_model", "raw"]
@@ -357,3 +379,46 @@ def test_cli_autoguidance_by_raw_weights_and_an_early_checkpoint(tmp_path, synth
     capsys.readouterr()
     assert cli_main([*sample, "--save_pipeline", str(run)]) == 2
     assert "MODEL_DIR itself" in capsys.readouterr().err
+
+
+def test_a_guide_loads_quietly_and_a_file_that_is_no_weights_file_is_one_line(tmp_path):
+    """A guide folder loads without diffusers' dtype-cast warning (it would sit above a one-line error), and a
+    --guidance_model file that is not safetensors weights is a SettingsError naming what to pass, not a traceback."""
+    import logging
+
+    from hf_cgpu.flow.guide import guidance_model
+    from hf_cgpu.flow.pipeline_flow_match import FlowMatchPipeline
+
+    pipe = FlowMatchPipeline.from_pretrained(_tiny_pipeline(tmp_path / "pipe", num_classes=10))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("diffusers").addHandler(handler)
+    try:
+        weak, name = guidance_model(str(tmp_path / "pipe"), tmp_path / "pipe", pipe.unet)
+    finally:
+        logging.getLogger("diffusers").removeHandler(handler)
+    assert name == str(tmp_path / "pipe") and weak.dtype == pipe.unet.dtype
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+    for bad in (tmp_path / "pipe" / "unet" / "config.json", tmp_path / "pipe" / "model_index.json"):
+        with pytest.raises(SettingsError, match="not a safetensors weights file"):
+            guidance_model(str(bad), tmp_path / "pipe", pipe.unet)
+
+
+def test_cli_scores_a_folder_saved_with_a_diffusers_scheduler(tmp_path, synthetic_data, synthetic_classifier, capsys):
+    """The pipeline samples with diffusers' flow-match schedulers too; eval takes the folder's own one (it named it
+    as if --scheduler had been given, and refused it) and counts the UNet rows it ran."""
+    from diffusers import FlowMatchHeunDiscreteScheduler
+
+    from hf_cgpu.flow.pipeline_flow_match import FlowMatchPipeline
+
+    folder = _tiny_pipeline(tmp_path / "pipe", num_classes=10)
+    pipe = FlowMatchPipeline.from_pretrained(folder)
+    pipe.scheduler = FlowMatchHeunDiscreteScheduler()
+    pipe.save_pretrained(folder)
+    rc, out, err = _eval([str(folder), "--classifier", str(synthetic_classifier), "--dataset", str(synthetic_data),
+                          "--num_images", "10", "--num_inference_steps", "2", "--guidance_scale", "2",
+                          "--cache_dir", str(tmp_path / "feat"), "--output_json", str(tmp_path / "d.json")], capsys)
+    assert rc == 0, err
+    row = json.loads((tmp_path / "d.json").read_text())
+    assert row["scheduler"] == "FlowMatchHeunDiscreteScheduler" and row["nfe_per_image"] == 2 * 3  # 2N - 1, guided

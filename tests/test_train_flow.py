@@ -98,3 +98,16 @@ def test_a_flipped_byte_in_the_ema_falls_back_and_ends_identical(flow_run, synth
     from hf_cgpu.verify import main as verify
 
     assert verify([str(cut)]) == 0
+
+
+def test_bad_sampling_settings_are_one_line_before_training(synthetic_data, tmp_path, capsys):
+    """--sample_steps 0 would only fail at the first sample grid (after training), and a negative guidance scale
+    would be saved as the folder's default: both are refused up front, one line, exit 2."""
+    from hf_cgpu.cli import main as cli_main
+
+    for flag, value in (("--sample_steps", "0"), ("--guidance_scale", "-1"), ("--guidance_scale", "0")):
+        rc = cli_main(["train", "flow", "--preset", "tiny", "--dataset", str(synthetic_data), "--max_steps", "1",
+                       "--output_dir", str(tmp_path / "x"), "--progress", "false", flag, value])
+        err = capsys.readouterr().err
+        assert rc == 2 and flag in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "x" / "all_results.json").exists()

@@ -56,6 +56,22 @@ def test_distilled_folder_samples_in_two_evaluations_with_guidance_baked_in(runs
     assert "flow-distill" in card and "shortcut" in card
 
 
+def test_the_card_states_the_folders_own_figures(runs, synthetic_data, tmp_path):
+    """Parameters, steps, evaluations and the guidance baked in, each as the folder holds it: a 1-step student's
+    card says 1 step, a teacher's guidance scale and interval are named, the snippet asks for the run's classes."""
+    pipe = FlowMatchPipeline.from_pretrained(runs / "student")
+    card = " ".join((runs / "student" / "README.md").read_text().split())  # the template's line breaks as spaces
+    assert f"{sum(p.numel() for p in pipe.unet.parameters()):,} parameters; 12 optimizer steps" in card
+    assert "2 Euler steps (one network evaluation each" in card
+    assert "classifier-free guidance (scale 2.5, t in 0.2:0.9) is baked in" in card
+    assert "class_labels=list(range(10))).images # the saved default: 2 steps" in card
+    _train("flow-distill", tmp_path / "one", "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data),
+           "--max_steps", "1", "--sample_steps", "1", "--guidance_scale", "3", "--guidance_interval", "full")
+    card = " ".join((tmp_path / "one" / "README.md").read_text().split())
+    assert "1 Euler step (one network evaluation" in card and "the saved default: 1 step " in card
+    assert "classifier-free guidance (scale 3, t in full) is baked in" in card
+
+
 def test_resume_from_mid_run_checkpoint_is_bit_identical(runs, synthetic_data, tmp_path):
     full, cut = runs / "student", tmp_path / "cut"
     shutil.copytree(full, cut)
@@ -138,9 +154,51 @@ def test_a_teacher_saved_with_autoguidance_is_distilled_as_it_samples(runs, synt
            "--max_steps", "2")
     results = json.loads((tmp_path / "student" / "all_results.json").read_text())
     assert results["teacher_guidance_model"] == "raw (step_0000004)" and results["teacher_guidance_scale"] == 2.0
+    card = " ".join((tmp_path / "student" / "README.md").read_text().split())
+    assert "autoguidance by raw (step_0000004) (scale 2, t in 0.2:0.9) is baked in" in card
+    assert "classifier-free" not in card
     pipe = FlowMatchPipeline.from_pretrained(guided)
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
     with torch.no_grad():
         for t in (0.5, 0.1):  # inside the saved interval 0.2:0.9 guided, outside the teacher alone
             want = pipe._velocity(x, torch.tensor(t), y, 2.0 if 0.2 <= t <= 0.9 else 1.0)
             torch.testing.assert_close(tasks[0].teacher_fn(x, torch.full((2,), t), y), want)
+
+
+def test_a_guide_for_the_distilled_folder_needs_a_scale(runs, tmp_path, capsys):
+    """The distilled folder saves guidance scale 1 (its guidance is baked in): a --guidance_model given without
+    --guidance_scale would guide nothing at the cost of a second network call, so it is refused in one line; with a
+    scale it guides (two evaluations a step, one of them the early checkpoint's)."""
+    early = list_checkpoints(runs / "student")[0]
+    common = ["--num_images", "2", "--class_labels", "c3,1", "--guidance_model", str(early), "--output_dir",
+              str(tmp_path / "png")]
+    capsys.readouterr()
+    assert cli_main(["sample", str(runs / "student"), *common]) == 2
+    err = capsys.readouterr().err
+    assert "--guidance_scale" in err and len(err.strip().splitlines()) == 1, err
+    assert cli_main(["sample", str(runs / "student"), *common, "--guidance_scale", "3", "--num_inference_steps", "1"]
+                    ) == 0
+
+
+def test_a_guidance_scale_for_an_unconditional_teacher_without_a_guide_is_refused(synthetic_data, tmp_path, capsys):
+    """With no class (and no saved guide) there is nothing to guide with: --guidance_scale 3 was silently distilled at
+    scale 1; now one line naming the fix."""
+    _train("flow", tmp_path / "u", "--dataset", str(synthetic_data), "--base_channels", "8", "--max_steps", "1",
+           "--checkpointing_steps", "0", "--limit", "32", "--class_conditional", "false")
+    capsys.readouterr()
+    rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(tmp_path / "d"), "--progress",
+                   "false", "--teacher", str(tmp_path / "u"), "--dataset", str(synthetic_data), "--guidance_scale", "3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--guidance_model" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_save_pipeline_never_overwrites_another_run(runs, tmp_path, capsys):
+    """`sample TEACHER --save_pipeline STUDENT` would have replaced the distilled run's weights by the teacher's."""
+    unet = runs / "student" / "unet" / "diffusion_pytorch_model.safetensors"
+    before = unet.read_bytes()
+    capsys.readouterr()
+    assert cli_main(["sample", str(runs / "teacher"), "--num_images", "1", "--output_dir", str(tmp_path / "png"),
+                     "--save_pipeline", str(runs / "student")]) == 2
+    err = capsys.readouterr().err
+    assert "training run" in err and len(err.strip().splitlines()) == 1, err
+    assert unet.read_bytes() == before

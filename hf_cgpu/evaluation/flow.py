@@ -31,7 +31,7 @@ import torch
 
 from ..data.images import cache_file, load_image_dataset
 from ..errors import about, run_main
-from ..flow.guide import load_weights_file, set_guidance_model, weight_variants
+from ..flow.guide import check_guide_used, load_weights_file, set_guidance_model, weight_variants
 from ..flow.pipeline_flow_match import FlowMatchPipeline
 from ..flow.sample import image_grid
 from ..flow.sample import saved_sampling
@@ -77,7 +77,8 @@ class ImageEvalSettings:
     guidance_model: str = ""
     """Autoguidance: guide with this weaker model, for the same class, instead of the null class: raw (the run's
     live weights against its EMA), a checkpoint folder (RUN/checkpoints/step_N) or one of its .safetensors files,
-    a pipeline or UNet folder; none = off; empty = what the folder saved (off unless it saved one)."""
+    a pipeline or UNet folder; none = off; empty = what the folder saved (off unless it saved one). A sweep with raw
+    scores the EMA weights only; one evaluation needs a guidance scale other than 1."""
     weights: str = ""
     """Which weights: empty = what the folder's pipeline holds (EMA when the run kept one), ema, or raw (the last
     checkpoint's live weights)."""
@@ -205,7 +206,8 @@ def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inferenc
     """
     from tqdm.auto import tqdm
 
-    klass = sampler_class(scheduler) if scheduler else type(pipe.scheduler)  # empty: the saved sampler
+    own = type(pipe.scheduler)  # empty, or the saved one's name (``saved_sampler_name``): the saved sampler
+    klass = own if scheduler in ("", own.__name__) else sampler_class(scheduler)
     guide = pipe.guide_unet
     sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=klass.from_config(pipe.scheduler.config), guide_unet=guide,
                                 guidance_model=pipe.config.get("guidance_model"))
@@ -386,10 +388,12 @@ def write_sweep(rows: list[dict], out_dir: Path, plot: bool = True) -> list[Path
     """sweep.json, sweep.md (a table) and, with matplotlib installed, sweep.png (``plot_sweep``)."""
     keys = ["weights", "scheduler", "num_inference_steps", "guidance_scale", "guidance_interval", "guidance_model",
             "nfe_per_image", "fd", "precision",
-            "recall", "label_accuracy", "class_share_min", "class_share_max", "images_per_s"]
+            "recall", "label_accuracy", "class_share_min", "class_share_max", "class_histogram", "images_per_s"]
     (out_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
 
     def cell(v):
+        if isinstance(v, list):  # the class histogram: counts per class, in class order
+            return "/".join(map(str, v))
         return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -466,6 +470,38 @@ def parse(argv: list[str]) -> tuple[Path, ImageEvalSettings]:
     return run_dir, ImageEvalSettings(**{k: v for k, v in ns.items() if v is not None})
 
 
+def report_line(row: dict) -> str:
+    """One evaluation as a line: the sampler, its guidance and guide, FD, precision, recall, label accuracy, the class
+    histogram of the generated images and the network evaluations each image took."""
+    acc = "-" if row["label_accuracy"] is None else f"{row['label_accuracy']:.3f}"
+    guide = f" guided by {row['guidance_model']}" if row["guidance_model"] else ""
+    return (f"{row['weights']} {row['scheduler']} {row['num_inference_steps']} steps w={row['guidance_scale']:g} t in "
+            f"{row['guidance_interval']}{guide}: FD {row['fd']:.3f} precision {row['precision']:.3f} recall "
+            f"{row['recall']:.3f} label accuracy {acc} classes {'/'.join(map(str, row['class_histogram']))} "
+            f"({row['nfe_per_image']:g} evaluations/image, {row['images_per_s']:.0f} img/s)")
+
+
+def weights_to_score(run_dir: Path, s: ImageEvalSettings) -> tuple[dict[str, Path | None], list[str]]:
+    """The weight variants to evaluate ({name: raw-weights file or None}) and notes: the one --weights names, else
+    every variant for a sweep and the first for one evaluation; never the raw weights guided by themselves (with
+    --guidance_model raw the guide and the model would be one network: no guidance at twice the cost)."""
+    variants, notes = weight_variants(run_dir)
+    if s.weights and s.weights not in variants:
+        raise SettingsError(f"--weights {s.weights}: this folder has {', '.join(variants)}; drop --weights or pick one")
+    if s.guidance_model == "raw" and s.weights == "raw":
+        raise SettingsError("--weights raw with --guidance_model raw guides the raw weights by themselves; use "
+                            "--weights ema, or an earlier checkpoint (RUN/checkpoints/step_N) as the guide")
+    if s.weights:
+        return {s.weights: variants[s.weights]}, notes
+    if s.guidance_model == "raw" and variants.get("raw") is not None:  # None: no EMA, the guide is refused later
+        del variants["raw"]
+        notes.append("raw weights not scored: they are the guide (--guidance_model raw)")
+    if not s.sweep:
+        first = next(iter(variants))
+        variants = {first: variants[first]}
+    return variants, notes
+
+
 def _main(argv: list[str] | None) -> int:
     run_dir, s = parse(list(argv or []))
     if not (run_dir / "model_index.json").is_file():
@@ -478,14 +514,7 @@ def _main(argv: list[str] | None) -> int:
         load_real_images(s)  # raises the one-line error before anything slow runs
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     classifier = load_classifier(s.classifier, device)
-    variants, notes = weight_variants(run_dir)
-    if s.weights:
-        if s.weights not in variants:
-            raise SettingsError(f"--weights {s.weights}: this folder has {', '.join(variants)}; drop --weights or pick one")
-        variants = {s.weights: variants[s.weights]}
-    elif not s.sweep:
-        first = next(iter(variants))
-        variants = {first: variants[first]}
+    variants, notes = weights_to_score(run_dir, s)
     out_dir = Path(s.output_dir or run_dir / "eval")
     out_dir.mkdir(parents=True, exist_ok=True)
     real = real_reference(classifier, s.classifier, s)
@@ -501,6 +530,7 @@ def _main(argv: list[str] | None) -> int:
         sched = s.scheduler or saved_sampler_name(pipe)
         kw = saved_sampling(pipe, s.num_inference_steps, s.guidance_scale, s.guidance_interval, fallback_scale=1.5)
         steps, scale, interval = kw["num_inference_steps"], kw["guidance_scale"], kw["guidance_interval"]
+        check_guide_used(s.guidance_model, scale)
         row = evaluate_pipeline(pipe, classifier, real, s.num_images, sched, steps, scale, s.batch_size, s.seed,
                                 s.nearest_k, s.mixed_precision, s.progress,
                                 out_dir / grid_name(name, sched, steps, scale, interval), s.grid_images,
@@ -512,11 +542,7 @@ def _main(argv: list[str] | None) -> int:
         path = Path(s.output_json or out_dir / "eval.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))
-        acc = "-" if row["label_accuracy"] is None else f"{row['label_accuracy']:.3f}"
-        guide = f" guided by {row['guidance_model']}" if row["guidance_model"] else ""
-        print(f"{name} {sched} {steps} steps w={scale:g} t in {format_interval(interval)}{guide}: FD {row['fd']:.3f} "
-              f"precision {row['precision']:.3f} recall {row['recall']:.3f} label accuracy {acc} "
-              f"({row['nfe_per_image']:g} evaluations/image, {row['images_per_s']:.0f} img/s) -> {path}")
+        print(f"{report_line(result)} -> {path}")
         return 0
 
     conditional = None
@@ -532,9 +558,7 @@ def _main(argv: list[str] | None) -> int:
                                     guidance_interval=interval)
             rows.append({**common, "weights": name, **row})
             write_sweep(rows, out_dir, plot=False)  # a run cut short still leaves every finished row
-            print(f"{name} {sched} {steps} steps w={scale:g} t in {format_interval(interval)}: FD {row['fd']:.3f} "
-                  f"precision {row['precision']:.3f} "
-                  f"recall {row['recall']:.3f} ({row['nfe_per_image']:g} evaluations/image)")
+            print(report_line(rows[-1]))
     if not conditional and any(scale != 1.0 for _, _, scale, _ in s.grid):
         notes.append("unconditional model without --guidance_model: guidance scales other than 1 left out")
     written = write_sweep(rows, out_dir)

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..errors import MissingPathError, SettingsError
@@ -71,9 +72,13 @@ def copy_with_weights(model: torch.nn.Module, source: str | Path, flag: str = "-
             raise MissingPathError(f"{flag} {source} holds neither ema.safetensors nor model.safetensors; pass "
                                    f"{GUIDE_SOURCES}")
         source = found[0]
+    try:
+        weights = load_weights_file(source)
+    except SafetensorError:
+        raise SettingsError(f"{flag} {source} is not a safetensors weights file; pass {GUIDE_SOURCES}") from None
     weak = copy.deepcopy(model)
     try:
-        weak.load_state_dict(load_weights_file(source), strict=True)
+        weak.load_state_dict(weights, strict=True)
     except RuntimeError as err:
         first = str(err).strip().splitlines()[1 if "\n" in str(err).strip() else 0].strip()
         raise SettingsError(f"{flag} {source} does not fit this model ({first}); use a checkpoint of the same run "
@@ -95,9 +100,10 @@ def guidance_model(spec: str, run_dir: str | Path, unet) -> tuple[torch.nn.Modul
     if not path.exists():
         raise MissingPathError(f"--guidance_model {spec} does not exist; pass {GUIDE_SOURCES}")
     folder = path / "unet" if (path / "model_index.json").is_file() else path
-    if (folder / "config.json").is_file():
-        weak = type(unet).from_pretrained(folder).eval().requires_grad_(False)
-        return weak.to(unet.device, unet.dtype), str(spec)
+    if folder.is_dir() and (folder / "config.json").is_file():
+        # loaded in the UNet's dtype: a later .to(dtype) makes diffusers warn, above any one-line error
+        weak = type(unet).from_pretrained(folder, dtype=unet.dtype).eval().requires_grad_(False)
+        return weak.to(unet.device), str(spec)
     return copy_with_weights(unet, path), str(spec)
 
 
@@ -116,5 +122,13 @@ def set_guidance_model(pipe, spec: str, run_dir: str | Path) -> None:
         raise SettingsError(f"--guidance_model {spec}: {err}") from None
 
 
-__all__ = ["GUIDE_SOURCES", "copy_with_weights", "guidance_model", "load_weights_file", "set_guidance_model",
-           "weight_variants"]
+def check_guide_used(spec: str, scale: float) -> None:
+    """A --guidance_model given for a call at guidance scale 1 (a distilled folder's saved scale: its guidance is
+    baked in) would guide nothing at the cost of a second network call each step: one line naming the fix."""
+    if spec not in ("", "none") and scale == 1.0:
+        raise SettingsError(f"--guidance_model {spec} does nothing at guidance scale 1 (the folder's saved scale or "
+                            "yours); pass --guidance_scale, e.g. 2, or drop --guidance_model")
+
+
+__all__ = ["GUIDE_SOURCES", "check_guide_used", "copy_with_weights", "guidance_model", "load_weights_file",
+           "set_guidance_model", "weight_variants"]

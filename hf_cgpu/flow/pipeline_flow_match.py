@@ -40,6 +40,21 @@ def _is_flow_scheduler(scheduler: SchedulerMixin) -> bool:
     return type(scheduler).__name__.startswith("FlowMatch") and hasattr(scheduler, "sigmas")
 
 
+def _checked_interval(interval) -> list[float] | None:
+    """A guidance interval as [lo, hi] with 0 <= lo < hi <= 1 (None: every call); anything else is refused, since
+    lo >= hi would silently guide no call at all."""
+    if interval is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in interval) if not isinstance(interval, str) else (None, None)
+    except (TypeError, ValueError):
+        lo = hi = None
+    if lo is None or not 0 <= lo < hi <= 1:
+        raise ValueError(f"guidance_interval={interval!r}; pass (lo, hi) in t with 0 <= lo < hi <= 1 (0 = noise, "
+                         "1 = data), e.g. (0.25, 0.8), or None to guide every step")
+    return [lo, hi]
+
+
 class FlowMatchPipeline(DiffusionPipeline):
     """Sample images from a velocity UNet (t = 0 noise -> t = 1 data) with a flow-matching scheduler.
 
@@ -70,23 +85,28 @@ class FlowMatchPipeline(DiffusionPipeline):
                  guide_unet: ModelMixin | None = None, guidance_model: str | None = None) -> None:
         super().__init__()
         self.register_modules(unet=unet, scheduler=scheduler, guide_unet=None)
-        interval = list(guidance_interval) if guidance_interval is not None else None
+        interval = _checked_interval(guidance_interval)
         self.register_to_config(num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                                 guidance_interval=interval, guidance_model=None)
         if guide_unet is not None:
             self.set_guidance_model(guide_unet, guidance_model)
 
     # UNet config entries a guide must share with the UNet: the same images in and out, the same class count.
-    _GUIDE_MATCHES = ("sample_size", "in_channels", "out_channels", "num_classes")
+    # A step-size conditioned (distilled) UNet predicts a step's average velocity, the others the instantaneous one.
+    _GUIDE_MATCHES = ("sample_size", "in_channels", "out_channels", "num_classes", "step_size_embedding")
 
     def set_guidance_model(self, guide_unet: ModelMixin | None, name: str | None = None) -> None:
         """Autoguidance with ``guide_unet`` (None: off), recorded as ``name`` in ``config.guidance_model``. A guide
-        of other image shape or class count is refused: its velocity would not be comparable."""
+        of other image shape, class count or kind (distilled or not) is refused: its velocity would not be
+        comparable."""
         if guide_unet is not None:
-            differ = [k for k in self._GUIDE_MATCHES
-                      if guide_unet.config.get(k) != self.unet.config.get(k)]
+            def entry(model, key):  # a UNet class without step_size_embedding is not step-size conditioned
+                value = model.config.get(key)
+                return bool(value) if key == "step_size_embedding" else value
+
+            differ = [k for k in self._GUIDE_MATCHES if entry(guide_unet, k) != entry(self.unet, k)]
             if differ:
-                theirs = ", ".join(f"{k} {guide_unet.config.get(k)} vs {self.unet.config.get(k)}" for k in differ)
+                theirs = ", ".join(f"{k} {entry(guide_unet, k)} vs {entry(self.unet, k)}" for k in differ)
                 raise ValueError(f"the guidance model does not match the UNet ({theirs}); use an earlier checkpoint "
                                  "or the raw weights of the same run")
             guide_unet = guide_unet.eval().requires_grad_(False)
@@ -152,6 +172,11 @@ class FlowMatchPipeline(DiffusionPipeline):
         if getattr(self.unet.config, "num_classes", None) is None:
             raise ValueError("class_labels given but the unet is unconditional; train it with num_classes set")
         labels = torch.as_tensor(class_labels, dtype=torch.long, device=device).reshape(-1)
+        classes = self.unet.config.num_classes
+        outside = (labels < 0) | (labels >= classes)  # index K is the null class: not a label to ask for
+        if outside.any():
+            raise ValueError(f"class_labels holds {labels[outside].unique().tolist()[:5]}; pass class_labels in "
+                             f"0..{classes - 1}, or None for the null class")
         if batch_size is None:
             return labels
         if labels.numel() == 1:
@@ -233,8 +258,9 @@ class FlowMatchPipeline(DiffusionPipeline):
                              "FlowMatch*, or a solver with use_flow_sigmas=True, prediction_type='flow_prediction'")
         device = self._execution_device
         steps = num_inference_steps if num_inference_steps is not None else self.config.num_inference_steps
-        if guidance_interval == "saved":
+        if isinstance(guidance_interval, str) and guidance_interval == "saved":
             guidance_interval = self.config.get("guidance_interval")
+        guidance_interval = _checked_interval(guidance_interval)
         labels = self._labels(class_labels, batch_size, device)
         can_guide = labels is not None or self.guide_unet is not None
         if guidance_scale is None:

@@ -14,7 +14,7 @@ from PIL import Image
 from ..errors import MissingPathError, SettingsError, about, require_model
 from ..hub.checks import check_hub_model
 from ..settings import build_parser
-from .guide import set_guidance_model
+from .guide import check_guide_used, set_guidance_model
 from .pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
 from .samplers import check_sampler, parse_interval, sampler_class, sampler_names
 
@@ -75,10 +75,11 @@ class SampleSettings:
     """Autoguidance: guide with this weaker model, for the same class (or unconditionally), instead of the null
     class: raw (the run's live weights against its EMA), a checkpoint folder (RUN/checkpoints/step_N) or one of its
     .safetensors files, a pipeline or UNet folder; none = off; empty = what the folder saved (off unless it saved
-    one)."""
+    one). Needs a guidance scale other than 1 (a distilled folder saves 1: pass --guidance_scale)."""
     save_pipeline: str = ""
     """Also save the pipeline, with these sampler, steps, guidance scale, interval and model as its defaults, to this
-    folder (it then samples that way wherever it loads, diffusers without hf_cgpu included); empty = do not."""
+    folder (it then samples that way wherever it loads, diffusers without hf_cgpu included; never a training run's
+    folder); empty = do not."""
     seed: int = 0
     """Seed of the starting noise."""
     output_dir: str = ""
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.save_pipeline and Path(a.save_pipeline).resolve() == Path(model_dir).resolve():
         raise SettingsError(f"--save_pipeline {a.save_pipeline} is MODEL_DIR itself; name a new folder (the run's "
                             "own stays as it was saved and sealed)")
+    if a.save_pipeline and any((Path(a.save_pipeline) / f).exists() for f in ("all_results.json", "checkpoints")):
+        raise SettingsError(f"--save_pipeline {a.save_pipeline} holds a training run, whose weights it would "
+                            "replace; name a new folder")
     pipe = FlowMatchPipeline.from_pretrained(model_dir)
     set_guidance_model(pipe, a.guidance_model, model_dir)
     if a.scheduler:
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe.to(device)
     sampling = a.sampling(pipe)
+    check_guide_used(a.guidance_model, sampling["guidance_scale"])
     names_file = Path(model_dir) / "class_names.txt"
     names = names_file.read_text().split() if names_file.is_file() else []
     labels = parse_labels(a.class_labels, names, pipe.unet.config.num_classes)

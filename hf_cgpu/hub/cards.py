@@ -410,6 +410,9 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
         summary=_summary(results, n_params, spec.adapter),
         num_parameters=n_params,
         results_rows=_rows(results, skip={"settings", "samples", "sample_grid"}, public=public),
+        results={k: public_value(v) if public else v for k, v in results.items()},  # a template's own sentences
+        config=config,
+        pipeline_index=read_json(d / "model_index.json"),  # a pipeline's saved sampling defaults
         samples=[str(x) for x in results.get("samples") or []],
         settings_rows=_rows(settings, public=public),
         eval_batches=settings.get("eval_batches") or 0,  # validation scored on that many micro-batches only

@@ -47,6 +47,10 @@ class FlowDistillTask(FlowMatchingTask):
         if getattr(unet.config, "step_size_embedding", False):
             raise SettingsError(f"{cfg.teacher} is already a distilled pipeline; pass the flow run it came from")
         conditional = unet.config.num_classes is not None
+        if not conditional and teacher.guide_unet is None and cfg.guidance_scale not in (0.0, 1.0):
+            raise SettingsError(f"--guidance_scale {cfg.guidance_scale:g}: {cfg.teacher} is unconditional and saved "
+                                "no guidance model, so nothing guides it; drop --guidance_scale, or distill a folder "
+                                "saved with one (hf-cgpu sample --guidance_model ... --save_pipeline DIR)")
         self.load_data(accelerator, labels=conditional)
         kw = saved_sampling(teacher, 1, cfg.guidance_scale, cfg.guidance_interval, fallback_scale=2.5)
         guide = teacher.guide_unet  # a teacher folder saved with autoguidance is distilled as it samples

@@ -136,6 +136,11 @@ class FlowSettings:
             raise SettingsError("cond_drop_prob must be in [0, 1)")
         check_sampler(self.sampler, "--sampler")
         parse_interval(self.guidance_interval)
+        if self.sample_steps < 1:
+            raise SettingsError(f"--sample_steps {self.sample_steps}; use 1 or more (the sample grids' and the saved "
+                                "pipeline's solver steps)")
+        if self.guidance_scale <= 0:
+            raise SettingsError(f"--guidance_scale {self.guidance_scale}; use 1 (no guidance) or more, e.g. 2.5")
 
 
 @dataclass(frozen=True)
