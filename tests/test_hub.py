@@ -273,3 +273,24 @@ def test_push_refuses_a_folder_that_fails_its_manifest(tmp_path, monkeypatch):
     with pytest.raises(hub.HubError, match="refusing to push: .*model.safetensors does not match its checksum"):
         hub.push_to_hub(d, "someone/tiny-model", token="hf_x")
     assert FakeApi.calls == []
+
+
+@pytest.mark.parametrize("classes", [10, None])
+def test_flow_card_samples_as_the_folder_was_saved(tmp_path, classes):
+    """The snippet calls the saved sampler (no step count overriding it) with the folder's own class count, and the
+    grid's caption says "one row per class" only for a class-conditional model."""
+    d = make_run(tmp_path, "flow")
+    (d / "model_index.json").write_text(json.dumps({
+        "_class_name": "FlowMatchPipeline", "unet": ["unet", "FlowUNet2DModel"], "num_inference_steps": 6,
+        "guidance_scale": 2.5, "scheduler": ["hf_cgpu.flow.scheduling_flow_match", "FlowMatchHeunScheduler"]}))
+    (d / "unet" / "config.json").write_text(json.dumps({"sample_size": 32, "num_classes": classes}))
+    (d / "samples").mkdir()
+    (d / "samples" / "step_0000400.png").write_bytes(b"\x89PNG")
+    text = hub.render_model_card("flow", d, repo_id="someone/tiny-model")
+    if classes:
+        assert "pipe(class_labels=list(range(10))).images  # one per class; the saved sampler: " \
+               "FlowMatchHeunScheduler, 6 steps, guidance 2.5" in text
+        assert "(step 0000400), one row per class]" in text
+    else:
+        assert "pipe(batch_size=16).images  # the saved sampler: FlowMatchHeunScheduler, 6 steps\n" in text
+        assert "(step 0000400)](samples/step_0000400.png)" in text and "class_labels" not in text

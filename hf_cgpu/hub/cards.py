@@ -333,8 +333,8 @@ def _figures(d: Path, results: dict[str, Any]) -> list[tuple[str, str]]:
         grids = sorted((d / "samples").glob("step_*.png")) if (d / "samples").is_dir() else []
         grid = grids[-1].relative_to(d).as_posix() if grids else None
     if grid and (d / grid).is_file():
-        figures.append((f"Samples of the saved weights ({Path(grid).stem.replace('_', ' ')}), one row per class",
-                        grid))
+        rows = ", one row per class" if (read_json(d / "unet" / "config.json") or {}).get("num_classes") else ""
+        figures.append((f"Samples of the saved weights ({Path(grid).stem.replace('_', ' ')}){rows}", grid))
     return figures
 
 
