@@ -23,8 +23,8 @@ from .shape import fmt_count
 # ---------------------------------------------------------------------------------------------------- the rule
 COMPILE_SECONDS = 60.0
 """Seconds of --max_minutes a compiled GPU run spends before its first step (torch.compile, cold)."""
-# Fitted: the start-up of the 7-minute zh-poetry-modern runs (RESULTS.md, "Quality, 2026-12-03: what the auto rule's
-# constants are fitted to").
+# Fitted: the start-up of the 7-minute zh-poetry-modern runs (RESULTS.md, "what the auto rule's constants are fitted
+# to").
 TRAIN_FRACTION = 0.9
 """Share of the minutes after the first step spent in training steps (evaluations and best-weight saves take the
 rest)."""

@@ -83,7 +83,7 @@ fuses the upcast, log-softmax and its gradient; fitted to measured peaks of comp
 with full logits is this case (``TrainSetup.compiled_loss``)."""
 LOGITS_SOFTCAP_BYTES = {"compiled": 6, "eager": 4}
 """Per logit, what ``c * tanh(logits / c)`` saves on top of the loss's own bytes: eager, tanh's fp32 output; compiled,
-fitted to the measured peak of a compiled run with full logits (benchmarks/RESULTS.md, Quality, 2026-12-03)."""
+fitted to the measured peak of a compiled run with full logits (benchmarks/RESULTS.md, the speedrun options)."""
 LOGITS_CHUNK_BYTES = 16
 """One checkpointed loss chunk (``loss_chunk_size`` tokens x V): bf16 logits 2 + fp32 copy 4 + fp32 log-softmax 4 + its
 two fp32 gradients, not all at once (a meta-device trace counts 17 per entry)."""
