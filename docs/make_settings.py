@@ -138,7 +138,7 @@ def render() -> str:
         "## Presets",
         "",
         ("A preset is a JSON file of settings under `hf_cgpu/presets/<family>/` with a one-line `description`; "
-         "what each one has measured is in [hf_cgpu/presets/README.md](../hf_cgpu/presets/README.md)."),
+         "what each one has measured is in [presets.md](presets.md)."),
         "",
         presets_tables(),
         "",
