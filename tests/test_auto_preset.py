@@ -61,16 +61,25 @@ def test_many_epochs_get_dropout_and_strong_decay():
         assert s["min_lr_ratio"] == 0.0 and s["fit_schedule_to_time"]
 
 
-def test_the_measured_cell_gets_the_measured_preset():
+def test_the_measured_cell_gets_the_measured_preset(tmp_path):
     """zh-poetry in 7 minutes on an H200: the settings zh-poetry-modern measured best (RESULTS.md, Quality 2026-12-01)."""
     gpt, train = parse(RECIPES["gpt"], ["--preset", "auto"])
     s = auto_choice(gpt, train, ZH_POETRY, H200).settings
     modern = parse(RECIPES["gpt"], ["--preset", "zh-poetry-modern"])
-    for key in ("n_layer", "n_embd", "n_head", "dropout"):
+    for key in ("n_layer", "n_embd", "n_head", "value_embeddings", "dropout"):
         assert s[key] == getattr(modern[0], key), key
-    assert (s["weight_decay"], s["muon_weight_decay"], s["min_lr_ratio"]) == (
-        modern[1].weight_decay, modern[1].optimizer_options.muon_weight_decay, modern[1].min_lr_ratio)
-    assert 100 <= s["warmup_steps"] <= 200 and s["max_steps"] > 2000
+    assert (s["weight_decay"], s["muon_weight_decay"], s["min_lr_ratio"], s["warmup_steps"]) == (
+        modern[1].weight_decay, modern[1].optimizer_options.muon_weight_decay, modern[1].min_lr_ratio,
+        modern[1].warmup_steps)
+    assert s["max_steps"] > 2000
+    # what the rule does not choose comes from the auto preset: the same architecture and optimizer as the measured one
+    chosen_gpt, chosen_train, _ = resolve(gpt, train, ZH_POETRY, H200, tmp_path)
+    differ = {f.name for f in dataclasses.fields(chosen_gpt)
+              if getattr(chosen_gpt, f.name) != getattr(modern[0], f.name)}
+    assert differ <= {"auto", "preset", "given_flags", "prompts", "max_new_tokens"}, differ  # prompts: the corpus's
+    differ = {f.name for f in dataclasses.fields(chosen_train)
+              if getattr(chosen_train, f.name) != getattr(modern[1], f.name)}
+    assert differ <= {"max_steps"}, differ
 
 
 @pytest.mark.parametrize("rate, startup", [(4e10, 0.0), (6e13, 0.0), (H200, 0.0), (H200, COMPILE_SECONDS)])
@@ -123,10 +132,11 @@ def test_an_option_some_shapes_cannot_take_leaves_those_out(flags, smallest):
 
 
 def test_options_no_shape_can_take_are_one_line(tmp_path):
-    """A preset file may set what the command line cannot reach: 7 value tables need 14 layers, more than any shape."""
+    """7 value tables need 14 layers, more than any shape: given on the command line (a preset's deep model makes the
+    flag valid), no shape is left."""
     preset = tmp_path / "deep.json"
-    preset.write_text(json.dumps({"auto": True, "n_layer": 14, "value_embeddings": 7, "max_minutes": 7}))
-    gpt, train = parse(RECIPES["gpt"], ["--preset", str(preset)])
+    preset.write_text(json.dumps({"auto": True, "n_layer": 14, "max_minutes": 7}))
+    gpt, train = parse(RECIPES["gpt"], ["--preset", str(preset), "--value_embeddings", "7"])
     expected = r"^--auto chooses among the shapes 4x128, .*12x768 and none takes these options: at 12x768, "
     with pytest.raises(SettingsError, match=expected + r"value_embeddings=7 must be in \[0, n_layer // 2 = 6\]"):
         candidates(gpt, train)
@@ -153,7 +163,7 @@ def test_a_given_max_steps_below_the_estimate_gets_a_warmup_that_fits():
     gpt, train = parse(RECIPES["gpt"], ["--preset", "auto", "--max_steps", "100"])
     new_gpt, new_train, line = resolve(gpt, train, ZH_POETRY, H200, Path("."), save=False)
     assert new_train.max_steps == 100 and new_train.warmup_steps == 7 and "warm-up 7," in line
-    assert auto_choice(*parse(RECIPES["gpt"], ["--preset", "auto"]), ZH_POETRY, H200).settings["warmup_steps"] == 181
+    assert auto_choice(*parse(RECIPES["gpt"], ["--preset", "auto"]), ZH_POETRY, H200).settings["warmup_steps"] == 50
 
 
 def test_the_line_names_small_counts_and_the_single_epoch_reason():

@@ -14,6 +14,9 @@
 # the seed's quality times a solo step's seconds is the time to it), screen.json, screen.png (validation bits/char
 # by step), the runs' logs in logs.tgz. SMOKE=1 runs it on the CPU with the tiny preset and the embedded corpus (a
 # check of the script). STEPS (default 2200) is the schedule's length: what the 7-minute run of the preset fits.
+# SOLO=1 runs the options one after another instead (each alone on the GPU, so that its seconds are its own: the
+# table adds seconds per step and the seconds of training to TARGET_BPC); a run that would end past DEADLINE (570 s
+# from the start) is skipped and named.
 if [ -z "${SMOKE:-}" ]; then
   source benchmarks/gpu_env.sh --gpu || exit 1
   PRESET=${PRESET:-zh-poetry-modern} DATA=${DATA-.data/zh-poetry} STEPS=${STEPS:-2200} EVAL=${EVAL:-50}
@@ -33,15 +36,22 @@ common=(--preset "$PRESET" ${DATA:+--dataset $DATA} --progress false --checkpoin
 timeout 240 python3 recipes/train_gpt.py "${common[@]}" --output_dir $W/prep --max_steps 1 --max_minutes 0 \
   --fit_schedule_to_time false --compile false --eval_steps 0 > $W/prep.log 2>&1 || { tail -5 $W/prep.log; exit 1; }
 names=()
+skipped=""
 for i in 1 2 3 4 5 6 7 8; do
   v=V$i; [ -z "${!v:-}" ] && continue
-  name=${!v%%:*} flags=${!v#*:}; names+=("$name")
+  name=${!v%%:*} flags=${!v#*:}
+  if [ -n "${SOLO:-}" ] && [ $((SECONDS + $(python3 -c "print(int($MINUTES * 60 + 75))"))) -gt "${DEADLINE:-570}" ]; then
+    skipped="$skipped $name"; continue  # would end past the call's limit: run it in another call
+  fi
+  names+=("$name")
   # shellcheck disable=SC2086  # the flags are split on purpose
   timeout "$(python3 -c "print(int($MINUTES * 60 + 150))")" python3 recipes/train_gpt.py "${common[@]}" \
     --output_dir $W/$name --max_steps $STEPS --max_minutes $MINUTES --fit_schedule_to_time false \
     --eval_steps $EVAL $flags > $W/$name.log 2>&1 &
+  [ -z "${SOLO:-}" ] || wait  # SOLO: one run at a time, so that its seconds are its own
 done
 wait
+[ -z "$skipped" ] || echo "skipped (past DEADLINE):$skipped" | tee -a $OUT/env.txt
 python3 - "$OUT" "$W" "${names[@]}" <<'PY'
 import json, os, sys
 from pathlib import Path
@@ -70,14 +80,24 @@ def reached(c: dict) -> str:
     return next((str(s) for s in sorted(c) if s > 0 and c[s] <= TARGET), "-")
 
 
+solo = bool(os.environ.get("SOLO"))
+sys.path.insert(0, str(Path("benchmarks/quality").resolve()))
+from plot_zh_curves import load, seconds_to  # noqa: E402  (the same crossing rule as the curve plots)
+
 lines = [f"| run | flags | steps | {' | '.join(f'val bits/char at step {s}' for s in marks)} | first step <= {TARGET} "
-         "| peak alloc GiB |", "|---|---|---|" + "---|" * len(marks) + "---|---|"]
+         + (f"| s per step | seconds of training to {TARGET} " if solo else "") + "| peak alloc GiB |",
+         "|---|---|---|" + "---|" * len(marks) + "---|---|" + ("---|---|" if solo else "")]
 for name, r in rows.items():
     c = curves.get(name, {})
     r["first_step_at_target"] = reached(c)
+    timing = ""
+    if solo and name in curves:  # a run alone on the GPU: its own seconds per step give the time to the target
+        curve, per_step, _ = load(work / name)
+        r["s_per_step"], r["seconds_to_target"] = per_step, seconds_to(curve, per_step, TARGET)
+        timing = f" | {per_step:.4f} | " + (f"{r['seconds_to_target']:.1f}" if r["seconds_to_target"] else "-")
     lines.append(f"| {name} | `{r.get('flags', '')}` | {r.get('steps')} | "
                  + " | ".join(f"{c[s]:.3f}" if s in c else "-" for s in marks)
-                 + f" | {r['first_step_at_target']} | {r.get('peak_alloc_gib') or 0:.2f} |")
+                 + f" | {r['first_step_at_target']}{timing} | {r.get('peak_alloc_gib') or 0:.2f} |")
 (out / "screen.md").write_text("\n".join(lines) + "\n")
 (out / "screen.json").write_text(json.dumps({"rows": rows, "curves": curves}, indent=1))
 print("\n".join(lines))

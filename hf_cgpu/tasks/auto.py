@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..budget.auto import CHOSEN, COMPILE_SECONDS, SHAPES, AutoChoice, Candidate, choose
+from ..budget.auto import CHOSEN, COMPILE_SECONDS, SHAPES, AutoChoice, Candidate, choose, value_tables
 from ..budget.time import ASSUMED_PEAK_TFLOPS, DEFAULT_MFU, flops_per_token, peak_tflops
 from ..errors import CheckpointError, SettingsError
 from ..integrity import atomic_write_json
@@ -28,15 +28,17 @@ def given(gpt: GPTSettings) -> set[str]:
 
 
 def candidates(gpt: GPTSettings, train: TrainSettings, vocab_size: int | None = None) -> list[Candidate]:
-    """The rule's shapes (a shape flag given on the command line replaces that part of each) with their parameters
-    and training FLOPs per token from the ledger. A shape the given options cannot build (3 value tables in 4 layers,
+    """The rule's shapes (a shape flag given on the command line replaces that part of each), each with the value
+    tables the rule gives it unless --value_embeddings is given, with their parameters and training FLOPs per token
+    from the ledger. A shape the given options cannot build (3 value tables in 4 layers,
     a width the given heads do not divide) is left out; a one-line error where none is left."""
     out = []
     for values in dict.fromkeys(SHAPES):
         shape = dict(zip(SHAPE_FLAGS, values))
         shape.update({k: getattr(gpt, k) for k in SHAPE_FLAGS if k in given(gpt)})
+        tables = gpt.value_embeddings if "value_embeddings" in given(gpt) else value_tables(shape["n_layer"])
         try:
-            run = dataclasses.replace(gpt, **shape).run_shape(vocab_size=vocab_size)
+            run = dataclasses.replace(gpt, **shape, value_embeddings=tables).run_shape(vocab_size=vocab_size)
         except SettingsError as err:
             refused = f"at {shape['n_layer']}x{shape['n_embd']}, {err}"
             continue
