@@ -18,7 +18,20 @@ from pathlib import Path
 
 
 def load(folder: Path) -> tuple[list[tuple[int, float]], float, int]:
-    """(step, val bits/char) of every evaluation after step 0, seconds per step, steps of the run."""
+    """(step, val bits/char) of every evaluation after step 0, seconds per step, steps of the run. ``folder`` is a
+    run folder (history.json, all_results.json), a folder with the seed recipe's seed_text_results.json (its
+    evaluations carry their minutes), or ``FILE.json:KEY@TOK_PER_S`` (a curve of (tokens, bits/char) pairs under KEY,
+    e.g. 2026-12-01-zh-poetry-vs-seed/zh_poetry_val_bpc.json, timed at the run's measured tokens per second)."""
+    if "@" in str(folder):  # a token curve: tokens -> seconds at the measured rate, one "step" per second
+        path, rate = str(folder).rsplit("@", 1)
+        file, key = path.split(":", 1)
+        pairs = json.loads(Path(file).read_text())[key]
+        curve = [(round(tokens / float(rate)) + 1, bpc) for tokens, bpc in pairs]
+        return curve, 1.0, 0  # 0: no step count (the curve is timed, not stepped)
+    if (folder / "seed_text_results.json").is_file():  # minutes from the seed script's own clock
+        res = json.loads((folder / "seed_text_results.json").read_text())
+        curve = [(round(e["minutes"] * 60) + 1, e["bpc"]) for e in res["history"]]
+        return curve, 1.0, 0
     hist = json.loads((folder / "history.json").read_text())
     res = json.loads((folder / "all_results.json").read_text())
     curve = sorted((e["step"], e["eval/val_bpc"]) for e in hist if "eval/val_bpc" in e and e["step"] > 0)
@@ -62,14 +75,14 @@ def main() -> None:
         best = min(curve, key=lambda e: e[1])
         lowest = min(lowest, best[1])
         hit = seconds_to(curve, per_step, a.target)
-        print(f"| {label} | {steps} | {per_step:.4f} | {best[1]:.3f} ({best[0]}) | {curve[-1][1]:.3f} | "
+        print(f"| {label} | {steps or '-'} | {f'{per_step:.4f}' if steps else '-'} | {best[1]:.3f} ({best[0] if steps else f'{best[0] - 1} s'}) | {curve[-1][1]:.3f} | "
               f"{'-' if hit is None else f'{hit:.0f}'} |")
     ax.axhline(a.target, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("minutes of training (after the first step)")
     ax.set_ylabel("validation bits per character")
     ax.set_ylim(lowest - 0.1, 6.5)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(a.out, dpi=110)
 
