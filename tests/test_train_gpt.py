@@ -62,6 +62,11 @@ def test_recipe_writes_model_results_and_samples(trained):
     # loss went down from ~ln(512)
     hist = [h for h in json.loads((out / "history.json").read_text()) if "train/loss" in h]
     assert hist[0]["train/loss"] > hist[-1]["train/loss"] + 0.5
+    # the gap of the saved weights: their validation loss against the training window that ended at their step
+    window = [h for h in hist if h["step"] <= results["model_step"]][-1]
+    assert results["train_loss_at_model_step"] == window["train/loss"]
+    assert results["val_train_gap"] == pytest.approx(results["val_loss"] - window["train/loss"])
+    assert "| `val_train_gap` |" in card
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.vocab_size == len(tok) and model.config.model_type == "cgpt"

@@ -56,6 +56,12 @@ def final_results(steps: int, unit: str, units_seen: int, final: dict[str, float
     last = next((h for h in reversed(history) if "train/loss" in h), {})
     before = next((h for h in history if h.get("step") == 0 and any(k.startswith("eval/") for k in h)), {})
     best = keeper.step is not None
+    kept, saved = (keeper.step, keeper.metrics) if use_best else (steps, final)
+    # the over-fit the saved weights carry: validation loss against the training loss of the logging window that
+    # ended at or just before their step (dropout on in training, so the gap understates the memorisation)
+    window = next((h for h in reversed(history) if "train/loss" in h and h.get("step", 0) <= (kept or 0)), None)
+    gap = ({"train_loss_at_model_step": window["train/loss"], "val_train_gap": saved["val_loss"] - window["train/loss"]}
+           if window is not None and isinstance(saved.get("val_loss"), float) else {})
     return {
         "steps": steps,
         f"{unit}s_seen": units_seen,
@@ -65,6 +71,7 @@ def final_results(steps: int, unit: str, units_seen: int, final: dict[str, float
         **({f"best_{keeper.metric}": keeper.value, "best_step": keeper.step} if best else {}),
         **({f"last_{k}": v for k, v in final.items()} if use_best else {}),
         "model_step": keeper.step if use_best else steps,
+        **gap,
         **extra,
     }
 
