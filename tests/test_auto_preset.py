@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_cgpu.budget.auto import COMPILE_SECONDS, REGIMES, SHAPES, Candidate, choose, train_seconds
+from hf_cgpu.budget.auto import COMPILE_SECONDS_PER_LAYER, MAX_TOKENS_PER_SECOND, REGIMES, SHAPES, Candidate, choose, train_seconds
 from hf_cgpu.cli import main as cli_main
 from hf_cgpu.commands.budget import describe_run
 from hf_cgpu.commands.budget import run as budget_run
@@ -82,7 +82,7 @@ def test_the_measured_cell_gets_the_measured_preset(tmp_path):
     assert differ <= {"max_steps"}, differ
 
 
-@pytest.mark.parametrize("rate, startup", [(4e10, 0.0), (6e13, 0.0), (H200, 0.0), (H200, COMPILE_SECONDS)])
+@pytest.mark.parametrize("rate, startup", [(4e10, 0.0), (6e13, 0.0), (H200, 0.0), (H200, COMPILE_SECONDS_PER_LAYER)])
 def test_more_minutes_never_choose_less_regularisation_or_a_smaller_model(rate, startup):
     gpt, train = parse(RECIPES["gpt"], ["--preset", "auto"])
     shapes = candidates(gpt, train)
@@ -263,3 +263,15 @@ def test_a_fresh_choice_at_the_slow_rate_would_differ():
     quick = auto_choice(*fast, tokens, 5e12 * 0.4, vocab_size=512).settings
     assert slow["dropout"] == 0.0 and quick["dropout"] == 0.1
     assert dataclasses.replace(gpt, dropout=0.1) != gpt
+
+
+def test_a_small_shape_is_priced_at_its_launch_bound_rate_and_its_own_compile():
+    """A model so small that its step costs launches, not FLOPs: the line's steps come from the most tokens per second
+    a step reaches, over the minutes left after this shape's own compile (not the deepest shape's)."""
+    tiny = Candidate(4, 256, 4, 7_000_000, 6.0 * 5e6)
+    deep = Candidate(12, 768, 12, 110_000_000, 6.0 * 85e6)
+    choice = choose(1_000_000, 2, H200, [tiny, deep], STEP, COMPILE_SECONDS_PER_LAYER)
+    assert "at 4x256" in choice.why
+    own = train_seconds(2, COMPILE_SECONDS_PER_LAYER * 4)
+    assert H200 * own / tiny.flops_per_token > MAX_TOKENS_PER_SECOND * own  # the FLOP rate alone would promise more
+    assert f"~{round(MAX_TOKENS_PER_SECOND * own / STEP):,} steps" in choice.why, choice.why

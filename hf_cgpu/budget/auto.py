@@ -21,10 +21,12 @@ from typing import Any
 from .shape import fmt_count
 
 # ---------------------------------------------------------------------------------------------------- the rule
-COMPILE_SECONDS = 60.0
-"""Seconds of --max_minutes a compiled GPU run spends before its first step (torch.compile, cold)."""
-# Fitted: the start-up of the 7-minute zh-poetry-modern runs (RESULTS.md, "what the auto rule's constants are fitted
-# to").
+COMPILE_SECONDS_PER_LAYER = 4.6
+"""Seconds of --max_minutes a compiled GPU run spends compiling before its first step, per block (a cold compile
+grows with the blocks it unrolls)."""
+# Fitted: 12 x 768 compiled cold in ~55 s of its minutes, 4 x 256 in ~19 s (RESULTS.md, "the auto rule on a tenth of
+# zh-poetry"). The choice prices every shape at the deepest shape's compile, so that more minutes never choose a
+# smaller model; the step estimate in the line uses the chosen shape's own.
 TRAIN_FRACTION = 0.9
 """Share of the minutes after the first step spent in training steps (evaluations and best-weight saves take the
 rest)."""
@@ -53,6 +55,11 @@ LAYERS_PER_VALUE_TABLE = 4
 """One value-embedding table per this many layers (at least one): 3 tables feeding the first and last 3 of 12 layers,
 the ratio of the modded-nanogpt speedrun and of zh-poetry-modern."""
 # Fitted: measured at 12 layers only (the same RESULTS.md entry); other depths keep the ratio.
+MAX_TOKENS_PER_SECOND = 1.2e6
+"""The most training tokens per second a run reaches however small its model: below some size a step costs its
+kernel launches and the loop's own work, not FLOPs, so the ledger's FLOP rate overstates the steps."""
+# Fitted: the 4 x 256 cell of the auto rule's check on an H200 timed 0.054 s per 65,536-token step, where the FLOP
+# rate predicted a quarter of that (RESULTS.md, "the auto rule on a tenth of zh-poetry").
 MAX_STEPS_HEADROOM = 2.0
 """max_steps is this times the estimated steps: an upper bound the fitted cosine (fit_schedule_to_time) lowers."""
 
@@ -145,20 +152,22 @@ def train_seconds(minutes: float, startup_s: float = 0.0) -> float:
 
 
 def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Sequence[Candidate],
-           tokens_per_step: int, startup_s: float = 0.0, fitted: bool = True, muon: bool = True,
+           tokens_per_step: int, startup_s_per_layer: float = 0.0, fitted: bool = True, muon: bool = True,
            max_steps: int = 0) -> AutoChoice:
     """The settings for ``corpus_tokens`` training tokens in ``minutes`` on a card sustaining ``flop_rate`` FLOP/s
     (peak x utilisation, all processes), choosing the shape from ``candidates``; ``tokens_per_step``: the run's
-    effective batch in tokens; ``startup_s``: seconds before the first step (``COMPILE_SECONDS`` when compiled);
+    effective batch in tokens; ``startup_s_per_layer``: seconds before the first step per block
+    (``COMPILE_SECONDS_PER_LAYER`` when compiled);
     ``fitted``: the cosine is fitted to the minutes (max_steps only bounds it), else it ends at the estimated steps;
     ``muon``: the run trains its block matrices with Muon (its own weight decay), else AdamW trains all;
     ``max_steps``: a step limit given by the user (0 = none), which the schedule then plans for if it is fewer."""
-    compute = flop_rate * train_seconds(minutes, startup_s)
+    compute = flop_rate * train_seconds(minutes, startup_s_per_layer * max(c.n_layer for c in candidates))
     p = pressure(corpus_tokens, compute)
     reg = regime(p)
     reason = f"{reg.name}: epochs x params/token ~ {p:,.3g}"
     shape = pick_shape(candidates, compute, corpus_tokens, reg)
-    tokens = compute / shape.flops_per_token
+    own = train_seconds(minutes, startup_s_per_layer * shape.n_layer)  # this shape's compile, not the deepest's
+    tokens = min(flop_rate * own / shape.flops_per_token, MAX_TOKENS_PER_SECOND * own)
     smallest = min(candidates, key=lambda c: c.n_params)
     if shape == smallest and tokens <= corpus_tokens and reg is not REGIMES[0]:
         # larger than the compute calls for: no token is seen twice
@@ -184,5 +193,5 @@ def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Seq
     return AutoChoice(settings, why)
 
 
-__all__ = ["CHOSEN", "COMPILE_SECONDS", "REGIMES", "SHAPES", "AutoChoice", "Candidate", "Regime", "choose",
+__all__ = ["CHOSEN", "COMPILE_SECONDS_PER_LAYER", "MAX_TOKENS_PER_SECOND", "REGIMES", "SHAPES", "AutoChoice", "Candidate", "Regime", "choose",
            "pick_shape", "pressure", "regime", "train_seconds", "value_tables"]

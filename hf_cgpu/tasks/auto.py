@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..budget.auto import CHOSEN, COMPILE_SECONDS, SHAPES, AutoChoice, Candidate, choose, value_tables
+from ..budget.auto import CHOSEN, COMPILE_SECONDS_PER_LAYER, SHAPES, AutoChoice, Candidate, choose, value_tables
 from ..budget.time import ASSUMED_PEAK_TFLOPS, DEFAULT_MFU, flops_per_token, peak_tflops
 from ..errors import CheckpointError, SettingsError
 from ..integrity import atomic_write_json
@@ -60,9 +60,10 @@ def card_flop_rate(train: TrainSettings, device_type: str = "cuda", processes: i
     return peak * 1e12 * DEFAULT_MFU * processes, source
 
 
-def startup_seconds(train: TrainSettings, device_type: str = "cuda") -> float:
-    """Seconds of the minutes before the first step: a compile where the run compiles (on CUDA), else none."""
-    return COMPILE_SECONDS if train.compile and device_type == "cuda" else 0.0
+def startup_seconds_per_layer(train: TrainSettings, device_type: str = "cuda") -> float:
+    """Seconds of the minutes before the first step, per block: a compile where the run compiles (on CUDA), else
+    none."""
+    return COMPILE_SECONDS_PER_LAYER if train.compile and device_type == "cuda" else 0.0
 
 
 def auto_choice(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rate: float,
@@ -76,7 +77,7 @@ def auto_choice(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop
     fitted = train.fit_schedule_to_time or "fit_schedule_to_time" not in given(gpt)  # the rule's, unless given false
     cap = train.max_steps if "max_steps" in given(gpt) else 0
     return choose(corpus_tokens, train.max_minutes, flop_rate, candidates(gpt, train, vocab_size), per_step,
-                  startup_seconds(train, device_type), fitted, muon=train.optimizer == "muon", max_steps=cap)
+                  startup_seconds_per_layer(train, device_type), fitted, muon=train.optimizer == "muon", max_steps=cap)
 
 
 def apply_choice(gpt: GPTSettings, train: TrainSettings, chosen: dict[str, Any]) -> tuple[GPTSettings, TrainSettings,
@@ -132,4 +133,4 @@ def resolve(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rat
 
 
 __all__ = ["CHOICE_FILE", "apply_choice", "auto_choice", "candidates", "card_flop_rate", "resolve", "saved_choice",
-           "startup_seconds"]
+           "startup_seconds_per_layer"]
