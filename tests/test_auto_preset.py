@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_cgpu.budget.auto import COMPILE_SECONDS_PER_LAYER, MAX_TOKENS_PER_SECOND, REGIMES, SHAPES, Candidate, choose, train_seconds
+from hf_cgpu.budget.auto import (COMPILE_SECONDS_PER_LAYER, MAX_TOKENS_PER_SECOND, REGIMES, SHAPES, Candidate, choose,
+                                 train_seconds)
 from hf_cgpu.cli import main as cli_main
 from hf_cgpu.commands.budget import describe_run
 from hf_cgpu.commands.budget import run as budget_run
@@ -62,7 +63,8 @@ def test_many_epochs_get_dropout_and_strong_decay():
 
 
 def test_the_measured_cell_gets_the_measured_preset(tmp_path):
-    """zh-poetry in 7 minutes on an H200: the settings zh-poetry-modern measured best (RESULTS.md, Quality 2026-12-01)."""
+    """zh-poetry in 7 minutes on an H200: the settings zh-poetry-modern measured best (RESULTS.md, the speedrun
+    options on zh-poetry), everything the rule does not choose from the auto preset."""
     gpt, train = parse(RECIPES["gpt"], ["--preset", "auto"])
     s = auto_choice(gpt, train, ZH_POETRY, H200).settings
     modern = parse(RECIPES["gpt"], ["--preset", "zh-poetry-modern"])

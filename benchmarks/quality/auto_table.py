@@ -25,7 +25,8 @@ def row(cell: str, run: Path, log: str, eval_json: Path) -> dict:
     auto = next((line for line in log.splitlines() if line.startswith("auto: ")), "")
     return {"cell": cell, "corpus_tokens": tokens, "preset": cell.rsplit("-", 1)[-1], "minutes": s.get("max_minutes"),
             "shape": f"{s.get('n_layer')}x{s.get('n_embd')}"
-            + (f", {s['value_embeddings']} value tables" if s.get("value_embeddings") else ""), "dropout": s.get("dropout"),
+            + (f", {s['value_embeddings']} value tables" if s.get("value_embeddings") else ""),
+            "dropout": s.get("dropout"),
             "weight_decay": s.get("weight_decay"), "muon_weight_decay": s.get("muon_weight_decay"),
             "warmup_steps": s.get("warmup_steps"), "min_lr_ratio": s.get("min_lr_ratio"),
             "steps": results.get("steps"), "schedule_steps": results.get("schedule_steps"),

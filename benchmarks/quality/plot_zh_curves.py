@@ -64,7 +64,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     lowest = 9.0
     print(f"| run | steps | s per step | best val bits/char (step) | last | seconds to {a.target} |")
     print("|---|---|---|---|---|---|")
@@ -75,14 +75,15 @@ def main() -> None:
         best = min(curve, key=lambda e: e[1])
         lowest = min(lowest, best[1])
         hit = seconds_to(curve, per_step, a.target)
-        print(f"| {label} | {steps or '-'} | {f'{per_step:.4f}' if steps else '-'} | {best[1]:.3f} ({best[0] if steps else f'{best[0] - 1} s'}) | {curve[-1][1]:.3f} | "
+        rate, at = (f"{per_step:.4f}", best[0]) if steps else ("-", f"{best[0] - 1} s")  # a timed curve: seconds
+        print(f"| {label} | {steps or '-'} | {rate} | {best[1]:.3f} ({at}) | {curve[-1][1]:.3f} | "
               f"{'-' if hit is None else f'{hit:.0f}'} |")
     ax.axhline(a.target, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("minutes of training (after the first step)")
     ax.set_ylabel("validation bits per character")
     ax.set_ylim(lowest - 0.1, 6.5)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # beside the curves, never over them
     fig.tight_layout()
     fig.savefig(a.out, dpi=110)
 

@@ -110,8 +110,8 @@ SHAPES = ((4, 128, 4), (4, 256, 4), (6, 384, 6), (8, 512, 8), (12, 768, 12))
 """(n_layer, n_embd, n_head) the rule chooses from, smallest first: the tiny preset's shape up to the measured 12 x 768
 (head size 32 below 384, 64 from there)."""
 
-CHOSEN = ("n_layer", "n_embd", "n_head", "value_embeddings", "dropout", "weight_decay", "muon_weight_decay", "min_lr_ratio",
-          "warmup_steps", "max_steps", "fit_schedule_to_time")
+CHOSEN = ("n_layer", "n_embd", "n_head", "value_embeddings", "dropout", "weight_decay", "muon_weight_decay",
+          "min_lr_ratio", "warmup_steps", "max_steps", "fit_schedule_to_time")
 """The settings the rule sets (a flag given on the command line keeps its value instead)."""
 
 
@@ -177,8 +177,8 @@ def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Seq
     warmup = min(WARMUP_MAX, max(1, round(WARMUP_FRACTION * planned)))
     tables = value_tables(shape.n_layer)
     settings = {"n_layer": shape.n_layer, "n_embd": shape.n_embd, "n_head": shape.n_head, "value_embeddings": tables,
-                "dropout": reg.dropout,
-                "weight_decay": reg.weight_decay, "min_lr_ratio": reg.min_lr_ratio, "warmup_steps": warmup,
+                "dropout": reg.dropout, "weight_decay": reg.weight_decay, "min_lr_ratio": reg.min_lr_ratio,
+                "warmup_steps": warmup,
                 "max_steps": max(warmup + 1, math.ceil(MAX_STEPS_HEADROOM * steps) if fitted else planned),
                 "fit_schedule_to_time": True}
     decay = f"{reg.weight_decay:g} (AdamW)"
@@ -188,10 +188,11 @@ def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Seq
     cosine = "fitted to the minutes" if fitted else f"over {steps:,} steps"
     why = (f"{fmt_count(corpus_tokens)} tokens x {minutes:g} min at {flop_rate / 1e12:,.3g} TFLOP/s ~ "
            f"{tokens / corpus_tokens:,.1f} epochs at {shape.name} ({fmt_count(shape.n_params)} params, "
-           f"~{steps:,} steps after start-up and evaluation) -> {tables} value table{'s' * (tables > 1)}, dropout {reg.dropout:g}, weight decay {decay}, warm-up {warmup:,}, "
+           f"~{steps:,} steps after start-up and evaluation) -> {tables} value table{'s' * (tables > 1)}, "
+           f"dropout {reg.dropout:g}, weight decay {decay}, warm-up {warmup:,}, "
            f"cosine to {reg.min_lr_ratio:g} {cosine} ({reason})")
     return AutoChoice(settings, why)
 
 
-__all__ = ["CHOSEN", "COMPILE_SECONDS_PER_LAYER", "MAX_TOKENS_PER_SECOND", "REGIMES", "SHAPES", "AutoChoice", "Candidate", "Regime", "choose",
-           "pick_shape", "pressure", "regime", "train_seconds", "value_tables"]
+__all__ = ["CHOSEN", "COMPILE_SECONDS_PER_LAYER", "MAX_TOKENS_PER_SECOND", "REGIMES", "SHAPES", "AutoChoice",
+           "Candidate", "Regime", "choose", "pick_shape", "pressure", "regime", "train_seconds", "value_tables"]

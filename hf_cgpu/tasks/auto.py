@@ -30,8 +30,8 @@ def given(gpt: GPTSettings) -> set[str]:
 def candidates(gpt: GPTSettings, train: TrainSettings, vocab_size: int | None = None) -> list[Candidate]:
     """The rule's shapes (a shape flag given on the command line replaces that part of each), each with the value
     tables the rule gives it unless --value_embeddings is given, with their parameters and training FLOPs per token
-    from the ledger. A shape the given options cannot build (3 value tables in 4 layers,
-    a width the given heads do not divide) is left out; a one-line error where none is left."""
+    from the ledger. A shape the given options cannot build (3 value tables in 4 layers, a width the given heads do
+    not divide) is left out; a one-line error where none is left."""
     out = []
     for values in dict.fromkeys(SHAPES):
         shape = dict(zip(SHAPE_FLAGS, values))
@@ -77,7 +77,8 @@ def auto_choice(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop
     fitted = train.fit_schedule_to_time or "fit_schedule_to_time" not in given(gpt)  # the rule's, unless given false
     cap = train.max_steps if "max_steps" in given(gpt) else 0
     return choose(corpus_tokens, train.max_minutes, flop_rate, candidates(gpt, train, vocab_size), per_step,
-                  startup_seconds_per_layer(train, device_type), fitted, muon=train.optimizer == "muon", max_steps=cap)
+                  startup_seconds_per_layer(train, device_type), fitted, muon=train.optimizer == "muon",
+                  max_steps=cap)
 
 
 def apply_choice(gpt: GPTSettings, train: TrainSettings, chosen: dict[str, Any]) -> tuple[GPTSettings, TrainSettings,
