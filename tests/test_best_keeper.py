@@ -10,12 +10,21 @@ import json
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from test_faults import (
+    KILLED,
+    FaultToy,
+    assert_same,
+    cfg,
+    die_when,
+    in_child,
+    nth_call,
+    outcome,
+)
+from test_text_quality import ScriptedValTask
 
 from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 from hf_cgpu.train import BestKeeper, fit
 from hf_cgpu.train.checkpoint import Checkpointer, read_trainer_state
-from test_faults import FaultToy, assert_same, cfg, die_when, in_child, nth_call, outcome, KILLED
-from test_text_quality import ScriptedValTask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

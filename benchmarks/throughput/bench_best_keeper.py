@@ -99,9 +99,10 @@ def main() -> None:
         if time.perf_counter() - started > DEADLINE_S:
             print(f"deadline: stopped after {i} repeats")
             break
-        m = {"val_loss": 9.0 - i}
-        record("eager write (before: every improvement)", timed(lambda: eager_write(model, folder, i + 1, m), sync))
-        record("host copy (now: every improvement)", timed(lambda: keeper.observe(m, i + 1, model), sync))
+        step, m = i + 1, {"val_loss": 9.0 - i}
+        record("eager write (before: every improvement)",
+               timed(lambda step=step, m=m: eager_write(model, folder, step, m), sync))
+        record("host copy (now: every improvement)", timed(lambda step=step, m=m: keeper.observe(m, step, model), sync))
         record("flush (now: each checkpoint and the end)", timed(keeper.flush, sync))
     size = sum(f.stat().st_size for f in folder.iterdir())
     for name, xs in rows.items():
