@@ -363,12 +363,15 @@ class Checkpointer:
         return f"checkpoint {good.name} is intact" if good is not None else "no earlier checkpoint exists"
 
     def save(self, step: int, state: TrainState, prune_old: bool = True) -> Path | None:
-        """Write ``checkpoints/step_N`` atomically (accelerate state, EMA, trainer state, history) and seal it in
-        the background. Returns None, writing nothing, when the state is not finite. ``prune_old`` False (a stop
+        """Write the best weights held in memory to best/ (``BestKeeper.flush``), then ``checkpoints/step_N``
+        atomically (accelerate state, EMA, trainer state, history) and seal it in the background. Returns None,
+        writing no checkpoint, when the state is not finite. ``prune_old`` False (a stop
         on non-finite losses) keeps every earlier checkpoint: the ones from before a divergence may be the good
         ones."""
         acc = self.accelerator
         self._sealer.wait()
+        if self.keeper is not None:  # best/ then holds the weights the keeper state below names
+            self.keeper.flush()
 
         bad = gather_list(acc, nonfinite_tensors(self.model, self.optimizer, self.ema))  # every rank's shards
         if bad:

@@ -125,7 +125,7 @@ def hub_pusher(s: TrainSettings):
 def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str, Any]:
     s, acc, optimizer, ema = run.settings, run.accelerator, run.optimizer, run.ema
     keeper = BestKeeper(task.best_metric, run.output_dir / "best", s.early_stopping_patience,
-                        save=s.save_best or s.load_best_at_end)
+                        save=s.save_best or s.load_best_at_end, write=task.save_best)
     metrics = Metrics(acc, s, task.unit, run.flops_per_unit, training_peak(s.peak_tflops, acc.device, acc.print))
     metrics.watch_start_up(started, run.recompiles)
     checkpointer = Checkpointer(acc, run.output_dir, s.checkpointing_steps, s.checkpoints_total_limit, ema, keeper,
@@ -274,6 +274,8 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
     if not best_kept:
         _stop_unless_finite(run, state, checkpointer, with_ema=True)
     final = validator.final(state.step)
+    keeper.flush()  # the main process's copy of the best weights, written once more at the end
+    acc.wait_for_everyone()
     use_best = validator.restore_best(state.step, final)
     _stop_unless_finite(run, state, checkpointer, with_ema=not use_best)  # the weights save_run writes
     results = final_results(state.step, task.unit, state.units_seen, final, keeper, use_best, metrics.history, {

@@ -1,5 +1,6 @@
 """Validation: when to evaluate, evaluating with the EMA weights in place, and the best weights (``BestKeeper``:
-kept in output_dir/best, early stopping, restored at the end with ``--load_best_at_end``)."""
+kept in host memory, written to output_dir/best at each checkpoint and at the end, early stopping, restored at the
+end with ``--load_best_at_end``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import math
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +21,66 @@ from .ema import ema_weights
 from .parallel import full_model, is_sharded, load_full_state
 
 
-class BestKeeper:
-    """Keeps the weights with the lowest evaluation ``metric`` in ``output_dir/best`` and counts evaluations since
-    the last improvement (early stopping). Its state travels in every checkpoint, so a resumed run keeps it.
-    The folder is written beside, sealed with a checksum manifest, then swapped in (``integrity.replace_dir``)."""
+class HostCopy:
+    """A host-memory copy of the weights that change in training (trainable parameters and buffers; frozen ones,
+    a LoRA base say, stay as they are), taken out of a model and put back into it for a write."""
 
-    def __init__(self, metric: str | None, folder: Path, patience: int = 0, save: bool = True):
-        self.metric, self.folder, self.patience, self.save = metric, folder, patience, save
+    def __init__(self):
+        self.model: torch.nn.Module | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def changing(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        return {**params, **dict(model.named_buffers())}
+
+    @torch.no_grad()
+    def take(self, model: torch.nn.Module) -> None:
+        """Copy ``model``'s changing tensors into host buffers (pinned for a GPU model; allocated once)."""
+        live = self.changing(model)
+        if model is not self.model or live.keys() != self.tensors.keys():
+            self.tensors = {n: torch.empty_like(t, device="cpu", pin_memory=t.is_cuda) for n, t in live.items()}
+            self.model = model
+        for n, t in live.items():
+            self.tensors[n].copy_(t.detach(), non_blocking=True)
+        if any(t.is_cuda for t in live.values()):
+            torch.cuda.synchronize()
+
+    @contextmanager
+    def in_place(self):
+        """Inside: the model holds the copied weights (its own ones kept aside and put back on the way out)."""
+        live = self.changing(self.model)
+        own = {n: t.detach().to("cpu", copy=True) for n, t in live.items()}
+        with torch.no_grad():
+            for n, t in live.items():
+                t.copy_(self.tensors[n])
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for n, t in live.items():
+                    t.copy_(own[n])
+
+
+class BestKeeper:
+    """Keeps the weights with the lowest evaluation ``metric`` and counts evaluations since the last improvement
+    (early stopping). Its state travels in every checkpoint, so a resumed run keeps it.
+
+    An improvement copies the evaluated weights into host memory (``HostCopy``); ``flush`` writes them to
+    ``output_dir/best`` with ``write(model, folder)`` (the task's ``save_best``), beside, sealed with a checksum
+    manifest, then swapped in (``integrity.replace_dir``). The loop flushes before each checkpoint (so a checkpoint's
+    keeper state and best/ agree) and at the end: a model-sized write per checkpoint, not per improvement."""
+
+    def __init__(self, metric: str | None, folder: Path, patience: int = 0, save: bool = True,
+                 write: Callable[[torch.nn.Module, Path], None] | None = None):
+        self.metric, self.folder, self.patience, self.save, self.write = metric, folder, patience, save, write
         self.value: float | None = None
         self.step: int | None = None
         self.metrics: dict[str, float] = {}
         self.stale = 0
+        self.held = HostCopy()
+        self.unwritten: tuple[int, dict[str, float]] | None = None
+        """The step and figures of the weights in ``held`` when best/ does not hold them yet."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"value": self.value, "step": self.step, "metrics": self.metrics, "stale": self.stale}
@@ -38,8 +89,9 @@ class BestKeeper:
         self.value, self.step = state.get("value"), state.get("step")
         self.metrics, self.stale = dict(state.get("metrics") or {}), int(state.get("stale") or 0)
 
-    def observe(self, metrics: dict[str, float], step: int, write: Callable[[Path], None] | None) -> bool:
-        """Record one evaluation; ``write(folder)`` saves the weights evaluated when they are the best so far."""
+    def observe(self, metrics: dict[str, float], step: int, model: torch.nn.Module | None) -> bool:
+        """Record one evaluation; ``model`` (None: nothing to keep, as on all but the main process) holds the
+        weights evaluated, copied to host memory when they are the best so far."""
         value = metrics.get(self.metric) if self.metric else None
         if value is None or not math.isfinite(value):
             return False
@@ -47,16 +99,26 @@ class BestKeeper:
             self.stale += 1
             return False
         self.value, self.step, self.metrics, self.stale = value, step, dict(metrics), 0
-        if self.save and write is not None:
-            tmp = self.folder.with_name(f".{self.folder.name}-tmp")
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-            write(tmp)
-            (tmp / "best.json").write_text(json.dumps({"step": step, **metrics}, indent=1))
-            write_manifest(tmp, build_manifest(tmp, "best", step=step))
-            replace_dir(tmp, self.folder)
+        if self.save and self.write is not None and model is not None:
+            self.held.take(model)
+            self.unwritten = (step, dict(metrics))
         return True
+
+    def flush(self) -> None:
+        """Write the kept weights to ``folder`` unless it holds them already."""
+        if self.unwritten is None:
+            return
+        step, metrics = self.unwritten
+        tmp = self.folder.with_name(f".{self.folder.name}-tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        with self.held.in_place() as model:
+            self.write(model, tmp)
+        (tmp / "best.json").write_text(json.dumps({"step": step, **metrics}, indent=1))
+        write_manifest(tmp, build_manifest(tmp, "best", step=step))
+        replace_dir(tmp, self.folder)
+        self.unwritten = None
 
     def check_folder(self) -> str | None:
         """Why ``folder`` cannot be trusted to hold the recorded best weights (None: it can)."""
@@ -89,7 +151,7 @@ class Validator:
         return bool(self.every) and step % self.every == 0 and step < last_step
 
     def run(self, step: int) -> dict[str, float]:
-        """Evaluate the EMA weights (live ones without EMA); the keeper saves them when they are the best."""
+        """Evaluate the EMA weights (live ones without EMA); the keeper keeps a copy when they are the best."""
         acc, model = self.accelerator, self.model
         was_training = model.training
         model.eval()
@@ -102,8 +164,7 @@ class Validator:
                     whole.eval()
                     self.task.on_evaluate(whole, step, self.output_dir)
                 finite = whole is not None and not nonfinite_tensors(whole)  # best/ never holds a NaN either
-                write = (lambda folder: self.task.save_best(whole, folder)) if finite else None
-                improved = self.keeper.observe(raw, step, write)
+                improved = self.keeper.observe(raw, step, whole if finite else None)
             acc.wait_for_everyone()
         model.train(was_training)
         metrics = {f"eval/{k}": v for k, v in raw.items()}
