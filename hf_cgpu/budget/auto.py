@@ -24,7 +24,7 @@ from .shape import fmt_count
 COMPILE_SECONDS_PER_LAYER = 4.6
 """Seconds of --max_minutes a compiled GPU run spends compiling before its first step, per block (a cold compile
 grows with the blocks it unrolls)."""
-# Fitted: the cold start-up of the largest and the smallest shape on an H200 (RESULTS.md, "the auto rule on a tenth of
+# Fitted: the cold start-up of the largest and the smallest shape (RESULTS.md, "the auto rule on a tenth of
 # zh-poetry"). The choice prices every shape at the deepest shape's compile, so that more minutes never choose a
 # smaller model; the step estimate in the line uses the chosen shape's own.
 TRAIN_FRACTION = 0.9
@@ -58,7 +58,7 @@ the ratio of the modded-nanogpt speedrun and of zh-poetry-modern."""
 MAX_TOKENS_PER_SECOND = 1.2e6
 """The most training tokens per second a run reaches however small its model: below some size a step costs its
 kernel launches and the loop's own work, not FLOPs, so the ledger's FLOP rate overstates the steps."""
-# Fitted: the smallest shape's step timed on an H200 in the auto rule's check (RESULTS.md, "the auto rule on a tenth
+# Fitted: the smallest shape's step as timed in the auto rule's check (RESULTS.md, "the auto rule on a tenth
 # of zh-poetry").
 MAX_STEPS_HEADROOM = 2.0
 """max_steps is this times the estimated steps: an upper bound the fitted cosine (fit_schedule_to_time) lowers."""
