@@ -4,10 +4,12 @@ quality (the seed recipe's 7-minute 5.74 by default), from the run folders' hist
     python benchmarks/quality/plot_zh_curves.py --run "preset=RESULTS_DIR_A" --run "+value embeddings=DIR_B" \
         --out curves.png [--target 5.74]
 
-Minutes are the loop's own clock from the end of the first optimizer step (what --max_minutes counts): a step's time
-is the run's training seconds spread evenly over its steps after the first (the runs log no per-step clock; the
-evaluations, which are in those seconds, are spread with them). The time to the target is interpolated linearly
-between the two evaluations around the crossing.
+Minutes are the loop's own clock (what --max_minutes counts, the first step's compile included): a step's time is
+the run's training seconds spread evenly over its steps after the first (the runs log no per-step clock; the
+compile, evaluations and best-weight saves, which are in those seconds, are spread with them). The time to the target
+is interpolated linearly between the two evaluations around the crossing; the table also gives it in steps alone
+(the crossing step times the steady step time of the logging windows, which leave out evaluation and saving, the
+first window, which holds the compile, left out too).
 """
 
 from __future__ import annotations
@@ -40,6 +42,20 @@ def load(folder: Path) -> tuple[list[tuple[int, float]], float, int]:
     return curve, per_step, steps
 
 
+def steady_seconds_per_step(folder: Path) -> float | None:
+    """Median seconds per step of a run folder's logging windows after the first (None: no such windows)."""
+    try:
+        hist = json.loads((folder / "history.json").read_text())
+        res = json.loads((folder / "all_results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    tokens = res["micro_batch_size"] * res["gradient_accumulation_steps"] * res["settings"]["seq_len"]
+    tokens *= res.get("processes", 1)
+    windows = [(e["step"], e["train/tok_per_s"]) for e in hist if "train/tok_per_s" in e]
+    per_step = sorted(tokens / rate for (_, rate) in windows[1:])
+    return per_step[len(per_step) // 2] if per_step else None
+
+
 def seconds_to(curve: list[tuple[int, float]], per_step: float, target: float) -> float | None:
     """Training seconds after the first step at which validation first reaches ``target`` (None: never)."""
     prev = None
@@ -66,8 +82,8 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(11, 4.5))
     lowest = 9.0
-    print(f"| run | steps | s per step | best val bits/char (step) | last | seconds to {a.target} |")
-    print("|---|---|---|---|---|---|")
+    print(f"| run | steps | s per step | best val bits/char (step) | last | seconds to {a.target} | in steps alone |")
+    print("|---|---|---|---|---|---|---|")
     for spec in a.run:
         label, folder = spec.split("=", 1)
         curve, per_step, steps = load(Path(folder))
@@ -76,8 +92,10 @@ def main() -> None:
         lowest = min(lowest, best[1])
         hit = seconds_to(curve, per_step, a.target)
         rate, at = (f"{per_step:.4f}", best[0]) if steps else ("-", f"{best[0] - 1} s")  # a timed curve: seconds
+        steady = steady_seconds_per_step(Path(folder)) if steps else None
+        alone = seconds_to(curve, steady, a.target) if steady else None
         print(f"| {label} | {steps or '-'} | {rate} | {best[1]:.3f} ({at}) | {curve[-1][1]:.3f} | "
-              f"{'-' if hit is None else f'{hit:.0f}'} |")
+              f"{'-' if hit is None else f'{hit:.0f}'} | {'-' if alone is None else f'{alone:.0f}'} |")
     ax.axhline(a.target, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("minutes of training (after the first step)")
     ax.set_ylabel("validation bits per character")
