@@ -46,20 +46,23 @@ class HostCopy:
         if any(t.is_cuda for t in live.values()):
             torch.cuda.synchronize()
 
+    @torch.no_grad()
+    def swap(self) -> None:
+        """Exchange the model's changing tensors with the held copy, one tensor at a time (call twice to restore),
+        as ``EMA.swap`` does: no second model-sized buffer."""
+        for n, t in self.changing(self.model).items():
+            live = t.detach().to("cpu", copy=True)
+            t.copy_(self.tensors[n])
+            self.tensors[n].copy_(live)
+
     @contextmanager
     def in_place(self):
-        """Inside: the model holds the copied weights (its own ones kept aside and put back on the way out)."""
-        live = self.changing(self.model)
-        own = {n: t.detach().to("cpu", copy=True) for n, t in live.items()}
-        with torch.no_grad():
-            for n, t in live.items():
-                t.copy_(self.tensors[n])
+        """Inside: the model holds the copied weights (its own ones are put back on the way out)."""
+        self.swap()
         try:
             yield self.model
         finally:
-            with torch.no_grad():
-                for n, t in live.items():
-                    t.copy_(own[n])
+            self.swap()
 
 
 class BestKeeper:
