@@ -61,6 +61,9 @@ all/2/auto|all/2/modern|all/7/auto|all/7/modern) ;;
   if [ $((SECONDS + need)) -gt "$DEADLINE" ]; then skipped="$skipped $cell"; continue; fi
   run=/tmp/auto-runs/$cell
   rm -rf "$run"
+  # every cell compiles cold, as a first run does and as the rule prices it: a cached graph of an earlier cell's
+  # shape would hand that cell its compile seconds back (WARM=1 keeps the cache)
+  [ "${WARM:-0}" = 1 ] || rm -rf "$HF_CGPU_CACHE/inductor" "$HF_CGPU_CACHE/triton"
   echo "=== $cell: --preset $(preset_of "$which") --max_minutes $m ($(date -u +%T))" >> "$OUT/train.log"
   timeout $((DEADLINE + 30 - SECONDS)) python3 -m hf_cgpu.cli train gpt --preset "$(preset_of "$which")" \
     --dataset $CORPORA/$corpus --max_minutes "$m" --output_dir "$run" --progress false $TINY "$@" \

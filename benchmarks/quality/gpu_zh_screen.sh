@@ -118,5 +118,5 @@ try:
 except ImportError:
     pass
 PY
-tar -czf $OUT/logs.tgz -C $W $(cd $W && ls *.log) 2>/dev/null
+(cd $W && tar -czf $OUT/logs.tgz ./*.log)  # ./: a run named -ve is not an option
 for name in "${names[@]}"; do grep -hE "error|Error|Traceback" $W/$name.log | head -3; done

@@ -7,7 +7,8 @@ The model is the `--preset zh-poetry-modern` GPT (12x768, vocab 8192, 3 value ta
 on the training device as the loop holds them; the write goes to ``--dir`` (a local disk; not $OUT). Per row: the
 median seconds over ``--repeats`` (the first host copy, which allocates the pinned buffers, is its own row).
 
-GPU:  python benchmarks/throughput/bench_best_keeper.py --json $OUT/best_keeper.json
+GPU:  source benchmarks/gpu_env.sh --gpu && python benchmarks/throughput/bench_best_keeper.py --json $OUT/best_keeper.json
+      (carry .whl: the device has no hf_cgpu install and no datasets)
 CPU:  SMOKE=1 python benchmarks/throughput/bench_best_keeper.py      (a tiny GPT: checks the script)
       python benchmarks/throughput/bench_best_keeper.py --device cpu  (the real shape on this machine's CPU)
 """
