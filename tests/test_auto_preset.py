@@ -176,6 +176,8 @@ def test_the_line_names_small_counts_and_the_single_epoch_reason():
     once = choose(100_684, 0.2, 4e10, LADDER, STEP)
     assert once.why.startswith("100.7k tokens x 0.2 min") and once.settings["dropout"] == 0.0
     assert "(at most one epoch at the smallest shape: no token is seen twice)" in once.why, once.why
+    single = choose(100_684, 0.01, 4e10, LADDER, STEP)  # minutes that hold one step
+    assert single.settings["max_steps"] == 2 and ", ~1 step after start-up" in single.why, single.why
 
 
 @pytest.mark.parametrize("damage", ['{"settings": {"dropout": 0.1', '{"why": "x"}', "[]",
