@@ -188,7 +188,8 @@ def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Seq
     cosine = "fitted to the minutes" if fitted else f"over {steps:,} steps"
     why = (f"{fmt_count(corpus_tokens)} tokens x {minutes:g} min at {flop_rate / 1e12:,.3g} TFLOP/s ~ "
            f"{tokens / corpus_tokens:,.1f} epochs at {shape.name} ({fmt_count(shape.n_params)} params, "
-           f"~{steps:,} step{'s' * (steps != 1)} after start-up and evaluation) -> {tables} value table{'s' * (tables > 1)}, "
+           f"~{steps:,} step{'s' * (steps != 1)} after start-up and evaluation) -> "
+           f"{tables} value table{'s' * (tables > 1)}, "
            f"dropout {reg.dropout:g}, weight decay {decay}, warm-up {warmup:,}, "
            f"cosine to {reg.min_lr_ratio:g} {cosine} ({reason})")
     return AutoChoice(settings, why)
