@@ -48,8 +48,8 @@ WARMUP_FRACTION = 0.07
 """Warm-up as a share of the steps the minutes hold."""
 # Fitted: zh-poetry-modern's warm-up against its fitted steps (the same RESULTS.md entry).
 WARMUP_MAX = 50
-"""The longest warm-up chosen: with the speedrun architecture (value tables, U-net skips, soft-capped logits) a short
-warm-up measured better than 7% of the steps."""
+"""The longest warm-up chosen: with the speedrun options (value tables, U-net skips) a short warm-up measured better
+than 7% of the steps."""
 # Fitted: zh-poetry-modern's warm-up since the speedrun options (RESULTS.md, "the speedrun options on zh-poetry").
 LAYERS_PER_VALUE_TABLE = 4
 """One value-embedding table per this many layers (at least one): 3 tables feeding the first and last 3 of 12 layers,
