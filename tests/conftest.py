@@ -1,8 +1,16 @@
 """Shared fixtures: tiny models saved locally, a synthetic image set (no downloads, no ../shared), isolated caches."""
 
+import os
+
 import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the workers share the machine's cores: one intra-op thread each, and in the commands they start (a test that
+    # needs another count sets it)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 TINY_VOCAB = 256
 
@@ -102,11 +110,21 @@ def synthetic_data(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="session")
+def shared_gguf_cache(tmp_path_factory):
+    """One folder of de-quantised GGUF checkpoints for the whole session: each is a pure function of its file (tens of
+    seconds to make), so every module's own cache links its ``gguf/`` here."""
+    return tmp_path_factory.mktemp("gguf")
+
+
 @pytest.fixture(scope="module", autouse=True)
-def isolated_cache(tmp_path_factory):
-    """hf_cgpu's caches (decoded images, features, packed tokens, bench) in a temporary folder, not ~/.cache."""
+def isolated_cache(tmp_path_factory, shared_gguf_cache):
+    """hf_cgpu's caches (decoded images, features, packed tokens, bench) in a temporary folder, not ~/.cache; only
+    de-quantised GGUF checkpoints are shared (``shared_gguf_cache``)."""
+    cache = tmp_path_factory.mktemp("cache")
+    (cache / "gguf").symlink_to(shared_gguf_cache, target_is_directory=True)
     mp = pytest.MonkeyPatch()
-    mp.setenv("HF_CGPU_CACHE", str(tmp_path_factory.mktemp("cache")))
+    mp.setenv("HF_CGPU_CACHE", str(cache))
     yield
     mp.undo()
 

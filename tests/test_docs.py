@@ -116,10 +116,12 @@ def _missing(need: str) -> str | None:
 
 
 @pytest.fixture(scope="session")
-def doc_env(tmp_path_factory):
+def doc_env(tmp_path_factory, shared_gguf_cache):
     """Environment of the documented commands: this Python's hf-cgpu first on PATH, offline, caches in tmp (one hf_cgpu
-    cache for the whole walk, so a tokenizer or a de-quantised GGUF is made once)."""
+    cache for the whole walk, so a tokenizer is made once; a de-quantised GGUF once for the session)."""
     tmp = tmp_path_factory.mktemp("doc_env")
+    (tmp / "hf_cgpu").mkdir()
+    (tmp / "hf_cgpu" / "gguf").symlink_to(shared_gguf_cache, target_is_directory=True)
     env = dict(os.environ)
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", HF_CGPU_CACHE=str(tmp / "hf_cgpu"), HF_HOME=str(tmp / "hf_home"),

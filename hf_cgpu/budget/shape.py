@@ -12,6 +12,7 @@ the same way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -176,15 +177,8 @@ class ModelShape:
         """From a GGUF checkpoint as the fine-tuning command's ``--model`` (and ``--gguf_file``) name it: its
         metadata through ``transformers.AutoConfig(..., gguf_file=)``; no tensor is read or de-quantised."""
         folder, name = gguf_location(model, gguf_file)
-        from transformers import AutoConfig
-
-        try:
-            cfg = AutoConfig.from_pretrained(str(folder), gguf_file=name)
-        except Exception as e:  # a truncated file, an architecture transformers cannot map from GGUF
-            reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-            raise SettingsError(f"cannot read the config of GGUF {folder / name} ({reason}): pass its config.json "
-                                "with --config") from None
-        return _shape_from_config(cfg, Path(name).stem)
+        stat = (folder / name).stat()
+        return _gguf_shape(str(folder), name, stat.st_size, stat.st_mtime_ns)
 
     @classmethod
     def from_hub(cls, model_id: str) -> ModelShape:
@@ -324,6 +318,21 @@ class ModelShape:
 
 _NEOX_TYPES = {"gpt_neox"}
 _GPT_TYPES = {"gpt2", "cgpt"}
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_shape(folder: str, name: str, size: int, mtime_ns: int) -> ModelShape:
+    """``ModelShape.from_gguf``'s reading, once per file version in a process: transformers parses all the file's
+    metadata (the tokenizer's vocabulary too) for a config, seconds for a 135M model."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as e:  # a truncated file, an architecture transformers cannot map from GGUF
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise SettingsError(f"cannot read the config of GGUF {Path(folder) / name} ({reason}): pass its config.json "
+                            "with --config") from None
+    return _shape_from_config(cfg, Path(name).stem)
 
 
 def _shape_from_config(config: Any, name: str = "") -> ModelShape:
