@@ -12,6 +12,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Two workers where pytest-xdist is installed (the test extra) and no ``-n`` was given, each test file in one
+    worker so that its module fixtures are made once; without xdist (or with ``-p no:xdist``, ``-n 0``) one process."""
+    if (config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None) is None
+            and not os.environ.get("PYTEST_XDIST_WORKER")):
+        config.option.numprocesses = 2
+        if config.getoption("dist", "no") == "no":
+            config.option.dist = "loadfile"
+
+
 TINY_VOCAB = 256
 
 
