@@ -13,7 +13,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """Two workers where pytest-xdist is installed (the test extra) and no ``-n`` was given, each test file in one
