@@ -219,24 +219,46 @@ def test_load_best_needs_evaluations():
 # ---------------------------------------------------------------------------------------------------- plan
 
 
-def test_epoch_plan_warns_beyond_four_epochs():
+def test_epoch_plan_warns_beyond_four_epochs_with_what_the_auto_rule_would_add():
+    from hf_cgpu.budget.auto import REGIMES
     from hf_cgpu.tasks.causal_lm import epoch_plan
 
     s = TrainSettings(max_steps=100, micro_batch_size=4, gradient_accumulation_steps=2)
     few = epoch_plan(s, seq_len=128, corpus_tokens=100 * 8 * 128, num_params=10**6)
     assert len(few) == 1 and "1.0 epochs" in few[0]
-    many = epoch_plan(s, seq_len=128, corpus_tokens=100 * 8 * 128 // 10, num_params=10**6)
-    assert "10.0 epochs" in many[0] and many[1].startswith("warning: 10 epochs")
-    assert f"~{100 * 8 * 128 // 10 / 20 / 1e6:.2f}M-parameter" in many[1]
-    assert "--max_steps 40 for 4 epochs" in many[1] and "--dropout 0.1" in many[1] and "preset" not in many[1]
-    taken = epoch_plan(dataclasses.replace(s, eval_steps=10, load_best_at_end=True), seq_len=128,
-                       corpus_tokens=100 * 8 * 128 // 10, num_params=10**6, dropout=0.1)
-    assert "--dropout" not in taken[1] and "--load_best_at_end" not in taken[1]  # nothing the run already does
-    assert "--load_best_at_end true" in epoch_plan(dataclasses.replace(s, eval_steps=10), seq_len=128,
-                                                   corpus_tokens=1024, num_params=10**6)[1]
+    small = 100 * 8 * 128 // 10  # 10 epochs
+    many = epoch_plan(s, seq_len=128, corpus_tokens=small, num_params=10**6)
+    assert "10.0 epochs" in many[0] and many[1].startswith("warning: 10 epochs of one corpus for 1.0M parameters")
+    assert f"~{small / 20 / 1e6:.2f}M-parameter" in many[1] and "data-bound: epochs x params/token ~ 977" in many[1]
+    data_bound = REGIMES[1]
+    for flag in (f"--dropout {data_bound.dropout:g}", f"--weight_decay {data_bound.weight_decay:g}",
+                 "--load_best_at_end true", "--preset auto"):
+        assert flag in many[1], flag
+    # ten times the parameters: far data-bound, the rule's stronger dropout
+    far = epoch_plan(s, seq_len=128, corpus_tokens=small, num_params=10**7)[1]
+    assert "far data-bound" in far and f"--dropout {REGIMES[2].dropout:g}" in far
+    # what the run already does is not asked for; all of it: a note, not a warning
+    part = epoch_plan(dataclasses.replace(s, eval_steps=10, load_best_at_end=True), seq_len=128, corpus_tokens=small,
+                      num_params=10**6, dropout=0.1)[1]
+    assert "--dropout" not in part and "--load_best_at_end" not in part and "--weight_decay 2" in part
+    done = epoch_plan(dataclasses.replace(s, eval_steps=10, load_best_at_end=True, weight_decay=2.0), seq_len=128,
+                      corpus_tokens=small, num_params=10**6, dropout=0.1)
+    assert len(done) == 2 and done[1].startswith("note: 10 epochs") and "warning" not in done[1]
+    # many epochs of a model small for them (pressure under 0.8: 4 epochs of a compute-optimal model): no warning
+    assert len(epoch_plan(s, seq_len=128, corpus_tokens=small, num_params=500)) == 1
     # --auto chose the epochs and regularised for them (its line says so): no warning that contradicts it
-    chosen = epoch_plan(s, seq_len=128, corpus_tokens=100 * 8 * 128 // 10, num_params=10**6, auto=True)
+    chosen = epoch_plan(s, seq_len=128, corpus_tokens=small, num_params=10**6, auto=True)
     assert len(chosen) == 1 and "10.0 epochs" in chosen[0]
+
+
+def test_the_text_presets_are_regularised_as_the_rule_asks_for_their_corpus():
+    """zh-poetry-modern on all of zh-poetry (10.6M tokens, 110M parameters, 24.6 planned epochs): a note, no warning."""
+    from hf_cgpu.recipes import RECIPES, parse
+    from hf_cgpu.tasks.causal_lm import epoch_plan
+
+    gpt, train = parse(RECIPES["gpt"], ["--preset", "zh-poetry-modern"])
+    lines = epoch_plan(train, gpt.seq_len, corpus_tokens=10_639_176, num_params=110_120_000, dropout=gpt.dropout)
+    assert lines[1].startswith("note: 25 epochs") and "data-bound" in lines[1], lines
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..budget.auto import REGIMES, regime
 from ..budget.shape import ModelShape, RunShape
 from ..data.corpus import load_text_dataset
 from ..data.packing import pack_dataset, source_fingerprint
@@ -43,9 +44,9 @@ TOKENS_PER_PARAM = 20
 
 def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_params: int, processes: int = 1,
                dropout: float = 0.0, auto: bool = False) -> list[str]:
-    """Lines saying how many epochs the planned tokens are, and a warning where that many epochs over-fit, with the
-    remedies this run has not taken yet; none for ``auto`` (--auto chose the epochs and the regularisation for them,
-    and its line said why)."""
+    """Lines saying how many epochs the planned tokens are and, beyond ``MANY_EPOCHS`` of a model large for its
+    corpus, whether the run has the regularisation ``--preset auto``'s rule gives that over-fit pressure (a note) or
+    which of it is missing (a warning); nothing more for ``auto`` (its own line said what it chose and why)."""
     per_step = settings.samples_per_step(processes) * seq_len
     planned = settings.max_steps * per_step
     epochs = planned / max(1, corpus_tokens)
@@ -54,24 +55,39 @@ def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_pa
              + (f" at most: the cosine is fitted to --max_minutes {settings.max_minutes:g} once step "
                 f"{calibration_step(settings):,} is timed" if settings.fit_schedule_to_time
                 else f" (or fewer: --max_minutes {settings.max_minutes:g})" if settings.max_minutes else "")]
-    if epochs > MANY_EPOCHS and not auto:
-        supported = corpus_tokens / TOKENS_PER_PARAM
-        lines.append(
-            f"warning: {epochs:.0f} epochs of one corpus over-fit (beyond ~{MANY_EPOCHS} epochs repeated tokens are "
-            f"worth much less than new ones); at {TOKENS_PER_PARAM} tokens/parameter this corpus supports a "
-            f"~{supported / 1e6:.2f}M-parameter model per epoch (this one has {num_params / 1e6:.1f}M). "
-            + "; ".join(_over_fit_remedies(settings, per_step, corpus_tokens, dropout)))
+    pressure = epochs * num_params / max(1, corpus_tokens)
+    reg = regime(pressure)
+    if epochs <= MANY_EPOCHS or auto or reg is REGIMES[0]:  # few epochs, or a model small for them: no over-fit
+        return lines
+    where = (f"{epochs:.0f} epochs of one corpus for {num_params / 1e6:.1f}M parameters ({reg.name}: epochs x "
+             f"params/token ~ {pressure:,.3g}")
+    missing = _over_fit_remedies(settings, dropout, reg)
+    if not missing:
+        lines.append(f"note: {where}); the run has the regularisation measured for that and keeps its best weights")
+        return lines
+    supported = corpus_tokens / TOKENS_PER_PARAM
+    lines.append(
+        f"warning: {where}) over-fit without regularisation (beyond ~{MANY_EPOCHS} epochs repeated tokens are worth "
+        f"much less than new ones; at {TOKENS_PER_PARAM} tokens/parameter this corpus supports a "
+        f"~{supported / 1e6:.2f}M-parameter model per epoch). Add " + ", ".join(missing)
+        + "; or --preset auto, which chooses size, regularisation and schedule for the corpus and --max_minutes; "
+        "or use more data")
     return lines
 
 
-def _over_fit_remedies(settings: TrainSettings, per_step: int, corpus_tokens: int, dropout: float) -> list[str]:
-    """What this run could change against over-fitting, leaving out what it already does."""
-    steps = max(1, int(MANY_EPOCHS * corpus_tokens / per_step))
-    remedies = [f"Use more data, or --max_steps {steps:,} for {MANY_EPOCHS} epochs"]
-    if dropout == 0:
-        remedies.append("--dropout 0.1")
-    if settings.eval_steps and not settings.load_best_at_end:
-        remedies.append("--load_best_at_end true keeps the weights that validated best")
+def _over_fit_remedies(settings: TrainSettings, dropout: float, reg) -> list[str]:
+    """The flags of ``reg`` (the auto rule's regularisation for this pressure) and best-weight keeping that the run
+    lacks."""
+    remedies = []
+    if dropout < reg.dropout:
+        remedies.append(f"--dropout {reg.dropout:g}")
+    if settings.weight_decay < reg.weight_decay:
+        remedies.append(f"--weight_decay {reg.weight_decay:g}")
+    if settings.optimizer == "muon" and settings.optimizer_options.muon_weight_decay < reg.muon_weight_decay:
+        remedies.append(f"--muon_weight_decay {reg.muon_weight_decay:g}")
+    if not settings.load_best_at_end:
+        remedies.append("--load_best_at_end true (keeps the weights that validated best)"
+                        + ("" if settings.eval_steps else " with --eval_steps N"))
     return remedies
 
 
