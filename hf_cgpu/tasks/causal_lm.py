@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..budget.auto import REGIMES, regime
+from ..budget.auto import REGIMES, Regime, pressure, regime
 from ..budget.shape import ModelShape, RunShape
 from ..data.corpus import load_text_dataset
 from ..data.packing import pack_dataset, source_fingerprint
@@ -55,12 +55,12 @@ def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_pa
              + (f" at most: the cosine is fitted to --max_minutes {settings.max_minutes:g} once step "
                 f"{calibration_step(settings):,} is timed" if settings.fit_schedule_to_time
                 else f" (or fewer: --max_minutes {settings.max_minutes:g})" if settings.max_minutes else "")]
-    pressure = epochs * num_params / max(1, corpus_tokens)
-    reg = regime(pressure)
+    p = pressure(max(1, corpus_tokens), 6.0 * num_params * planned)  # the run's FLOPs, as the rule counts them
+    reg = regime(p)
     if epochs <= MANY_EPOCHS or auto or reg is REGIMES[0]:  # few epochs, or a model small for them: no over-fit
         return lines
     where = (f"{epochs:.0f} epochs of one corpus for {num_params / 1e6:.1f}M parameters ({reg.name}: epochs x "
-             f"params/token ~ {pressure:,.3g}")
+             f"params/token ~ {p:,.3g}")
     missing = _over_fit_remedies(settings, dropout, reg)
     if not missing:
         lines.append(f"note: {where}); the run has the regularisation measured for that and keeps its best weights")
@@ -75,7 +75,7 @@ def epoch_plan(settings: TrainSettings, seq_len: int, corpus_tokens: int, num_pa
     return lines
 
 
-def _over_fit_remedies(settings: TrainSettings, dropout: float, reg) -> list[str]:
+def _over_fit_remedies(settings: TrainSettings, dropout: float, reg: Regime) -> list[str]:
     """The flags of ``reg`` (the auto rule's regularisation for this pressure) and best-weight keeping that the run
     lacks."""
     remedies = []
