@@ -16,7 +16,7 @@ import torch
 
 from hf_cgpu.cli import main as cli_main
 from hf_cgpu.data.instruct import (IGNORE, build_rows, detect_format, encode, format_instruction_example,
-                                   instruction_splits, load_instruction_splits, to_messages)
+                                   instruction_splits, to_messages)
 from hf_cgpu.data.tokenizer import train_tokenizer
 from hf_cgpu.errors import DataError
 from hf_cgpu.gguf import smollm2_gguf
@@ -80,8 +80,11 @@ def test_rows_pad_cut_and_count(tmp_path):
 def test_validation_is_carved_when_missing(tmp_path):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) + "\n"
                                                   for i in range(40)))
-    splits, fmt = load_instruction_splits(str(tmp_path))
+    lines = []
+    splits, fmt = instruction_splits(str(tmp_path), "instruct", validation_fraction=0.05, log=lines.append)
     assert fmt == "prompt" and len(splits["validation"]) == 2 and len(splits["train"]) == 38
+    assert lines == [f"note: {str(tmp_path)!r} has no validation split: 2 of its 40 examples are held out as one "
+                     "(the same examples in every run and in hf-cgpu eval)"]
     assert not set(splits["validation"]["prompt"]) & set(splits["train"]["prompt"])
 
 
@@ -268,7 +271,9 @@ def test_bad_instruction_rows_are_skipped_and_counted_when_asked(tmp_path):
     lines = []
     splits, _ = instruction_splits(str(tmp_path), "auto", skip_bad_rows=True, log=lines.append)
     assert lines == [(f"skipped 2 rows without a string 'output' (first: row 12 of {tmp_path / 'train.jsonl'}, "
-                      "line 13)")]
+                      "line 13)"),
+                     (f"note: {str(tmp_path)!r} has no validation split: {len(splits['validation'])} of its 58 examples "
+                      "are held out as one (the same examples in every run and in hf-cgpu eval)")]
     outputs = [*splits["train"]["output"], *splits["validation"]["output"]]
     assert len(outputs) == 58 and None not in outputs
 

@@ -105,10 +105,13 @@ def test_missing_column_is_one_line_error_naming_columns_and_setting():
 def test_text_files_split_by_paragraph_drop_empty_and_carve_validation(tmp_path):
     docs = [f"document {i}\nsecond line of {i}" for i in range(40)]
     (tmp_path / "corpus.txt").write_text("\n\n".join(docs) + "\n\n\n\n   \n\n", encoding="utf-8")
-    ds = load_text_dataset(str(tmp_path / "corpus.txt"), validation_fraction=0.1, seed=3)
+    notes = []
+    ds = load_text_dataset(str(tmp_path / "corpus.txt"), validation_fraction=0.1, seed=3, log=notes.append)
     got = sorted([*ds["train"]["text"], *ds["validation"]["text"]])
     assert got == sorted(docs)  # whitespace-only paragraph dropped
     assert len(ds["validation"]) >= 4
+    held = f"{len(ds['validation'])} of its 40 documents are held out"
+    assert [n for n in notes if "no validation split" in n] == [next(n for n in notes if held in n)]  # said, counted
     assert not set(ds["train"]["text"]) & set(ds["validation"]["text"])
 
 

@@ -85,6 +85,10 @@ def load_text_dataset(
         validation = splits["validation"]
     elif carve:
         train, validation = carve_validation(train, text_column, validation_fraction, seed, name)
+        if not named_as_train(source):  # that note already says so
+            (log or _stderr)(f"note: dataset {name!r} has no validation split: {len(validation):,} of its "
+                             f"{len(splits['train']):,} documents are held out as one (the same documents in every "
+                             "run and in hf-cgpu eval)")
     else:
         validation = train
     if len(train) == 0 or len(validation) == 0:

@@ -274,6 +274,8 @@ def instruction_splits(source: str | None, data_format: str = "auto", text_colum
             raise DataError(f"{source!r} has {n} example(s); need at least 2 to carve a validation split")
         cut = splits["train"].train_test_split(test_size=max(1, round(validation_fraction * n)), seed=seed)
         splits = {"train": cut["train"], "validation": cut["test"]}
+        (log or _stderr)(f"note: {source!r} has no validation split: {len(cut['test']):,} of its {n:,} examples are "
+                         "held out as one (the same examples in every run and in hf-cgpu eval)")
     return splits, fmt
 
 
