@@ -242,6 +242,11 @@ def test_a_run_prints_one_line_records_the_choice_and_a_resume_keeps_it(tmp_path
     budget = budget_run([*TINY[2:], "--max_minutes", "0.2", "--max_steps", "4", "--peak_tflops", "5",
                          "--corpus_tokens", tokens.replace(",", ""), "--vocab_size", vocab])
     assert lines[0] in [x.strip() for x in budget.splitlines()]
+    # or from the corpus itself: counted as the run made its tokens (the tokenizer is the one the run reused)
+    budget = budget_run([*TINY[2:], "--max_minutes", "0.2", "--max_steps", "4", "--peak_tflops", "5",
+                         "--dataset", "builtin"])
+    assert lines[0] in [x.strip() for x in budget.splitlines()]
+    assert f"training split is {tokens} tokens of a {int(vocab):,}-token vocabulary" in budget
     chosen = json.loads((out / CHOICE_FILE).read_text())["settings"]
     assert chosen["dropout"] == 0.1
     saved = json.loads((out / "all_results.json").read_text())["settings"]

@@ -192,7 +192,7 @@ BAD: dict[str, list[tuple]] = {
                (["budget", "--config", _gpt2_config, "--seq_len", "4096"], "use --seq_len 1024"),  # a position table
                (["budget", "--config", "{tmp}/none.json"], "no config.json"),
                (["budget", "--memory_cap", "16XB"], "e.g. 16GB"),
-               (["budget", "--preset", "auto"], "add --corpus_tokens N"),
+               (["budget", "--preset", "auto"], "or --dataset PATH"),
                (["budget", "--preset", "tiny", "--corpus_tokens", "1000"], "add --preset auto or drop it")],
     "bench": [(["bench"], "no CUDA device"), (["bench", "--iters", "x"], "invalid int value")],
     "generate": [(["generate", "{tmp}/nope", "hello"], "not found"),

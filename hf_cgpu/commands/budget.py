@@ -9,6 +9,7 @@ LM instead (a local config.json, or a Hub id), as the fine-tuning recipe would t
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,7 @@ class BudgetSettings:
     """With --num_processes > 1: FSDP2 (recipes/accelerate/fsdp2.yaml, states sharded) instead of DDP (ddp.yaml)."""
     corpus_tokens: int = 0
     """With --preset auto (--auto): the training split's token count to choose the run for (a run prints it as
-    "train N tokens"); the report shows the choice and prices the chosen run."""
+    "train N tokens"); the report shows the choice and prices the chosen run. 0 with --dataset: counted from it."""
 
     def __post_init__(self) -> None:
         if self.num_processes < 1:
@@ -188,8 +189,7 @@ def _describe(argv: Sequence[str] | None = None):
                                           epilog=budget_epilog(), fixed={"train_mode": "pretrain"})
         notes = []
         if gpt.auto:
-            gpt, train, line = auto_budget(gpt, train, opts)
-            notes.append(line)
+            gpt, train, notes = auto_budget(gpt, train, opts)
         elif opts.corpus_tokens:
             raise SettingsError("--corpus_tokens is what --preset auto chooses the run for: add --preset auto or "
                                 "drop it")
@@ -212,15 +212,24 @@ def _describe(argv: Sequence[str] | None = None):
 
 def auto_budget(gpt: GPTSettings, train: TrainSettings, opts: BudgetSettings):
     """--preset auto without training: the choice for --corpus_tokens on this card (the peak the time ledger uses)."""
-    from ..tasks.auto import resolve
+    from ..tasks.auto import given, resolve
 
     gpt.check_with(train)
-    if not opts.corpus_tokens:
+    tokens, vocab, counted = opts.corpus_tokens, None, ""
+    if not tokens and "dataset" in given(gpt):  # counted as the run will pack them; the run reuses the caches
+        from ..tasks.causal_lm import train_split_tokens
+
+        tokens, vocab = train_split_tokens(gpt, log=lambda line: print(line, file=sys.stderr))
+        counted = (f"corpus: {gpt.dataset}'s training split is {tokens:,} tokens of a {vocab:,}-token vocabulary "
+                   "(counted as the run makes them)")
+    if not tokens:
         raise SettingsError("--preset auto chooses the run for a corpus: add --corpus_tokens N (the training split's "
-                            "tokens, as a run prints them)")
+                            "tokens, as a run prints them) or --dataset PATH (counted as the run makes them)")
     peak, _ = peak_tflops(train.peak_tflops, assumed=ASSUMED_PEAK_TFLOPS)
-    return resolve(gpt, dataclasses.replace(train, resume_from_checkpoint=""), opts.corpus_tokens,
-                   peak * 1e12 * opts.mfu * opts.num_processes, Path("."), processes=opts.num_processes, save=False)
+    gpt, train, line = resolve(gpt, dataclasses.replace(train, resume_from_checkpoint=""), tokens,
+                               peak * 1e12 * opts.mfu * opts.num_processes, Path("."), vocab_size=vocab,
+                               processes=opts.num_processes, save=False)
+    return gpt, train, [counted, line] if counted else [line]
 
 
 def budget_epilog() -> str:

@@ -91,6 +91,38 @@ def _over_fit_remedies(settings: TrainSettings, dropout: float, reg: Regime) -> 
     return remedies
 
 
+def tokenizer_key(cfg: GPTSettings, train) -> dict[str, Any]:
+    """What a trained tokenizer is made from: its settings and the training split's content."""
+    return {"vocab_size": cfg.vocab_size, "tokenizer_train_docs": cfg.tokenizer_train_docs,
+            "text_column": cfg.text_column, "source": source_fingerprint(train, cfg.text_column)}
+
+
+def corpus_tokenizer(cfg: GPTSettings, train, key: dict[str, Any], log=print):
+    """A byte-level BPE trained on (at most ``tokenizer_train_docs`` of) the training split, or the one an earlier
+    run or ``hf-cgpu budget`` trained from the same data and settings (``cached_tokenizer``)."""
+    if len(train) > cfg.tokenizer_train_docs:
+        train = train.shuffle(seed=0).select(range(cfg.tokenizer_train_docs))
+    tok, reused = cached_tokenizer(key, cfg.cache_dir or None,
+                                   lambda: train_tokenizer(train[cfg.text_column], vocab_size=cfg.vocab_size))
+    if reused is not None:
+        log(f"tokenizer: trained by an earlier run on the same data and settings, reused from {reused}")
+    return tok
+
+
+def train_split_tokens(cfg: GPTSettings, log=print) -> tuple[int, int]:
+    """(the training split's tokens, the tokenizer's vocabulary) as a run of ``cfg`` makes them (``--preset auto``
+    chooses for these), through the same caches: the run then reuses the tokenizer and the packed tokens."""
+    check_dataset(cfg.dataset)
+    ds = load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column, log=log)
+    if cfg.tokenizer:
+        tok = load_tokenizer(cfg.tokenizer, "tokenizer given by --tokenizer")
+    else:
+        tok = corpus_tokenizer(cfg, ds["train"], tokenizer_key(cfg, ds["train"]), log)
+    data = pack_dataset(ds["train"], tok, seq_len=cfg.seq_len, cache_dir=cfg.cache_dir or None,
+                        num_proc=cfg.num_proc or None, text_column=cfg.text_column, log=log, split="train")
+    return data.n_tokens, len(tok)
+
+
 class CausalLMTask(PackedTokensTask):
     card = "gpt"
 
@@ -153,8 +185,7 @@ class CausalLMTask(PackedTokensTask):
         if cfg.tokenizer:
             return load_tokenizer(cfg.tokenizer, "tokenizer given by --tokenizer")
         saved = out / "tokenizer"
-        key = {"vocab_size": cfg.vocab_size, "tokenizer_train_docs": cfg.tokenizer_train_docs,
-               "text_column": cfg.text_column, "source": source_fingerprint(ds["train"], cfg.text_column)}
+        key = tokenizer_key(cfg, ds["train"])
         if (saved / "tokenizer.json").is_file():
             # resume: the same ids as the checkpoint (its fingerprint checks them)
             if resume or tokenizer_made_from(saved) == key:
@@ -168,13 +199,7 @@ class CausalLMTask(PackedTokensTask):
                             "need it: copy the tokenizer files back from the model folder or best/, or start a fresh "
                             "--output_dir") from None
                     # not resuming: nothing depends on it yet, so a new one is trained (and saved atomically)
-        train = ds["train"]
-        if len(train) > cfg.tokenizer_train_docs:
-            train = train.shuffle(seed=0).select(range(cfg.tokenizer_train_docs))
-        tok, reused = cached_tokenizer(key, cfg.cache_dir or None,
-                                       lambda: train_tokenizer(train[cfg.text_column], vocab_size=cfg.vocab_size))
-        if reused is not None:
-            log(f"tokenizer: trained by an earlier run on the same data and settings, reused from {reused}")
+        tok = corpus_tokenizer(cfg, ds["train"], key, log)
         save_tokenizer(tok, saved, key)
         return tok
 
