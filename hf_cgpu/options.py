@@ -27,6 +27,8 @@ MIXED_PRECISIONS = ("auto", "bf16", "no")
 """auto: bf16 autocast where the GPU has it, else fp32."""
 DATA_ORDERS = ("shifted", "random", "fixed")
 """How a language-model task cuts training windows from its token stream (``hf_cgpu.data.windows.WindowOrder``)."""
+ATTN_IMPLEMENTATIONS = ("sdpa", "flex_attention", "eager")
+"""Attention kernels a GPT run may train with (transformers' ``ALL_ATTENTION_FUNCTIONS``)."""
 TIME_SAMPLINGS = ("uniform", "logit_normal")
 """Training-time distributions of flow matching (``hf_cgpu.flow.matching.FlowMatcher``)."""
 
@@ -50,5 +52,5 @@ def check_tier(tier: str, train_mode: str = "") -> None:
                             "learns nothing; use --tier full or --tier adamw8bit for pretraining")
 
 
-__all__ = ["ADAPTER_TIERS", "COMPILE_MODES", "CUDA_GRAPH_MODES", "DATA_ORDERS", "MIXED_PRECISIONS",
-           "RECOMPUTE_POLICIES", "TIERS", "TIME_SAMPLINGS", "TRAIN_MODES", "check_choice", "check_tier"]
+__all__ = ["ADAPTER_TIERS", "ATTN_IMPLEMENTATIONS", "COMPILE_MODES", "CUDA_GRAPH_MODES", "DATA_ORDERS",
+           "MIXED_PRECISIONS", "RECOMPUTE_POLICIES", "TIERS", "TIME_SAMPLINGS", "TRAIN_MODES", "check_choice", "check_tier"]

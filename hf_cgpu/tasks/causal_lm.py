@@ -135,6 +135,9 @@ class CausalLMTask(PackedTokensTask):
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         cfg, out = self.cfg, Path(settings.output_dir)
         check_dataset(cfg.dataset)
+        if cfg.attn_implementation == "flex_attention" and accelerator.device.type != "cuda":
+            raise SettingsError(f"--attn_implementation flex_attention trains on CUDA only (torch has no "
+                                f"{accelerator.device.type} backward for it); use sdpa here")
         ds = load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column,
                                log=accelerator.print)
         with accelerator.main_process_first():
@@ -155,6 +158,8 @@ class CausalLMTask(PackedTokensTask):
         config = cfg.model_config(vocab, self.tokenizer.eos_token_id)
         check_vocab(self.tokenizer, config.vocab_size)
         model = CgptForCausalLM(config)
+        if cfg.attn_implementation != model.config._attn_implementation:
+            model.set_attn_implementation(cfg.attn_implementation)
         model.train()
         num_params = sum(p.numel() for p in model.parameters())
         accelerator.print(

@@ -14,7 +14,7 @@ from ..errors import SettingsError
 from ..flow.samplers import check_sampler, parse_interval, sampler_names
 from ..models import cgpt
 from ..models.cgpt.options_cgpt import CgptOptions
-from ..options import DATA_ORDERS, TIME_SAMPLINGS, check_choice
+from ..options import ATTN_IMPLEMENTATIONS, DATA_ORDERS, TIME_SAMPLINGS, check_choice
 from ..settings import FIXED
 
 
@@ -36,6 +36,10 @@ class GPTSettings(CgptOptions):
     so a token attends only to its own document and its position counts from the document's start (a T x T mask per
     row). EOS ends its document; its target, the next document's first token, stays scored, so loss and bits/char
     compare with a run without it. Recorded in config.json, so hf-cgpu eval scores the same way."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel, through transformers' attention interface: sdpa, or flex_attention (its block mask skips
+    the tiles between documents under --document_masking, where sdpa reads a dense T x T mask; compiled with the
+    model on CUDA). The same attention either way, so a resume may change it; the saved model loads with sdpa."""
     dataset: str = "builtin"
     """Text source: 'builtin' (Python's pydoc topics), a directory/files of parquet/json/txt, or a Hub id."""
     text_column: str = "text"
@@ -74,6 +78,7 @@ class GPTSettings(CgptOptions):
         if self.seq_len < 2:
             raise SettingsError("seq_len must be at least 2")
         check_choice("data_order", self.data_order, DATA_ORDERS)
+        check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
 
     def model_config_kwargs(self, vocab_size: int, eos_token_id: int) -> dict[str, Any]:
         """The ``CgptConfig`` arguments of this run: its architecture options, the tokenizer's vocabulary and end of
