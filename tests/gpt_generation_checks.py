@@ -1,6 +1,6 @@
 """hf_cgpu's equivalents of the key checks of transformers' ``GenerationTesterMixin`` (tests/generation/test_utils.py).
 
-The transformers 5.24.0 sdist ships only ``tests/*.py``: ``test_modeling_common.py`` is vendored under tests/upstream/,
+The transformers 5.25.0 sdist ships only ``tests/*.py``: ``test_modeling_common.py`` is vendored under tests/upstream/,
 its ``tests/generation/`` is not in the release files, so this mixin stands in for it (written for this repository,
 not copied). It needs what the upstream mixin needs: ``self.model_tester.prepare_config_and_inputs_for_common()`` and
 ``self.all_generative_model_classes``. Every check compares generate() against an independent reference (a loop of

@@ -1,4 +1,4 @@
-"""transformers' own ModelTesterMixin (vendored from the 5.24.0 release, tests/upstream/) on a tiny CgptForCausalLM.
+"""transformers' own ModelTesterMixin (vendored from the 5.25.0 release, tests/upstream/) on a tiny CgptForCausalLM.
 
 GenerationTesterMixin is hf_cgpu's stand-in (tests/gpt_generation_checks.py): the release's tests/generation/ is not
 in the sdist. With another transformers (the GPU machine's 5.17) the vendored module may not import: then only the
@@ -29,7 +29,7 @@ except ImportError as err:  # the vendored sources follow the installed transfor
         pass
 
     GenerationTesterMixin = GenerationChecks
-    UPSTREAM_MISSING = (f"tests/upstream holds transformers 5.24.0's test sources, which do not import with "
+    UPSTREAM_MISSING = (f"tests/upstream holds transformers 5.25.0's test sources, which do not import with "
                         f"transformers {transformers.__version__} ({err}): refresh them (tests/upstream/README.md)")
 
 from transformers.models.auto import modeling_auto

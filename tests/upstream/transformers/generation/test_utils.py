@@ -1,4 +1,4 @@
-"""Stand-in, NOT upstream code: the transformers 5.24.0 sdist ships only ``tests/*.py``, without ``tests/generation/``.
+"""Stand-in, NOT upstream code: the transformers 5.25.0 sdist ships only ``tests/*.py``, without ``tests/generation/``.
 
 ``test_modeling_common`` imports ``GenerationTesterMixin`` from here (``test_generation_tester_mixin_inheritance``
 checks that a generative model's tester inherits it). hf_cgpu's equivalents of the upstream generation checks are
