@@ -291,6 +291,24 @@ def test_sigterm_is_caught_inside_and_the_handler_restored():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.parametrize("when", ["before", "inside"])
+def test_ctrl_c_names_the_stop_whenever_the_launchers_sigterm_is_handled(when, monkeypatch):
+    """accelerate's launcher answers Ctrl-C with a SIGTERM to its child at once: handled before the SIGINT, or
+    between two lines of its handler (here: while it writes its message), the stop is still the Ctrl-C."""
+    import hf_cgpu.train.stopping as stopping
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default handler here (a background process)")
+    with Stopping(max_minutes=0) as stop:
+        if when == "before":
+            signal.raise_signal(signal.SIGTERM)
+        else:
+            write = stopping.os.write
+            monkeypatch.setattr(stopping.os, "write", lambda fd, b: (signal.raise_signal(signal.SIGTERM), write(fd, b)))
+        signal.raise_signal(signal.SIGINT)
+        assert stop.signalled and stop.signal_name == "SIGINT"
+
+
 class TermAt(ToyTask):
     def loss(self, model, batch, generator):
         if self.calls == 2 * 4:  # during step 5 (two micro-batches a step)

@@ -97,10 +97,13 @@ class Stopping:
         self.signalled = True
 
     def _on_interrupt(self, signum, frame) -> None:
-        """The first Ctrl-C: end this step, checkpoint, stop; the next one raises ``KeyboardInterrupt`` at once."""
+        """The first Ctrl-C: end this step, checkpoint, stop; the next one raises ``KeyboardInterrupt`` at once. It
+        names the stop even where the SIGTERM accelerate's launcher sends at once was handled first, or runs between
+        two lines of this handler (hence ``signalled`` before the name)."""
+        self.signalled = True
+        self.signal_name = "SIGINT"
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.write(2, b"\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once)\n")
-        self._on_term(signum, frame)
 
     def poll(self, accelerator=None) -> tuple[bool, bool]:
         """(signalled, out of time), the same on every process (any rank's signal or deadline counts)."""
