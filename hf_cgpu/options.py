@@ -53,4 +53,5 @@ def check_tier(tier: str, train_mode: str = "") -> None:
 
 
 __all__ = ["ADAPTER_TIERS", "ATTN_IMPLEMENTATIONS", "COMPILE_MODES", "CUDA_GRAPH_MODES", "DATA_ORDERS",
-           "MIXED_PRECISIONS", "RECOMPUTE_POLICIES", "TIERS", "TIME_SAMPLINGS", "TRAIN_MODES", "check_choice", "check_tier"]
+           "MIXED_PRECISIONS", "RECOMPUTE_POLICIES", "TIERS", "TIME_SAMPLINGS", "TRAIN_MODES", "check_choice",
+           "check_tier"]

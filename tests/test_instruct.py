@@ -272,8 +272,8 @@ def test_bad_instruction_rows_are_skipped_and_counted_when_asked(tmp_path):
     splits, _ = instruction_splits(str(tmp_path), "auto", skip_bad_rows=True, log=lines.append)
     assert lines == [(f"skipped 2 rows without a string 'output' (first: row 12 of {tmp_path / 'train.jsonl'}, "
                       "line 13)"),
-                     (f"note: {str(tmp_path)!r} has no validation split: {len(splits['validation'])} of its 58 examples "
-                      "are held out as one (the same examples in every run and in hf-cgpu eval)")]
+                     (f"note: {str(tmp_path)!r} has no validation split: {len(splits['validation'])} of its 58 "
+                      "examples are held out as one (the same examples in every run and in hf-cgpu eval)")]
     outputs = [*splits["train"]["output"], *splits["validation"]["output"]]
     assert len(outputs) == 58 and None not in outputs
 

@@ -299,14 +299,14 @@ def test_ctrl_c_names_the_stop_whenever_the_launchers_sigterm_is_handled(when, m
 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default handler here (a background process)")
-    with Stopping(max_minutes=0) as stop:
+    write = stopping.os.write
+    with Stopping(max_minutes=0) as stop, monkeypatch.context() as patch:  # os.write restored while SIGTERM is caught
         if when == "before":
             signal.raise_signal(signal.SIGTERM)
         else:
-            write = stopping.os.write
-            monkeypatch.setattr(stopping.os, "write", lambda fd, b: (signal.raise_signal(signal.SIGTERM), write(fd, b)))
+            patch.setattr(stopping.os, "write", lambda fd, b: (signal.raise_signal(signal.SIGTERM), write(fd, b)))
         signal.raise_signal(signal.SIGINT)
-        assert stop.signalled and stop.signal_name == "SIGINT"
+    assert stop.signalled and stop.signal_name == "SIGINT"
 
 
 class TermAt(ToyTask):

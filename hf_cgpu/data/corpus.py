@@ -60,8 +60,9 @@ def load_text_dataset(
     if not 0.0 < validation_fraction < 1.0:
         raise DataError(f"validation_fraction={validation_fraction} must be in (0, 1); e.g. 0.005")
     splits = load_splits(source, text_column)
-    if carve and named_as_train(source):
-        (log or _stderr)(named_as_train(source))
+    named = named_as_train(source) if carve else ""
+    if named:
+        (log or _stderr)(named)
     name = source or BUILTIN
     for split, ds in splits.items():
         if text_column not in ds.column_names:
@@ -85,7 +86,7 @@ def load_text_dataset(
         validation = splits["validation"]
     elif carve:
         train, validation = carve_validation(train, text_column, validation_fraction, seed, name)
-        if not named_as_train(source):  # that note already says so
+        if not named:  # that note already says so
             (log or _stderr)(f"note: dataset {name!r} has no validation split: {len(validation):,} of its "
                              f"{len(splits['train']):,} documents are held out as one (the same documents in every "
                              "run and in hf-cgpu eval)")

@@ -109,18 +109,29 @@ def corpus_tokenizer(cfg: GPTSettings, train, key: dict[str, Any], log=print):
     return tok
 
 
+def load_corpus(cfg: GPTSettings, log=print):
+    """The run's ``DatasetDict(train, validation)`` of ``--dataset``."""
+    check_dataset(cfg.dataset)
+    return load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column, log=log)
+
+
+def given_tokenizer(cfg: GPTSettings):
+    return load_tokenizer(cfg.tokenizer, "tokenizer given by --tokenizer")
+
+
+def pack(cfg: GPTSettings, split_ds, tokenizer, split: str, log=print):
+    """``split_ds`` packed as the run packs it (the same cache key)."""
+    return pack_dataset(split_ds, tokenizer, seq_len=cfg.seq_len, cache_dir=cfg.cache_dir or None,
+                        num_proc=cfg.num_proc or None, text_column=cfg.text_column, log=log, split=split)
+
+
 def train_split_tokens(cfg: GPTSettings, log=print) -> tuple[int, int]:
     """(the training split's tokens, the tokenizer's vocabulary) as a run of ``cfg`` makes them (``--preset auto``
     chooses for these), through the same caches: the run then reuses the tokenizer and the packed tokens."""
-    check_dataset(cfg.dataset)
-    ds = load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column, log=log)
-    if cfg.tokenizer:
-        tok = load_tokenizer(cfg.tokenizer, "tokenizer given by --tokenizer")
-    else:
-        tok = corpus_tokenizer(cfg, ds["train"], tokenizer_key(cfg, ds["train"]), log)
-    data = pack_dataset(ds["train"], tok, seq_len=cfg.seq_len, cache_dir=cfg.cache_dir or None,
-                        num_proc=cfg.num_proc or None, text_column=cfg.text_column, log=log, split="train")
-    return data.n_tokens, len(tok)
+    ds = load_corpus(cfg, log)
+    train = ds["train"]
+    tok = given_tokenizer(cfg) if cfg.tokenizer else corpus_tokenizer(cfg, train, tokenizer_key(cfg, train), log)
+    return pack(cfg, train, tok, "train", log).n_tokens, len(tok)
 
 
 class CausalLMTask(PackedTokensTask):
@@ -133,21 +144,15 @@ class CausalLMTask(PackedTokensTask):
 
     # ---- data and model
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
-        cfg, out = self.cfg, Path(settings.output_dir)
-        check_dataset(cfg.dataset)
+        cfg, out, log = self.cfg, Path(settings.output_dir), accelerator.print
         if cfg.attn_implementation == "flex_attention" and accelerator.device.type != "cuda":
             raise SettingsError(f"--attn_implementation flex_attention trains on CUDA only (torch has no "
                                 f"{accelerator.device.type} backward for it); use sdpa here")
-        ds = load_text_dataset(None if cfg.dataset == "builtin" else cfg.dataset, text_column=cfg.text_column,
-                               log=accelerator.print)
+        ds = load_corpus(cfg, log)
         with accelerator.main_process_first():
-            self.tokenizer = self._tokenizer(ds, out, resume=bool(settings.resume_from_checkpoint),
-                                             log=accelerator.print)
-            cache = cfg.cache_dir or None
-            kw = dict(seq_len=cfg.seq_len, cache_dir=cache, num_proc=cfg.num_proc or None, text_column=cfg.text_column,
-                      log=accelerator.print)
-            self.train_data = pack_dataset(ds["train"], self.tokenizer, split="train", **kw)
-            self.val_data = pack_dataset(ds["validation"], self.tokenizer, split="validation", **kw)
+            self.tokenizer = self._tokenizer(ds, out, resume=bool(settings.resume_from_checkpoint), log=log)
+            self.train_data = pack(cfg, ds["train"], self.tokenizer, "train", log)
+            self.val_data = pack(cfg, ds["validation"], self.tokenizer, "validation", log)
         vocab = len(self.tokenizer)
         self.val_texts = [t for t in ds["validation"][cfg.text_column][:50] if t.strip()]
         chosen = None
@@ -188,7 +193,7 @@ class CausalLMTask(PackedTokensTask):
         one an earlier run trained from the same data and settings when the cache has it (``cached_tokenizer``)."""
         cfg = self.cfg
         if cfg.tokenizer:
-            return load_tokenizer(cfg.tokenizer, "tokenizer given by --tokenizer")
+            return given_tokenizer(cfg)
         saved = out / "tokenizer"
         key = tokenizer_key(cfg, ds["train"])
         if (saved / "tokenizer.json").is_file():
