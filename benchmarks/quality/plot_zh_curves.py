@@ -4,9 +4,9 @@ quality (the seed recipe's 7-minute 5.74 by default), from the run folders' hist
     python benchmarks/quality/plot_zh_curves.py --run "preset=RESULTS_DIR_A" --run "+value embeddings=DIR_B" \
         --out curves.png [--target 5.74]
 
-Minutes are the loop's own clock (what --max_minutes counts, the first step's compile included): a step's time is
-the run's training seconds spread evenly over its steps after the first (the runs log no per-step clock; the
-compile, evaluations and best-weight saves, which are in those seconds, are spread with them). The time to the target
+Minutes are the loop's own clock after the first step (its compile left out): a step's time is
+the run's training seconds after the first step spread evenly over the steps after it (the runs log no per-step
+clock; the evaluations and best-weight saves, which are in those seconds, are spread with them). The time to the target
 is interpolated linearly between the two evaluations around the crossing; the table also gives it in steps alone
 (the crossing step times the steady step time of the logging windows, which leave out evaluation and saving, the
 first window, which holds the compile, left out too).
@@ -38,7 +38,9 @@ def load(folder: Path) -> tuple[list[tuple[int, float]], float, int]:
     res = json.loads((folder / "all_results.json").read_text())
     curve = sorted((e["step"], e["eval/val_bpc"]) for e in hist if "eval/val_bpc" in e and e["step"] > 0)
     steps = int(res["steps"])
-    per_step = float(res["train_seconds"]) / max(1, steps - 1)
+    # the first step (its compile) is left out: the axis counts training after it
+    first = float(res.get("seconds_to_first_step") or 0.0)
+    per_step = (float(res["train_seconds"]) - first) / max(1, steps - 1)
     return curve, per_step, steps
 
 

@@ -277,7 +277,9 @@ class CgptAttention(nn.Module):
             k,
             v,
             attention_mask,
-            dropout=self.dropout if self.training else 0.0,
+            # FlexAttention has no dropout of the attention weights (transformers refuses it): there the residual and
+            # MLP dropout carry the regularisation alone.
+            dropout=self.dropout if self.training and implementation != "flex_attention" else 0.0,
             scaling=self.scaling,
             **kwargs,
         )  # y (B, T, nh, hs)
