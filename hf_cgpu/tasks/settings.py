@@ -40,7 +40,7 @@ class GPTSettings(CgptOptions):
     """Attention kernel, through transformers' attention interface: sdpa, or flex_attention (its block mask skips
     the tiles between documents under --document_masking, where sdpa reads a dense T x T mask; compiled with the
     model on CUDA; it has no attention-weight dropout, so --dropout acts on the residual and MLP only). The same
-    attention either way, so a resume may change it; the saved model loads with sdpa."""
+    attention either way (that dropout aside), so a resume may change it; the saved model loads with sdpa."""
     dataset: str = "builtin"
     """Text source: 'builtin' (Python's pydoc topics), a directory/files of parquet/json/txt, or a Hub id."""
     text_column: str = "text"
