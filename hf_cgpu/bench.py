@@ -1,8 +1,10 @@
 """Measure this GPU: copy bandwidth and bf16 matmul rate, the denominators of every time and MFU estimate.
 
 ``hf-cgpu bench`` (or ``python -m hf_cgpu.bench``) prints the device, its memory and compute capability, the
-read + write bandwidth of a device-to-device copy of a 256 MiB bf16 tensor, and bf16 matmul TFLOP/s at 2048, 4096
-and 8192 (warm-up, CUDA-event timing, median of several repeats). The result goes to
+read + write bandwidth of a device-to-device copy of a 256 MiB bf16 tensor, bf16 matmul TFLOP/s at square sizes from
+256 to 8192 (warm-up, CUDA-event timing, median of several repeats), the host time of one eager PyTorch op and the
+device time of one kernel replayed from a CUDA graph: what the time ledger (``budget.time.step_time``) prices a step
+with. The result goes to
 ``$HF_CGPU_CACHE/bench.json`` (default ``~/.cache/hf_cgpu/bench.json``); ``load_measured_peak()`` reads it back for
 the trainer's MFU and for ``hf-cgpu budget``'s hours. Datasheet numbers are upper bounds: a card reaches less than its
 nominal bandwidth and matmul rate, so its own measured matmul rate is the honest MFU denominator.
@@ -24,7 +26,11 @@ from .paths import bench_file
 
 COPY_BYTES = 256 * 1024**2
 """Size of the copied tensor: large enough to defeat the L2 cache (64-96 MB on current cards)."""
-MATMUL_SIZES = (2048, 4096, 8192)
+MATMUL_SIZES = (256, 512, 1024, 2048, 4096, 8192)
+BENCH_FORMAT = 2
+"""2: launch latencies and the matmul curve from 256 (1: three matmul sizes, no launch figures)."""
+LAUNCH_OPS = 2000
+"""Tiny ops timed for the launch latencies."""
 WARMUP = 5
 ITERS = 20
 """Calls per timed repeat: long enough that launch overhead is negligible for the small sizes."""
@@ -47,6 +53,14 @@ class BenchResult:
     torch_version: str = ""
     cuda_version: str | None = None
     measured_at: str = ""
+    launch_us: float = 0.0
+    """Host microseconds per eager op on a one-element tensor (Python dispatch + launch): a launch-bound step's
+    rate."""
+    graph_launch_us: float = 0.0
+    """Device microseconds per kernel replayed from a CUDA graph."""
+    host: str = ""
+    """The machine's name (``platform.node()``): a bench file copied from another machine is refused."""
+    format: int = BENCH_FORMAT
 
     @property
     def peak_bf16_tflops(self) -> float:
@@ -69,6 +83,10 @@ class BenchResult:
             torch_version=str(d.get("torch_version", "")),
             cuda_version=d.get("cuda_version"),
             measured_at=str(d.get("measured_at", "")),
+            launch_us=float(d.get("launch_us", 0.0)),
+            graph_launch_us=float(d.get("graph_launch_us", 0.0)),
+            host=str(d.get("host", "")),
+            format=int(d.get("format", 1)),
         )
 
 
@@ -88,6 +106,27 @@ def load_result(path: str | Path | None = None) -> BenchResult | None:
         return BenchResult.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def load_checked(path: str | Path | None = None) -> BenchResult | None:
+    """The saved bench of this machine for the time ledger, None when there is none; a file of an older format or
+    from another machine is one line naming the fix."""
+    import platform
+
+    path = Path(path) if path else bench_file()
+    if not path.is_file():
+        return None
+    result = load_result(path)
+    if result is None:
+        raise SettingsError(f"{path} is not a bench result hf_cgpu can read: run `hf-cgpu bench` again (it rewrites "
+                            "it) or delete it")
+    if result.format < BENCH_FORMAT:
+        raise SettingsError(f"{path} was written by an older hf-cgpu bench (format {result.format}, no launch "
+                            "figures): run `hf-cgpu bench` again, or name the card with --card")
+    if result.host and result.host != platform.node():
+        raise SettingsError(f"{path} was measured on another machine ({result.host}, {result.device_name}): run "
+                            "`hf-cgpu bench` here, or name the card with --card")
+    return result
 
 
 def load_measured_peak(path: str | Path | None = None) -> float | None:
@@ -143,11 +182,40 @@ def measure_matmul(size: int, **timing: int) -> float:
     return 2 * size**3 / dt / 1e12
 
 
+def measure_launch(ops: int = LAUNCH_OPS) -> tuple[float, float]:
+    """(host us per eager op, device us per kernel in a CUDA graph) of an in-place add on a one-element tensor."""
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    for _ in range(50):
+        x.add_(1)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(ops):
+        x.add_(1)
+    torch.cuda.synchronize()
+    eager = (time.perf_counter() - t0) / ops * 1e6
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        for _ in range(200):
+            x.add_(1)
+    replay = time_cuda(graph.replay, warmup=2, iters=max(1, ops // 200), repeats=3)
+    return eager, replay / 200 * 1e6
+
+
 def run_bench(sizes: Sequence[int] = MATMUL_SIZES, copy_bytes: int = COPY_BYTES, **timing: int) -> BenchResult:
     import torch
 
+    import platform
+
     props = torch.cuda.get_device_properties(0)
     major, minor = torch.cuda.get_device_capability(0)
+    launch, graph = measure_launch()
     return BenchResult(
         device_name=torch.cuda.get_device_name(0),
         total_memory_bytes=int(props.total_memory),
@@ -157,6 +225,9 @@ def run_bench(sizes: Sequence[int] = MATMUL_SIZES, copy_bytes: int = COPY_BYTES,
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        launch_us=launch,
+        graph_launch_us=graph,
+        host=platform.node(),
     )
 
 
@@ -208,6 +279,9 @@ def format_result(r: BenchResult) -> str:
     for m, tflops in sorted(r.matmul_tflops.items()):
         lines.append(f"  bf16 matmul {m:>5} x {m:<5}       {tflops:8,.1f} TFLOP/s")
     lines.append(f"  peak used for MFU and budget    {r.peak_bf16_tflops:8,.1f} TFLOP/s")
+    if r.launch_us:
+        lines.append(f"  eager op (host)                {r.launch_us:8,.1f} us")
+        lines.append(f"  kernel in a CUDA graph         {r.graph_launch_us:8,.1f} us")
     return "\n".join(lines)
 
 

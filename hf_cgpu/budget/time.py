@@ -9,9 +9,13 @@ Hours = tokens x FLOPs / (peak x utilisation).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..bench import load_measured_peak
+from .card import Card
 from .memory import lora_trainable_params
 from .shape import ModelShape, TrainSetup
+from .work import StepWork
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
 DEFAULT_MFU = 0.4
@@ -67,3 +71,75 @@ def peak_tflops(explicit: float = 0.0, use_bench: bool = True, assumed: float = 
     if assumed:
         return assumed, "an assumed 5070 Ti figure; run `hf-cgpu bench`"
     return 0.0, "unknown (run `hf-cgpu bench` or pass --peak_tflops)"
+
+
+# ===================================================================================================================
+# Step time: the work of one step at the card's rates
+# ===================================================================================================================
+
+ATTENTION_EFFICIENCY = 0.5
+"""Share of the card's large-matmul rate a fused (flash) attention kernel sustains, forward and backward."""
+DEVICE_KERNEL_US = 2.5
+"""Device time a kernel costs beyond its work (launch gap, tail, a small grid's idle SMs)."""
+COMPILE_SECONDS = {"base": 12.0, "per_layer": 4.6}
+"""A cold torch.compile of a training step: seconds before the first step, plus per block it unrolls."""
+CHECKPOINT_WRITE_GBS = 1.0
+"""GB/s a checkpoint is written at (safetensors + torch.save to a local disk, fsynced)."""
+
+
+@dataclass(frozen=True)
+class TimeRow:
+    key: str
+    label: str
+    seconds: float
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, by kind of work; ``seconds`` compares with a run's median step."""
+
+    rows: tuple[TimeRow, ...]
+    device_seconds: float
+    host_seconds: float
+    card: Card
+    work: StepWork
+
+    @property
+    def seconds(self) -> float:
+        """The device runs behind the host's launches: the step takes the longer of the two."""
+        return max(self.device_seconds, self.host_seconds)
+
+    @property
+    def bound(self) -> str:
+        return "launch-bound (host)" if self.host_seconds > self.device_seconds else "device-bound"
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.work.samples / self.seconds
+
+    @property
+    def mfu(self) -> float:
+        return self.work.model_flops / self.seconds / (self.card.matmul_tflops * 1e12)
+
+
+def step_time(work: StepWork, card: Card, cuda_graphs: bool = False) -> StepTime:
+    """Seconds of ``work`` on ``card``: each product at the card's rate for its shape, attention at
+    ``ATTENTION_EFFICIENCY`` of the large-matmul rate, memory-bound bytes at the bandwidth, and a per-kernel cost on
+    the device; the host launches every kernel (eager) or replays one graph (``cuda_graphs``)."""
+    matmul = sum(g.count * 2.0 * g.m * g.n * g.k / card.matmul_rate(g.m, g.n, g.k) for g in work.gemms)
+    attention = work.attention_flops / (card.matmul_tflops * 1e12 * ATTENTION_EFFICIENCY)
+    memory = sum(b for _, b in work.memory_bytes) / (card.bandwidth_gbs * 1e9)
+    per_kernel = (card.graph_launch_us if cuda_graphs else DEVICE_KERNEL_US) * 1e-6
+    kernels = work.kernels * per_kernel
+    host = (card.graph_launch_us * 1e-6 * work.kernels * 0.1) if cuda_graphs else work.kernels * card.launch_us * 1e-6
+    mem_note = ", ".join(f"{what} {b / 1e9:.2f} GB" for what, b in work.memory_bytes if b)
+    rows = (
+        TimeRow("matmul", "matmuls", matmul,
+                f"{work.gemm_flops / 1e12:.2f} TFLOP in {len(work.gemms)} shapes at the card's rate per shape"),
+        TimeRow("attention", "attention kernels", attention,
+                f"{work.attention_flops / 1e12:.2f} TFLOP at {ATTENTION_EFFICIENCY:.0%} of the matmul rate"),
+        TimeRow("memory", "memory-bound kernels", memory, f"at {card.bandwidth_gbs:,.0f} GB/s: {mem_note}"),
+        TimeRow("kernels", "kernel overhead", kernels, f"{work.kernels:,.0f} kernels x {per_kernel * 1e6:.1f} us"),
+    )
+    return StepTime(rows, matmul + attention + memory + kernels, host, card, work)

@@ -1,0 +1,160 @@
+"""The card a run is priced on: its memory, its bf16 matmul rate, its memory bandwidth and the cost of a kernel launch.
+
+Two sources, in this order: ``hf-cgpu bench`` run on this machine (what the card sustains, measured: the matmul rate at
+several shapes, copy bandwidth, launch latency), or a card named with ``--card`` (``CARDS``: public figures). A public
+figure is a datasheet upper bound; the time ledger multiplies it by ``SUSTAINED_MATMUL`` and ``SUSTAINED_BANDWIDTH``,
+the share of the datasheet the lent H100 sustains in ``hf-cgpu bench``.
+
+Dense bf16 tensor rate with fp32 accumulation (what PyTorch's bf16 matmuls use): GeForce Ampere, Ada and Blackwell
+cards do 512 FLOP per SM per clock at that precision (half their fp16-accumulate rate; NVIDIA's architecture
+whitepapers list both), so the rate is SMs x boost clock x 512. The datacenter rows are their datasheets' dense
+figures.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..errors import SettingsError
+
+GEFORCE_FLOPS_PER_SM_CLOCK = 512
+"""Dense bf16 FLOP per SM per clock with fp32 accumulation on GeForce Ampere / Ada / Blackwell tensor cores."""
+SUSTAINED_MATMUL = 0.80
+"""Share of the datasheet dense bf16 rate a large square matmul sustains (``hf-cgpu bench`` on the lent H100)."""
+SUSTAINED_BANDWIDTH = 0.85
+"""Share of the datasheet bandwidth a device-to-device copy sustains (``hf-cgpu bench`` on the lent H100/H200)."""
+HOST_LAUNCH_US = 9.0
+"""Host time per eager PyTorch op (Python dispatch + CUDA launch) where no bench measured it: a property of the CPU
+and the software more than of the card; ``hf-cgpu bench`` measures it."""
+GRAPH_LAUNCH_US = 2.0
+"""Device time per kernel replayed from a CUDA graph, where no bench measured it."""
+
+
+@dataclass(frozen=True)
+class Card:
+    """What the time and memory ledgers need of one GPU."""
+
+    name: str
+    memory_gib: float
+    matmul_tflops: float
+    """Sustained dense bf16 TFLOP/s of a large matmul (the MFU denominator)."""
+    bandwidth_gbs: float
+    """Sustained read + write GB/s (10^9) of device memory."""
+    launch_us: float = HOST_LAUNCH_US
+    """Host microseconds per eager op."""
+    graph_launch_us: float = GRAPH_LAUNCH_US
+    """Device microseconds per kernel inside a CUDA graph."""
+    matmul_curve: tuple[tuple[int, float], ...] = ()
+    """(square size, TFLOP/s) as measured; empty = a public figure scaled by ``SMALL_MATMUL``'s curve."""
+    source: str = ""
+    """Where the figures come from (a bench of this machine, or the public figures of a named card)."""
+    aliases: tuple[str, ...] = field(default=(), compare=False)
+
+    def matmul_rate(self, m: float, n: float, k: float) -> float:
+        """FLOP/s of an (m x k) @ (k x n) bf16 matmul: the rate measured at the nearest square size of equal work
+        (interpolated in log size), capped by what its bytes allow at the card's bandwidth (a skinny product)."""
+        size = (m * n * k) ** (1 / 3)
+        curve = self.matmul_curve or tuple((s, self.matmul_tflops * f) for s, f in SMALL_MATMUL)
+        rate = _interpolate(curve, size) * 1e12
+        bytes_moved = 2.0 * (m * k + k * n + m * n)
+        flops = 2.0 * m * n * k
+        return min(rate, flops / bytes_moved * self.bandwidth_gbs * 1e9)
+
+
+SMALL_MATMUL = ((256, 0.08), (512, 0.35), (1024, 0.70), (2048, 0.92), (4096, 0.98), (8192, 1.0))
+"""Share of the large-matmul rate a square bf16 matmul of each size reaches, for a card without a bench (the shape of
+the curve ``hf-cgpu bench`` measures on the lent H100)."""
+
+
+def _interpolate(curve: tuple[tuple[int, float], ...], size: float) -> float:
+    import math
+
+    pts = sorted(curve)
+    if size <= pts[0][0]:
+        return pts[0][1] * size / pts[0][0]  # below the smallest measured size: launch-bound, rate ~ work
+    for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
+        if size <= s1:
+            w = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+            return r0 + w * (r1 - r0)
+    return pts[-1][1]
+
+
+def _geforce(name: str, memory_gib: float, sms: int, boost_ghz: float, bandwidth_gbs: float,
+             aliases: tuple[str, ...] = ()) -> Card:
+    tflops = sms * boost_ghz * GEFORCE_FLOPS_PER_SM_CLOCK / 1e3
+    return Card(name, memory_gib, tflops * SUSTAINED_MATMUL, bandwidth_gbs * SUSTAINED_BANDWIDTH,
+                source=f"public figures: {sms} SMs x {boost_ghz:g} GHz x 512 = {tflops:.1f} TFLOP/s dense bf16, "
+                       f"{bandwidth_gbs:g} GB/s; x {SUSTAINED_MATMUL:g} / {SUSTAINED_BANDWIDTH:g} sustained",
+                aliases=aliases)
+
+
+def _datacenter(name: str, memory_gib: float, tflops: float, bandwidth_gbs: float,
+                aliases: tuple[str, ...] = ()) -> Card:
+    return Card(name, memory_gib, tflops * SUSTAINED_MATMUL, bandwidth_gbs * SUSTAINED_BANDWIDTH,
+                source=f"datasheet: {tflops:g} TFLOP/s dense bf16, {bandwidth_gbs:g} GB/s; x {SUSTAINED_MATMUL:g} / "
+                       f"{SUSTAINED_BANDWIDTH:g} sustained", aliases=aliases)
+
+
+CARDS: dict[str, Card] = {c.name: c for c in (
+    _geforce("RTX 3060", 12, 28, 1.777, 360, ("3060",)),
+    _geforce("RTX 3090", 24, 82, 1.695, 936, ("3090",)),
+    _geforce("RTX 4060 Ti 16GB", 16, 34, 2.535, 288, ("4060ti", "4060 ti")),
+    _geforce("RTX 4070", 12, 46, 2.475, 504, ("4070",)),
+    _geforce("RTX 4070 Ti Super", 16, 66, 2.61, 672, ("4070tisuper", "4070 ti super")),
+    _geforce("RTX 4080", 16, 76, 2.505, 716.8, ("4080",)),
+    _geforce("RTX 4090", 24, 128, 2.52, 1008, ("4090",)),
+    _geforce("RTX 5060 Ti 16GB", 16, 36, 2.572, 448, ("5060ti", "5060 ti")),
+    _geforce("RTX 5070", 12, 48, 2.512, 672, ("5070",)),
+    _geforce("RTX 5070 Ti", 16, 70, 2.452, 896, ("5070ti", "5070 ti")),
+    _geforce("RTX 5080", 16, 84, 2.617, 960, ("5080",)),
+    _geforce("RTX 5090", 32, 170, 2.407, 1792, ("5090",)),
+    _datacenter("A100 80GB", 80, 312, 2039, ("a100",)),
+    _datacenter("H100 SXM", 80, 989, 3350, ("h100",)),
+    _datacenter("H200", 141, 989, 4800, ("h200",)),
+)}
+"""Cards the ledger can price without a bench, by name."""
+DEFAULT_CARD = "RTX 5070 Ti"
+"""The card ``hf-cgpu budget`` prices where no bench of this machine exists and none is named: the 16 GB card
+hf_cgpu is made for."""
+
+
+def _key(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower().replace("nvidia", "").replace("geforce", ""))
+
+
+def find_card(name: str) -> Card:
+    """The card called ``name`` (case, spaces, 'NVIDIA GeForce' ignored), or one line listing the names."""
+    wanted = _key(name)
+    for card in CARDS.values():
+        if wanted in {_key(card.name), *map(_key, card.aliases)}:
+            return card
+    raise SettingsError(f"unknown card {name!r}: choose one of {', '.join(CARDS)}, or run `hf-cgpu bench` on the "
+                        "machine with the card (the ledger then uses its measured figures)")
+
+
+
+
+
+def card_from_bench(result) -> Card:
+    """The card as ``hf-cgpu bench`` measured it (``bench.BenchResult``)."""
+    curve = tuple(sorted((int(s), float(r)) for s, r in result.matmul_tflops.items()))
+    return Card(result.device_name, result.total_memory_bytes / 1024**3, result.peak_bf16_tflops,
+                result.copy_bandwidth_gbs, launch_us=result.launch_us or HOST_LAUNCH_US,
+                graph_launch_us=result.graph_launch_us or GRAPH_LAUNCH_US, matmul_curve=curve,
+                source=f"hf-cgpu bench of this machine{', ' + result.measured_at if result.measured_at else ''}")
+
+
+def resolve_card(name: str = "", use_bench: bool = True, bench_path=None) -> Card:
+    """The card to price a run on: ``name`` (``--card``) when given, else this machine's ``hf-cgpu bench``, else
+    ``DEFAULT_CARD`` (its public figures)."""
+    if name:
+        return find_card(name)
+    if use_bench:
+        from ..bench import load_result
+
+        result = load_result(bench_path)
+        if result is not None and result.peak_bf16_tflops > 0:
+            return card_from_bench(result)
+    return CARDS[DEFAULT_CARD]
+__all__ = ["CARDS", "Card", "DEFAULT_CARD", "card_from_bench", "find_card", "resolve_card"]
