@@ -1,7 +1,8 @@
 """``--preset auto``: the GPT's shape, regularisation and schedule chosen from the corpus and the minutes.
 
-One pure function, ``choose``: (training tokens, minutes, the card's sustained FLOP rate as the ledger estimates it,
-the candidate shapes with their ledger figures) -> the settings and one line saying why. The rule is the table of
+One pure function, ``choose``: (training tokens, minutes, the candidate shapes with their ledger figures: parameters,
+FLOPs per token, and the time ledger's step seconds and start-up on the card) -> the settings and one line saying
+why. The rule is the table of
 constants below; what each is fitted to is named beside it (headings of benchmarks/RESULTS.md, or the paper).
 
 The over-fit *pressure* is compute / (6 x corpus tokens^2): epochs times parameters per corpus token for a run
@@ -21,12 +22,6 @@ from typing import Any
 from .shape import fmt_count
 
 # ---------------------------------------------------------------------------------------------------- the rule
-COMPILE_SECONDS_PER_LAYER = 4.6
-"""Seconds of --max_minutes a compiled GPU run spends compiling before its first step, per block (a cold compile
-grows with the blocks it unrolls)."""
-# Fitted: the cold start-up of the largest and the smallest shape (RESULTS.md, "the auto rule on a tenth of
-# zh-poetry"). The choice prices every shape at the deepest shape's compile, so that more minutes never choose a
-# smaller model; the step estimate in the line uses the chosen shape's own.
 TRAIN_FRACTION = 0.9
 """Share of the minutes after the first step spent in training steps (evaluations and best-weight saves take the
 rest)."""
@@ -56,11 +51,6 @@ LAYERS_PER_VALUE_TABLE = 4
 """One value-embedding table per this many layers (at least one): 3 tables feeding the first and last 3 of 12 layers,
 the ratio of the modded-nanogpt speedrun and of zh-poetry-modern."""
 # Fitted: measured at 12 layers only (the same RESULTS.md entry); other depths keep the ratio.
-MAX_TOKENS_PER_SECOND = 1.2e6
-"""The most training tokens per second a run reaches however small its model: below some size a step costs its
-kernel launches and the loop's own work, not FLOPs, so the ledger's FLOP rate overstates the steps."""
-# Fitted: the smallest shape's step as timed in the auto rule's check (RESULTS.md, "the auto rule on a tenth
-# of zh-poetry").
 MAX_STEPS_HEADROOM = 2.0
 """max_steps is this times the estimated steps: an upper bound the fitted cosine (fit_schedule_to_time) lowers."""
 
@@ -101,6 +91,14 @@ class Candidate:
     n_params: int = 0
     flops_per_token: float = 0.0
     """Training FLOPs per token (``budget.time.flops_per_token``)."""
+    step_seconds: float = 0.0
+    """Seconds of one optimizer step of the run at this shape on the card (the time ledger's ``step_time``)."""
+    startup_s: float = 0.0
+    """Seconds before the first step (the time ledger's compile row)."""
+
+    def model_flop_rate(self, tokens_per_step: int) -> float:
+        """Model FLOP/s the card sustains at this shape."""
+        return self.flops_per_token * tokens_per_step / self.step_seconds
 
     @property
     def name(self) -> str:
@@ -152,23 +150,26 @@ def train_seconds(minutes: float, startup_s: float = 0.0) -> float:
     return max(minutes * 60 - startup_s, MIN_TRAIN_SHARE * minutes * 60) * TRAIN_FRACTION
 
 
-def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Sequence[Candidate],
-           tokens_per_step: int, startup_s_per_layer: float = 0.0, fitted: bool = True, muon: bool = True,
-           max_steps: int = 0) -> AutoChoice:
-    """The settings for ``corpus_tokens`` training tokens in ``minutes`` on a card sustaining ``flop_rate`` FLOP/s
-    (peak x utilisation, all processes), choosing the shape from ``candidates``; ``tokens_per_step``: the run's
-    effective batch in tokens; ``startup_s_per_layer``: seconds before the first step per block
-    (``COMPILE_SECONDS_PER_LAYER`` when compiled);
+def choose(corpus_tokens: int, minutes: float, candidates: Sequence[Candidate], tokens_per_step: int,
+           fitted: bool = True, muon: bool = True, max_steps: int = 0) -> AutoChoice:
+    """The settings for ``corpus_tokens`` training tokens in ``minutes``, choosing the shape from ``candidates`` (each
+    priced by the time ledger on the card: its step seconds and start-up); ``tokens_per_step``: the run's effective
+    batch in tokens, all processes;
     ``fitted``: the cosine is fitted to the minutes (max_steps only bounds it), else it ends at the estimated steps;
     ``muon``: the run trains its block matrices with Muon (its own weight decay), else AdamW trains all;
-    ``max_steps``: a step limit given by the user (0 = none), which the schedule then plans for if it is fewer."""
-    compute = flop_rate * train_seconds(minutes, startup_s_per_layer * max(c.n_layer for c in candidates))
+    ``max_steps``: a step limit given by the user (0 = none), which the schedule then plans for if it is fewer.
+
+    The compute of the minutes is the largest shape's model FLOP rate on the card (where the card is busiest) over
+    the minutes its start-up leaves, so it does not depend on the shape chosen."""
+    largest = max(candidates, key=lambda c: c.n_params)
+    flop_rate = largest.model_flop_rate(tokens_per_step)
+    compute = flop_rate * train_seconds(minutes, max(c.startup_s for c in candidates))
     p = pressure(corpus_tokens, compute)
     reg = regime(p)
     reason = f"{reg.name}: epochs x params/token ~ {p:,.3g}"
     shape = pick_shape(candidates, compute, corpus_tokens, reg)
-    own = train_seconds(minutes, startup_s_per_layer * shape.n_layer)  # this shape's compile, not the deepest's
-    tokens = min(flop_rate * own / shape.flops_per_token, MAX_TOKENS_PER_SECOND * own)
+    own = train_seconds(minutes, shape.startup_s)  # this shape's start-up, not the deepest's
+    tokens = own / shape.step_seconds * tokens_per_step
     smallest = min(candidates, key=lambda c: c.n_params)
     if shape == smallest and tokens <= corpus_tokens and reg is not REGIMES[0]:
         # larger than the compute calls for: no token is seen twice
@@ -196,5 +197,5 @@ def choose(corpus_tokens: int, minutes: float, flop_rate: float, candidates: Seq
     return AutoChoice(settings, why)
 
 
-__all__ = ["CHOSEN", "COMPILE_SECONDS_PER_LAYER", "MAX_TOKENS_PER_SECOND", "REGIMES", "SHAPES", "AutoChoice",
+__all__ = ["CHOSEN", "REGIMES", "SHAPES", "AutoChoice",
            "Candidate", "Regime", "choose", "pick_shape", "pressure", "regime", "train_seconds", "value_tables"]

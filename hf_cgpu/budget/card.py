@@ -119,6 +119,11 @@ DEFAULT_CARD = "RTX 5070 Ti"
 hf_cgpu is made for."""
 
 
+CPU = Card("CPU", 0, 0.04, 10.0, launch_us=20.0, graph_launch_us=20.0,
+           source="an assumed CPU: 0.04 TFLOP/s fp32 matmul, 10 GB/s", aliases=("cpu",))
+"""A CPU run's card, roughly (a run with --fit_schedule_to_time then times its real steps)."""
+
+
 def _key(text: str) -> str:
     return re.sub(r"[^a-z0-9]", "", text.lower().replace("nvidia", "").replace("geforce", ""))
 
@@ -126,7 +131,7 @@ def _key(text: str) -> str:
 def find_card(name: str) -> Card:
     """The card called ``name`` (case, spaces, 'NVIDIA GeForce' ignored), or one line listing the names."""
     wanted = _key(name)
-    for card in CARDS.values():
+    for card in (*CARDS.values(), CPU):
         if wanted in {_key(card.name), *map(_key, card.aliases)}:
             return card
     raise SettingsError(f"unknown card {name!r}: choose one of {', '.join(CARDS)}, or run `hf-cgpu bench` on the "
@@ -134,6 +139,46 @@ def find_card(name: str) -> Card:
 
 
 
+
+
+def card_of_device(device_name: str) -> Card | None:
+    """The named card whose name is in a CUDA device name ('NVIDIA GeForce RTX 5070 Ti' -> RTX 5070 Ti; the longest
+    match, so an RTX 5070 Ti is not an RTX 5070), or None."""
+    key = _key(device_name)
+    found = [(len(k), c) for c in CARDS.values() for k in {_key(c.name), *map(_key, c.aliases)} if k and k in key]
+    return max(found, key=lambda kc: kc[0])[1] if found else None
+
+
+def run_card(peak_tflops: float, device) -> Card:
+    """The card a training run on ``device`` is priced on: this GPU's stored ``hf-cgpu bench``, else its public
+    figures where it is a named card, else ``DEFAULT_CARD``'s; on the CPU, ``CPU``. ``peak_tflops`` (--peak_tflops)
+    replaces the matmul rate."""
+    if getattr(device, "type", str(device)) != "cuda":
+        card = CPU
+    else:
+        import torch
+
+        from ..bench import load_result
+
+        name = torch.cuda.get_device_name(device)
+        stored = load_result()
+        if stored is not None and stored.device_name == name and stored.peak_bf16_tflops > 0:
+            card = card_from_bench(stored)
+        else:
+            card = card_of_device(name) or CARDS[DEFAULT_CARD]
+    return with_peak(card, peak_tflops)
+
+
+def with_peak(card: Card, peak_tflops: float) -> Card:
+    """``card`` with its matmul rate (and measured curve) scaled to ``peak_tflops`` where that is given (> 0)."""
+    import dataclasses
+
+    if peak_tflops <= 0:
+        return card
+    scale = peak_tflops / card.matmul_tflops
+    return dataclasses.replace(card, matmul_tflops=peak_tflops,
+                               matmul_curve=tuple((n, r * scale) for n, r in card.matmul_curve),
+                               source=f"{card.source}; matmul rate from --peak_tflops")
 
 
 def card_from_bench(result) -> Card:
@@ -146,15 +191,16 @@ def card_from_bench(result) -> Card:
 
 
 def resolve_card(name: str = "", use_bench: bool = True, bench_path=None) -> Card:
-    """The card to price a run on: ``name`` (``--card``) when given, else this machine's ``hf-cgpu bench``, else
-    ``DEFAULT_CARD`` (its public figures)."""
+    """The card to price a run on: ``name`` (``--card``) when given, else this machine's ``hf-cgpu bench`` (one of
+    another machine or an older format is refused in one line), else ``DEFAULT_CARD`` (its public figures)."""
     if name:
         return find_card(name)
     if use_bench:
-        from ..bench import load_result
+        from ..bench import load_checked
 
-        result = load_result(bench_path)
+        result = load_checked(bench_path)
         if result is not None and result.peak_bf16_tflops > 0:
             return card_from_bench(result)
     return CARDS[DEFAULT_CARD]
-__all__ = ["CARDS", "Card", "DEFAULT_CARD", "card_from_bench", "find_card", "resolve_card"]
+__all__ = ["CARDS", "CPU", "Card", "DEFAULT_CARD", "card_from_bench", "card_of_device", "find_card", "resolve_card",
+           "run_card", "with_peak"]

@@ -143,3 +143,65 @@ def step_time(work: StepWork, card: Card, cuda_graphs: bool = False) -> StepTime
         TimeRow("kernels", "kernel overhead", kernels, f"{work.kernels:,.0f} kernels x {per_kernel * 1e6:.1f} us"),
     )
     return StepTime(rows, matmul + attention + memory + kernels, host, card, work)
+
+
+# ===================================================================================================================
+# Run time: the steps, and what a run does besides them
+# ===================================================================================================================
+
+FORWARD_SHARE = 1.0 / 3.0
+"""An evaluation micro-batch costs about the forward of a training micro-batch: a third of its step."""
+
+
+@dataclass(frozen=True)
+class RunTime:
+    """A run's minutes: the step time, the per-run rows (start-up, evaluations, checkpoints) and the steps done."""
+
+    step: StepTime
+    rows: tuple[TimeRow, ...]
+    steps: int
+    """Optimizer steps the run does: max_steps, or those --max_minutes holds."""
+    max_steps: int
+    minutes: float
+    """--max_minutes (0 = none)."""
+
+    @property
+    def seconds(self) -> float:
+        return self.steps * self.step.seconds + sum(r.seconds for r in self.rows)
+
+    @property
+    def limited_by_minutes(self) -> bool:
+        return self.steps < self.max_steps
+
+
+def run_time(step: StepTime, train, startup_s: float = 0.0, eval_batches: float = 0.0,
+             checkpoint_bytes: float = 0.0, extra: tuple[TimeRow, ...] = ()) -> RunTime:
+    """The run of ``train`` (its TrainSettings) at ``step`` per optimizer step: ``startup_s`` before the first step
+    (compile), ``eval_batches`` forward micro-batches per evaluation (every ``eval_steps`` and at the end),
+    ``checkpoint_bytes`` written every ``checkpointing_steps``; ``--max_minutes`` (counted from the first step's
+    start, compile included, as the loop counts it) bounds the steps."""
+    micro = max(1, train.gradient_accumulation_steps)
+    eval_each = eval_batches * step.seconds / micro * FORWARD_SHARE
+    ckpt_each = checkpoint_bytes / (CHECKPOINT_WRITE_GBS * 1e9)
+    per_step = step.seconds + (eval_each / train.eval_steps if train.eval_steps else 0.0) + (
+        ckpt_each / train.checkpointing_steps if train.checkpointing_steps else 0.0)
+    fixed = startup_s + sum(r.seconds for r in extra)
+    steps = train.max_steps
+    if train.max_minutes > 0:
+        held = max(0, int((train.max_minutes * 60 - fixed) / per_step))
+        steps = min(steps, held)
+    evals = (steps // train.eval_steps if train.eval_steps else 0) + 1
+    ckpts = (steps // train.checkpointing_steps if train.checkpointing_steps else 0) + 1
+    rows = (TimeRow("startup", "start-up (compile)", startup_s,
+                    "torch.compile of the step before the first one" if startup_s else "no compile"),
+            TimeRow("evaluation", "evaluations", evals * eval_each,
+                    f"{evals} x {eval_batches:,.0f} forward micro-batches" if eval_batches else "none priced"),
+            TimeRow("checkpoints", "checkpoints", ckpts * ckpt_each,
+                    f"{ckpts} x {checkpoint_bytes / 1e9:.2f} GB at {CHECKPOINT_WRITE_GBS:g} GB/s"),
+            *extra)
+    return RunTime(step, rows, steps, train.max_steps, train.max_minutes)
+
+
+def compile_seconds(blocks: int, compiled: bool) -> float:
+    """``COMPILE_SECONDS`` for a step of ``blocks`` blocks (0 when not compiled)."""
+    return COMPILE_SECONDS["base"] + COMPILE_SECONDS["per_layer"] * blocks if compiled else 0.0

@@ -18,15 +18,9 @@ from typing import Any
 from ..budget.ladder import GRAPHS_RECOMPUTE_NOTE, RUNGS, autofit, next_rung
 from ..budget.memory import FRAGMENTATION_FRACTION, GiB, Ledger, fmt_gib, ledger, model_state_bytes, parse_memory
 from ..budget.shape import REFERENCE_CONFIGS, ModelShape, RunShape, TrainSetup, fmt_count
-from ..budget.time import (
-    ASSUMED_PEAK_TFLOPS,
-    DEFAULT_MFU,
-    attention_flops_per_token,
-    chinchilla_tokens,
-    flops_per_token,
-    peak_tflops,
-    training_hours,
-)
+from ..budget.card import CARDS, Card, find_card, resolve_card, with_peak
+from ..budget.time import RunTime, chinchilla_tokens, compile_seconds, run_time, step_time
+from ..budget.work import lm_step_work
 from ..errors import MissingPathError, SettingsError, about
 from ..gguf import gguf_location
 from ..settings import TrainSettings, list_presets, load_preset, parse_settings, preset_description
@@ -64,8 +58,12 @@ class BudgetSettings:
     """--autofit: never switch to LoRA/QLoRA."""
     min_micro_batch: int = 1
     """--autofit: smallest micro-batch of the first rung."""
-    mfu: float = DEFAULT_MFU
-    """Fraction of the bf16 peak sustained, for the hours."""
+    card: str = ""
+    """The GPU to price the run on by its public figures (e.g. "RTX 5070 Ti", "RTX 4090"; `hf-cgpu budget --card
+    list` names them); empty = this machine's `hf-cgpu bench`, else an RTX 5070 Ti."""
+    eval_micro_batches: int = 0
+    """Micro-batches of one evaluation where --eval_batches is 0 (the whole validation split); with --dataset it is
+    counted."""
     num_processes: int = 1
     """GPUs (one process each) the run is launched on: the ledger is per GPU, the micro-batch per process."""
     fsdp: bool = False
@@ -77,8 +75,8 @@ class BudgetSettings:
     def __post_init__(self) -> None:
         if self.num_processes < 1:
             raise SettingsError(f"--num_processes must be >= 1, got {self.num_processes}")
-        if not 0 < self.mfu <= 1:
-            raise SettingsError(f"--mfu must be in (0, 1], got {self.mfu}: typical is 0.3-0.5")
+        if self.card and self.card != "list":
+            find_card(self.card)  # an unknown name: one line listing the known ones
         if self.config and self.model:
             raise SettingsError("give one of --preset, --config or --model")
         if self.corpus_tokens < 0:
@@ -175,7 +173,7 @@ def _describe(argv: Sequence[str] | None = None):
     args = _rewrite(argv or [])
     preset = _preset_name(args)
     other = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in ("--config", "--model")]
-    if preset and other:
+    if preset and other and preset not in finetune_preset_names():  # a fine-tuning preset's settings on a --model
         raise SettingsError("give one of --preset, --config or --model")
     if preset in REFERENCE_CONFIGS:  # a shape known without a download, priced as its fine-tuning
         args = [*_without_preset(args), "--model", preset]
@@ -225,9 +223,8 @@ def auto_budget(gpt: GPTSettings, train: TrainSettings, opts: BudgetSettings):
     if not tokens:
         raise SettingsError("--preset auto chooses the run for a corpus: add --corpus_tokens N (the training split's "
                             "tokens, as a run prints them) or --dataset PATH (counted as the run makes them)")
-    peak, _ = peak_tflops(train.peak_tflops, assumed=ASSUMED_PEAK_TFLOPS)
     gpt, train, line = resolve(gpt, dataclasses.replace(train, resume_from_checkpoint=""), tokens,
-                               peak * 1e12 * opts.mfu * opts.num_processes, Path("."), vocab_size=vocab,
+                               budget_card(opts, train), Path("."), vocab_size=vocab,
                                processes=opts.num_processes, save=False)
     return gpt, train, [counted, line] if counted else [line]
 
@@ -299,51 +296,57 @@ def format_model_states(led: Ledger, label_w: int) -> str:
             f"optimizer state{where}")
 
 
-def format_time(shape: ModelShape, setup: TrainSetup, peak: float, peak_source: str, mfu: float,
-                train=None) -> str:
-    fpt = flops_per_token(shape, setup)
-    attn = attention_flops_per_token(shape, setup.seq_len)
-    rate = peak * 1e12 * mfu / fpt
-    lines = [
-        f"time (bf16 peak {peak:.0f} TFLOP/s from {peak_source}, x utilisation {mfu:.2f}):",
-        f"  FLOPs per token  {fpt / 1e9:.2f} GFLOP = {'4' if setup.adapters else '6'} N "
-        f"(N = {fmt_count(shape.matmul_params_per_token)} matmul params per token) + 12 L T d "
-        f"({attn / 1e9:.2f} GFLOP attention)"
-        f"{' + recompute forward' if setup.recompute else ''}",
-        f"  throughput       {rate:,.0f} tokens/s; {training_hours(1e9, fpt, peak, mfu):.1f} h per 1B tokens",
-    ]
-    if not setup.adapters:
-        tokens = chinchilla_tokens(shape.n_params)
-        lines.append(f"  Chinchilla       {tokens / 1e9:.1f}B tokens (20/param) -> "
-                     f"{training_hours(tokens, fpt, peak, mfu):.1f} h")
-    if train is not None:
-        lines.append(format_run_time(setup, train, rate))
+def lm_run_time(shape: ModelShape, setup: TrainSetup, train, card: Card, eval_micro_batches: float = 0.0) -> RunTime:
+    """The time ledger of a language-model run on ``card``: its step and its per-run rows."""
+    step = step_time(lm_step_work(shape, setup), card,
+                     cuda_graphs=setup.compile and setup.compile_mode in ("reduce-overhead", "max-autotune"))
+    evals = train.eval_batches or eval_micro_batches
+    st = model_state_bytes(shape, setup)
+    return run_time(step, train, compile_seconds(shape.depth, setup.compile), evals,
+                    checkpoint_bytes=st.weights + st.optimizer + (st.trainable_params * 4 if setup.ema else 0))
+
+
+def format_time(rt: RunTime, setup: TrainSetup, unit: str = "tokens") -> str:
+    """The time ledger: one row per kind of work in a step, the step, then the run's rows and its minutes."""
+    step, card = rt.step, rt.step.card
+    label_w = max(len(r.label) for r in (*step.rows, *rt.rows)) + 2
+    lines = [f"time on {card.name} ({card.matmul_tflops:,.0f} TFLOP/s bf16, {card.bandwidth_gbs:,.0f} GB/s; "
+             f"{card.source}):", f"  {'':<{label_w}}{'s/step':>8}   how"]
+    lines += [f"  {r.label:<{label_w}}{r.seconds:>8.3f}   {r.note}" for r in step.rows]
+    lines.append(f"  {'-' * (label_w + 8)}")
+    gpus = setup.processes
+    per_s = step.samples_per_second
+    total = f"; {per_s * gpus:,.0f} in all on {gpus} GPUs" if gpus > 1 else ""
+    lines.append(f"  {'= step':<{label_w}}{step.seconds:>8.3f}   {step.bound}; {per_s:,.0f} {unit}/s per GPU{total}, "
+                 f"MFU {step.mfu:.2f}")
+    lines += [f"  {r.label:<{label_w}}{r.seconds:>7.0f}s   {r.note}" for r in rt.rows]
+    steps = f"{rt.steps:,} steps"
+    if rt.limited_by_minutes:
+        steps = (f"--max_minutes {rt.minutes:g} holds ~{rt.steps:,} of the {rt.max_steps:,} steps")
+    elif rt.minutes > 0:
+        steps += f", inside --max_minutes {rt.minutes:g}"
+    lines.append(f"  this run         {steps} x {setup.tokens_per_step * gpus:,} {unit} -> {fmt_duration(rt.seconds)}")
+    if rt.limited_by_minutes and not getattr(rt, "fitted", True):
+        lines.append("  the cosine is still high when the minutes end: add --fit_schedule_to_time true")
     return "\n".join(lines)
 
 
+def format_chinchilla(shape: ModelShape, setup: TrainSetup, step) -> str:
+    """Compute-optimal tokens (20 per parameter) at this step's rate, in all GPUs' time."""
+    tokens = chinchilla_tokens(shape.n_params)
+    seconds = tokens / (step.samples_per_second * setup.processes)
+    return f"  Chinchilla       {tokens / 1e9:.1f}B tokens (20/param) -> {fmt_duration(seconds)}"
+
+
 def fmt_duration(seconds: float) -> str:
-    """Minutes below two hours, hours below two days, then days."""
+    """Seconds below two minutes, minutes below two hours, hours below two days, then days."""
+    if seconds < 120:
+        return f"{seconds:,.0f} s"
     if seconds < 2 * 3600:
         return f"{seconds / 60:,.1f} min"
     if seconds < 2 * 86400:
         return f"{seconds / 3600:,.1f} h"
     return f"{seconds / 86400:,.1f} days"
-
-
-def format_run_time(setup: TrainSetup, train, rate: float) -> str:
-    """This run's steps at ``rate`` tokens/s per GPU, and how many of them ``--max_minutes`` holds."""
-    per_step = setup.tokens_per_step * setup.processes
-    seconds = train.max_steps * setup.tokens_per_step / rate
-    line = f"  this run         {train.max_steps:,} steps x {per_step:,} tokens -> {fmt_duration(seconds)}"
-    if train.max_minutes > 0:
-        held = int(train.max_minutes * 60 * rate / setup.tokens_per_step)  # every process steps at rate
-        if held < train.max_steps:
-            line += (f"; --max_minutes {train.max_minutes:g} holds ~{held:,} of them, "
-                     + ("the cosine is fitted to what it measures (--fit_schedule_to_time)" if train.fit_schedule_to_time
-                        else "where the cosine is still high: add --fit_schedule_to_time true"))
-        else:
-            line += f", inside --max_minutes {train.max_minutes:g}"
-    return line
 
 
 # ---------------------------------------------------------------------------------------------------- the report
@@ -392,9 +395,32 @@ def run(argv: Sequence[str] | None = None) -> str:
         else:
             out.append("  no rung left on the ladder: pick a smaller model")
     out.append("")
-    peak, source = peak_tflops(train.peak_tflops, assumed=ASSUMED_PEAK_TFLOPS)
-    out.append(format_time(shape, setup, peak, source, opts.mfu, train))
+    card = budget_card(opts, train)
+    rt = lm_run_time(shape, setup, train, card, opts.eval_micro_batches)
+    out.append(format_time(rt, setup))
+    if not setup.adapters:
+        out.append(format_chinchilla(shape, setup, rt.step))
     return "\n".join(out)
+
+
+def price(task: str, argv: Sequence[str], card: Card) -> dict[str, Any]:
+    """The ledger's figures for ``hf-cgpu train TASK ARGV`` on ``card``, as numbers (a benchmark puts them beside its
+    measurements): allocated / reserved / total GiB, step seconds and its rows, steps the run does."""
+    if task not in ("gpt", "lora"):
+        raise SettingsError(f"the ledger prices gpt and lora runs; not {task!r} yet")
+    run_shape, train, opts, _ = _describe(list(argv))
+    setup = run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp)
+    led = ledger(run_shape.model, setup)
+    rt = lm_run_time(run_shape.model, setup, train, card, opts.eval_micro_batches)
+    parts = "/".join(f"{r.seconds * 1e3:.1f}" for r in rt.step.rows)
+    return {"allocated_gib": led.allocated / GiB, "reserved_gib": led.reserved / GiB, "total_gib": led.total / GiB,
+            "step_s": rt.step.seconds, "parts": parts, "bound": rt.step.bound, "steps": rt.steps}
+
+
+def budget_card(opts: BudgetSettings, train) -> Card:
+    """--card, else this machine's bench, else the 16 GB card hf_cgpu is made for; --peak_tflops replaces the
+    matmul rate."""
+    return with_peak(resolve_card(opts.card), train.peak_tflops)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

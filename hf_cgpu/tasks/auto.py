@@ -9,15 +9,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..budget.auto import CHOSEN, COMPILE_SECONDS_PER_LAYER, SHAPES, AutoChoice, Candidate, choose, value_tables
-from ..budget.time import ASSUMED_PEAK_TFLOPS, DEFAULT_MFU, flops_per_token, peak_tflops
+from ..budget.auto import CHOSEN, SHAPES, AutoChoice, Candidate, choose, value_tables
+from ..budget.card import Card
+from ..budget.time import compile_seconds, flops_per_token, step_time
+from ..budget.work import lm_step_work
 from ..errors import CheckpointError, SettingsError
 from ..integrity import atomic_write_json
 from ..settings import TrainSettings, _shown
 from .settings import GPTSettings
 
-CPU_PEAK_TFLOPS = 0.1
-"""A CPU's fp32 matmul rate, roughly, for the choice of a CPU run (the fitted cosine then times the real steps)."""
 CHOICE_FILE = "auto_choice.json"
 """In the output folder: the settings --auto chose and why; a resume applies them instead of choosing again."""
 SHAPE_FLAGS = ("n_layer", "n_embd", "n_head")
@@ -27,11 +27,12 @@ def given(gpt: GPTSettings) -> set[str]:
     return {g for g in gpt.given_flags.split(",") if g}
 
 
-def candidates(gpt: GPTSettings, train: TrainSettings, vocab_size: int | None = None) -> list[Candidate]:
+def candidates(gpt: GPTSettings, train: TrainSettings, card: Card, vocab_size: int | None = None,
+               processes: int = 1, device_type: str = "cuda") -> list[Candidate]:
     """The rule's shapes (a shape flag given on the command line replaces that part of each), each with the value
-    tables the rule gives it unless --value_embeddings is given, with their parameters and training FLOPs per token
-    from the ledger. A shape the given options cannot build (3 value tables in 4 layers, a width the given heads do
-    not divide) is left out; a one-line error where none is left."""
+    tables the rule gives it unless --value_embeddings is given, with their parameters, training FLOPs per token and
+    step seconds and start-up on ``card`` from the ledger. A shape the given options cannot build (3 value tables in
+    4 layers, a width the given heads do not divide) is left out; a one-line error where none is left."""
     out = []
     for values in dict.fromkeys(SHAPES):
         shape = dict(zip(SHAPE_FLAGS, values))
@@ -42,33 +43,21 @@ def candidates(gpt: GPTSettings, train: TrainSettings, vocab_size: int | None = 
         except SettingsError as err:
             refused = f"at {shape['n_layer']}x{shape['n_embd']}, {err}"
             continue
+        setup = run.setup(train, processes=processes)
+        step = step_time(lm_step_work(run.model, setup), card)
+        compiled = train.compile and device_type == "cuda"
         out.append(Candidate(**shape, n_params=run.model.n_params,
-                             flops_per_token=flops_per_token(run.model, run.setup(train))))
+                             flops_per_token=flops_per_token(run.model, setup), step_seconds=step.seconds,
+                             startup_s=compile_seconds(run.model.depth, compiled)))
     if not out:
         names = ", ".join(f"{layers}x{width}" for layers, width, _ in SHAPES)
         raise SettingsError(f"--auto chooses among the shapes {names} and none takes these options: {refused}")
     return list({(c.n_layer, c.n_embd, c.n_head): c for c in out}.values())
 
 
-def card_flop_rate(train: TrainSettings, device_type: str = "cuda", processes: int = 1) -> tuple[float, str]:
-    """FLOP/s the ledger expects the run to sustain (peak x utilisation x processes), and where the peak came from:
-    --peak_tflops, this machine's `hf-cgpu bench`, else an assumed figure (a CPU's on the CPU)."""
-    if device_type == "cpu" and train.peak_tflops <= 0:
-        peak, source = CPU_PEAK_TFLOPS, "an assumed CPU figure"
-    else:
-        peak, source = peak_tflops(train.peak_tflops, assumed=ASSUMED_PEAK_TFLOPS)
-    return peak * 1e12 * DEFAULT_MFU * processes, source
-
-
-def startup_seconds_per_layer(train: TrainSettings, device_type: str = "cuda") -> float:
-    """Seconds of the minutes before the first step, per block: a compile where the run compiles (on CUDA), else
-    none."""
-    return COMPILE_SECONDS_PER_LAYER if train.compile and device_type == "cuda" else 0.0
-
-
-def auto_choice(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rate: float,
+def auto_choice(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, card: Card,
                 vocab_size: int | None = None, processes: int = 1, device_type: str = "cuda") -> AutoChoice:
-    """The rule's choice for this run (``budget.auto.choose``) on a ``device_type`` device."""
+    """The rule's choice for this run (``budget.auto.choose``) on ``card`` (a ``device_type`` device)."""
     gpt.check_with(train)
     if corpus_tokens < 1:
         raise SettingsError(f"--auto needs the training split's token count, got {corpus_tokens}; give a corpus "
@@ -76,9 +65,8 @@ def auto_choice(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop
     per_step = train.samples_per_step(processes) * gpt.seq_len
     fitted = train.fit_schedule_to_time or "fit_schedule_to_time" not in given(gpt)  # the rule's, unless given false
     cap = train.max_steps if "max_steps" in given(gpt) else 0
-    return choose(corpus_tokens, train.max_minutes, flop_rate, candidates(gpt, train, vocab_size), per_step,
-                  startup_seconds_per_layer(train, device_type), fitted, muon=train.optimizer == "muon",
-                  max_steps=cap)
+    return choose(corpus_tokens, train.max_minutes, candidates(gpt, train, card, vocab_size, processes, device_type),
+                  per_step, fitted, muon=train.optimizer == "muon", max_steps=cap)
 
 
 def apply_choice(gpt: GPTSettings, train: TrainSettings, chosen: dict[str, Any]) -> tuple[GPTSettings, TrainSettings,
@@ -116,7 +104,7 @@ def saved_choice(path: Path) -> AutoChoice:
     return choice
 
 
-def resolve(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rate: float, output_dir: Path,
+def resolve(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, card: Card, output_dir: Path,
             vocab_size: int | None = None, processes: int = 1, save: bool = True, device_type: str = "cuda"):
     """(GPTSettings, TrainSettings, the line to print) of an --auto run: the choice this output folder's run made
     when resuming, else a new one (saved to ``output_dir/auto_choice.json`` when ``save``)."""
@@ -124,7 +112,7 @@ def resolve(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rat
     if train.resume_from_checkpoint and path.is_file():
         choice, how = saved_choice(path), "the choice this run made (resumed)"
     else:
-        choice, how = auto_choice(gpt, train, corpus_tokens, flop_rate, vocab_size, processes, device_type), ""
+        choice, how = auto_choice(gpt, train, corpus_tokens, card, vocab_size, processes, device_type), ""
         if save:
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_json(path, dataclasses.asdict(choice), indent=1)  # a crash never leaves half a choice
@@ -133,5 +121,4 @@ def resolve(gpt: GPTSettings, train: TrainSettings, corpus_tokens: int, flop_rat
     return gpt, train, line
 
 
-__all__ = ["CHOICE_FILE", "apply_choice", "auto_choice", "candidates", "card_flop_rate", "resolve", "saved_choice",
-           "startup_seconds_per_layer"]
+__all__ = ["CHOICE_FILE", "apply_choice", "auto_choice", "candidates", "resolve", "saved_choice"]

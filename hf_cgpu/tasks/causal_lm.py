@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..budget.auto import REGIMES, Regime, pressure, regime
+from ..budget.card import run_card
 from ..budget.shape import ModelShape, RunShape
 from ..data.corpus import load_text_dataset
 from ..data.packing import pack_dataset, source_fingerprint
@@ -23,7 +24,6 @@ from ..models.cgpt.modeling_cgpt import CgptForCausalLM
 from ..settings import TrainSettings
 from ..train import TaskPlan
 from ..train.schedule import calibration_step
-from .auto import card_flop_rate
 from .auto import resolve as resolve_auto
 from .packed import PackedTokensTask
 from .settings import GPTSettings
@@ -182,8 +182,8 @@ class CausalLMTask(PackedTokensTask):
 
     def _auto(self, settings: TrainSettings, accelerator, vocab: int):
         """(GPTSettings, TrainSettings, the line) of ``--auto`` for the packed training split on this card."""
-        rate, _ = card_flop_rate(settings, accelerator.device.type, accelerator.num_processes)
-        return resolve_auto(self.cfg, settings, self.train_data.n_tokens, rate, Path(settings.output_dir), vocab,
+        card = run_card(settings.peak_tflops, accelerator.device)
+        return resolve_auto(self.cfg, settings, self.train_data.n_tokens, card, Path(settings.output_dir), vocab,
                             accelerator.num_processes, save=accelerator.is_main_process,
                             device_type=accelerator.device.type)
 
