@@ -102,17 +102,23 @@ def test_a_sequence_beyond_a_position_table_is_refused_beyond_rotary_positions_n
 
 
 def test_budget_says_how_many_of_the_runs_steps_its_minutes_hold():
-    import re
+    """The steps --max_minutes holds: the minutes less the start-up and the evaluations and checkpoints those steps
+    bring, at the ledger's step time; the line and the run's own figures agree."""
+    from hf_cgpu.budget.card import find_card
+    from hf_cgpu.commands.budget import describe_run, lm_run_time
 
-    report = run(["--preset", "zh-poetry-modern", "--peak_tflops", "165", "--mfu", "0.4"])
-    rate = float(re.search(r"throughput\s+([\d,]+) tokens/s", report).group(1).replace(",", ""))
-    held = int(7 * 60 * rate / 65536)  # 32 x 4 x 512 tokens a step
-    assert f"4,000 steps x 65,536 tokens -> {4000 * 65536 / rate / 60:,.1f} min" in report
-    assert f"--max_minutes 7 holds ~{held:,} of them, the cosine is fitted" in report
-    plain = run(["--preset", "zh-poetry-modern", "--peak_tflops", "165", "--fit_schedule_to_time", "false"])
+    argv = ["--preset", "zh-poetry-modern", "--card", "RTX 5070 Ti"]
+    report = run(argv)
+    shape, train, _ = describe_run(argv)
+    rt = lm_run_time(shape.model, shape.setup(train), train, find_card("RTX 5070 Ti"))
+    assert rt.limited_by_minutes and 0 < rt.steps < train.max_steps
+    assert rt.seconds <= 7 * 60 < rt.seconds + rt.step.seconds * 1.5  # one more step (and its share) would not fit
+    assert f"--max_minutes 7 holds ~{rt.steps:,} of the 4,000 steps x 65,536 tokens" in report
+    assert "add --fit_schedule_to_time true" not in report
+    plain = run([*argv, "--fit_schedule_to_time", "false"])
     assert "add --fit_schedule_to_time true" in plain
-    fast = run(["--preset", "zh-poetry-modern", "--peak_tflops", "2000"])
-    assert "inside --max_minutes 7" in fast
+    fast = run(["--preset", "zh-poetry-modern", "--card", "H200", "--max_steps", "100"])
+    assert "100 steps, inside --max_minutes 7" in fast
 
 
 @pytest.mark.parametrize("mode, after", [("default", "default"), ("reduce-overhead", "default"),

@@ -20,7 +20,7 @@ from hf_cgpu.budget.card import card_from_bench  # noqa: E402
 from hf_cgpu.budget.memory import GiB  # noqa: E402
 
 DROP = {"--dataset", "--output_dir", "--overwrite_output_dir", "--prompts", "--max_new_tokens", "--save_best",
-        "--progress", "--log_steps", "--load_best_at_end", "--early_stopping_patience", "--sample_every_epochs",
+        "--progress", "--log_steps", "--sample_every_epochs",
         "--teacher", "--cpu"}
 """Training flags the ledger does not take (they change no memory or step time)."""
 

@@ -21,9 +21,13 @@ from ..errors import SettingsError
 GEFORCE_FLOPS_PER_SM_CLOCK = 512
 """Dense bf16 FLOP per SM per clock with fp32 accumulation on GeForce Ampere / Ada / Blackwell tensor cores."""
 SUSTAINED_MATMUL = 0.80
-"""Share of the datasheet dense bf16 rate a large square matmul sustains (``hf-cgpu bench`` on the lent H100)."""
-SUSTAINED_BANDWIDTH = 0.85
-"""Share of the datasheet bandwidth a device-to-device copy sustains (``hf-cgpu bench`` on the lent H100/H200)."""
+"""Share of the datasheet dense bf16 rate a large square matmul sustains (``hf-cgpu bench`` on the lent H100: 793 of
+989 TFLOP/s)."""
+SUSTAINED_BANDWIDTH = 0.89
+"""Share of the datasheet bandwidth a device-to-device copy sustains (``hf-cgpu bench`` on the lent H100: 2,994 of
+3,350 GB/s)."""
+REFERENCE_SMS = 132
+"""SMs of the card ``SMALL_MATMUL`` was measured on (H100 SXM)."""
 HOST_LAUNCH_US = 9.0
 """Host time per eager PyTorch op (Python dispatch + CUDA launch) where no bench measured it: a property of the CPU
 and the software more than of the card; ``hf-cgpu bench`` measures it."""
@@ -47,6 +51,8 @@ class Card:
     """Device microseconds per kernel inside a CUDA graph."""
     matmul_curve: tuple[tuple[int, float], ...] = ()
     """(square size, TFLOP/s) as measured; empty = a public figure scaled by ``SMALL_MATMUL``'s curve."""
+    sms: int = REFERENCE_SMS
+    """Streaming multiprocessors: a card with fewer fills them with a smaller matmul (``SMALL_MATMUL``)."""
     source: str = ""
     """Where the figures come from (a bench of this machine, or the public figures of a named card)."""
     aliases: tuple[str, ...] = field(default=(), compare=False)
@@ -55,16 +61,19 @@ class Card:
         """FLOP/s of an (m x k) @ (k x n) bf16 matmul: the rate measured at the nearest square size of equal work
         (interpolated in log size), capped by what its bytes allow at the card's bandwidth (a skinny product)."""
         size = (m * n * k) ** (1 / 3)
-        curve = self.matmul_curve or tuple((s, self.matmul_tflops * f) for s, f in SMALL_MATMUL)
-        rate = _interpolate(curve, size) * 1e12
+        if self.matmul_curve:
+            rate = _interpolate(self.matmul_curve, size) * 1e12
+        else:  # the reference card's curve at the size that gives each of its SMs as much work
+            share = _interpolate(SMALL_MATMUL, size * (REFERENCE_SMS / self.sms) ** (1 / 3))
+            rate = min(1.0, share) * self.matmul_tflops * 1e12
         bytes_moved = 2.0 * (m * k + k * n + m * n)
         flops = 2.0 * m * n * k
         return min(rate, flops / bytes_moved * self.bandwidth_gbs * 1e9)
 
 
-SMALL_MATMUL = ((256, 0.08), (512, 0.35), (1024, 0.70), (2048, 0.92), (4096, 0.98), (8192, 1.0))
-"""Share of the large-matmul rate a square bf16 matmul of each size reaches, for a card without a bench (the shape of
-the curve ``hf-cgpu bench`` measures on the lent H100)."""
+SMALL_MATMUL = ((256, 0.004), (512, 0.031), (1024, 0.254), (2048, 0.865), (4096, 1.0), (8192, 0.93))
+"""Share of the large-matmul rate a square bf16 matmul of each size reaches on the reference card (``hf-cgpu bench``
+on the lent H100: 3.1, 24.7, 201, 686, 793 and 739 TFLOP/s), for a card without a bench of its own."""
 
 
 def _interpolate(curve: tuple[tuple[int, float], ...], size: float) -> float:
@@ -83,15 +92,15 @@ def _interpolate(curve: tuple[tuple[int, float], ...], size: float) -> float:
 def _geforce(name: str, memory_gib: float, sms: int, boost_ghz: float, bandwidth_gbs: float,
              aliases: tuple[str, ...] = ()) -> Card:
     tflops = sms * boost_ghz * GEFORCE_FLOPS_PER_SM_CLOCK / 1e3
-    return Card(name, memory_gib, tflops * SUSTAINED_MATMUL, bandwidth_gbs * SUSTAINED_BANDWIDTH,
+    return Card(name, memory_gib, tflops * SUSTAINED_MATMUL, bandwidth_gbs * SUSTAINED_BANDWIDTH, sms=sms,
                 source=f"public figures: {sms} SMs x {boost_ghz:g} GHz x 512 = {tflops:.1f} TFLOP/s dense bf16, "
                        f"{bandwidth_gbs:g} GB/s; x {SUSTAINED_MATMUL:g} / {SUSTAINED_BANDWIDTH:g} sustained",
                 aliases=aliases)
 
 
-def _datacenter(name: str, memory_gib: float, tflops: float, bandwidth_gbs: float,
+def _datacenter(name: str, memory_gib: float, tflops: float, bandwidth_gbs: float, sms: int,
                 aliases: tuple[str, ...] = ()) -> Card:
-    return Card(name, memory_gib, tflops * SUSTAINED_MATMUL, bandwidth_gbs * SUSTAINED_BANDWIDTH,
+    return Card(name, memory_gib, tflops * SUSTAINED_MATMUL, bandwidth_gbs * SUSTAINED_BANDWIDTH, sms=sms,
                 source=f"datasheet: {tflops:g} TFLOP/s dense bf16, {bandwidth_gbs:g} GB/s; x {SUSTAINED_MATMUL:g} / "
                        f"{SUSTAINED_BANDWIDTH:g} sustained", aliases=aliases)
 
@@ -109,9 +118,9 @@ CARDS: dict[str, Card] = {c.name: c for c in (
     _geforce("RTX 5070 Ti", 16, 70, 2.452, 896, ("5070ti", "5070 ti")),
     _geforce("RTX 5080", 16, 84, 2.617, 960, ("5080",)),
     _geforce("RTX 5090", 32, 170, 2.407, 1792, ("5090",)),
-    _datacenter("A100 80GB", 80, 312, 2039, ("a100",)),
-    _datacenter("H100 SXM", 80, 989, 3350, ("h100",)),
-    _datacenter("H200", 141, 989, 4800, ("h200",)),
+    _datacenter("A100 80GB", 80, 312, 2039, 108, ("a100",)),
+    _datacenter("H100 SXM", 80, 989, 3350, 132, ("h100",)),
+    _datacenter("H200", 141, 989, 4800, 132, ("h200",)),
 )}
 """Cards the ledger can price without a bench, by name."""
 DEFAULT_CARD = "RTX 5070 Ti"

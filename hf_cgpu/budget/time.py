@@ -15,7 +15,7 @@ from ..bench import load_measured_peak
 from .card import Card
 from .memory import lora_trainable_params
 from .shape import ModelShape, TrainSetup
-from .work import StepWork
+from .work import Gemm, StepWork
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
 DEFAULT_MFU = 0.4
@@ -77,10 +77,21 @@ def peak_tflops(explicit: float = 0.0, use_bench: bool = True, assumed: float = 
 # Step time: the work of one step at the card's rates
 # ===================================================================================================================
 
-ATTENTION_EFFICIENCY = 0.5
-"""Share of the card's large-matmul rate a fused (flash) attention kernel sustains, forward and backward."""
-DEVICE_KERNEL_US = 2.5
-"""Device time a kernel costs beyond its work (launch gap, tail, a small grid's idle SMs)."""
+ATTENTION_EFFICIENCY = 0.75
+"""Share of the card's large-matmul rate fused attention sustains on long sequences (FlashAttention-3 reports ~75% of
+an H100's bf16 peak)."""
+ATTENTION_HALF_SEQ = 1536
+"""Sequence length at which fused attention reaches half of ``ATTENTION_EFFICIENCY``: a short sequence gives each
+(batch, head) few tiles of the causal triangle to spread over the SMs. Fitted: set A's sequence-1024 GPTs (0.30 of
+the matmul rate)."""
+DEVICE_KERNEL_FACTOR = 1.7
+"""Device time every kernel costs beyond its work (launch gap, tail, a small grid's idle SMs), as a multiple of the
+bench's kernel-in-a-CUDA-graph time. Fitted: set A's SmolLM2-shape LoRA, whose 14,609 small kernels a step are its
+device time."""
+HOST_KERNEL_FACTOR = {"eager": 5.8, "compiled": 2.0}
+"""Host time per kernel of a training step, as a multiple of the bench's bare eager op: autograd, module calls and
+peft's wrappers around every op (set A's host-bound LoRA runs: 33.5 and 39.8 us a kernel against 6.3 for a bare op);
+a compiled graph launches its kernels from generated code."""
 COMPILE_SECONDS = {"base": 12.0, "per_layer": 4.6}
 """A cold torch.compile of a training step: seconds before the first step, plus per block it unrolls."""
 CHECKPOINT_WRITE_GBS = 1.0
@@ -101,14 +112,19 @@ class StepTime:
 
     rows: tuple[TimeRow, ...]
     device_seconds: float
+    """Forward and backward on the device."""
     host_seconds: float
+    """Forward and backward on the host (launching their kernels)."""
     card: Card
     work: StepWork
+    optimizer_device_seconds: float = 0.0
+    optimizer_host_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
-        """The device runs behind the host's launches: the step takes the longer of the two."""
-        return max(self.device_seconds, self.host_seconds)
+        """The device runs behind the host's launches: each phase takes the longer of the two."""
+        return (max(self.device_seconds, self.host_seconds)
+                + max(self.optimizer_device_seconds, self.optimizer_host_seconds))
 
     @property
     def bound(self) -> str:
@@ -124,25 +140,42 @@ class StepTime:
 
 
 def step_time(work: StepWork, card: Card, cuda_graphs: bool = False) -> StepTime:
-    """Seconds of ``work`` on ``card``: each product at the card's rate for its shape, attention at
-    ``ATTENTION_EFFICIENCY`` of the large-matmul rate, memory-bound bytes at the bandwidth, and a per-kernel cost on
-    the device; the host launches every kernel (eager) or replays one graph (``cuda_graphs``)."""
-    matmul = sum(g.count * 2.0 * g.m * g.n * g.k / card.matmul_rate(g.m, g.n, g.k) for g in work.gemms)
-    attention = work.attention_flops / (card.matmul_tflops * 1e12 * ATTENTION_EFFICIENCY)
-    memory = sum(b for _, b in work.memory_bytes) / (card.bandwidth_gbs * 1e9)
-    per_kernel = (card.graph_launch_us if cuda_graphs else DEVICE_KERNEL_US) * 1e-6
-    kernels = work.kernels * per_kernel
-    host = (card.graph_launch_us * 1e-6 * work.kernels * 0.1) if cuda_graphs else work.kernels * card.launch_us * 1e-6
+    """Seconds of ``work`` on ``card``: each product at the card's rate for its shape, attention at an efficiency that
+    grows with the sequence, memory-bound bytes at the bandwidth, and a per-kernel cost on the device; the host
+    launches every kernel (eager, or from compiled code) or replays one graph (``cuda_graphs``). Two phases, each as
+    long as the slower of device and host: forward + backward, then the optimizer step (eager, after the backward)."""
+    optimizer = {"optimizer step"}
+    opt_gemm = [g for g in work.gemms if g.label.startswith("muon")]
+    matmul = sum(_gemm_seconds(g, card) for g in work.gemms)
+    efficiency = ATTENTION_EFFICIENCY * work.seq_len / (work.seq_len + ATTENTION_HALF_SEQ) if work.seq_len else 1.0
+    attention = work.attention_flops / (card.matmul_tflops * 1e12 * efficiency)
+    bandwidth = card.bandwidth_gbs * 1e9
+    memory = sum(b for _, b in work.memory_bytes) / bandwidth
+    per_kernel = card.graph_launch_us * DEVICE_KERNEL_FACTOR * 1e-6
+    kernels = (work.kernels + work.optimizer_kernels) * per_kernel
+    opt_device = (sum(_gemm_seconds(g, card) for g in opt_gemm) + work.optimizer_kernels * per_kernel
+                  + sum(b for what, b in work.memory_bytes if what in optimizer) / bandwidth)
+    opt_host = work.optimizer_kernels * card.launch_us * HOST_KERNEL_FACTOR["eager"] * 1e-6
+    if cuda_graphs:  # one replay launches the step's kernels
+        host = 0.0
+    else:
+        host = work.kernels * card.launch_us * HOST_KERNEL_FACTOR["compiled" if work.compiled else "eager"] * 1e-6
     mem_note = ", ".join(f"{what} {b / 1e9:.2f} GB" for what, b in work.memory_bytes if b)
+    device = matmul + attention + memory + kernels
     rows = (
         TimeRow("matmul", "matmuls", matmul,
                 f"{work.gemm_flops / 1e12:.2f} TFLOP in {len(work.gemms)} shapes at the card's rate per shape"),
         TimeRow("attention", "attention kernels", attention,
-                f"{work.attention_flops / 1e12:.2f} TFLOP at {ATTENTION_EFFICIENCY:.0%} of the matmul rate"),
+                f"{work.attention_flops / 1e12:.2f} TFLOP at {efficiency:.0%} of the matmul rate"),
         TimeRow("memory", "memory-bound kernels", memory, f"at {card.bandwidth_gbs:,.0f} GB/s: {mem_note}"),
-        TimeRow("kernels", "kernel overhead", kernels, f"{work.kernels:,.0f} kernels x {per_kernel * 1e6:.1f} us"),
+        TimeRow("kernels", "kernel overhead", kernels,
+                f"{work.kernels + work.optimizer_kernels:,.0f} kernels x {per_kernel * 1e6:.1f} us"),
     )
-    return StepTime(rows, matmul + attention + memory + kernels, host, card, work)
+    return StepTime(rows, device - opt_device, host, card, work, opt_device, opt_host)
+
+
+def _gemm_seconds(g: Gemm, card: Card) -> float:
+    return g.count * 2.0 * g.m * g.n * g.k / card.matmul_rate(g.m * g.batch, g.n, g.k)
 
 
 # ===================================================================================================================

@@ -19,27 +19,47 @@ from dataclasses import dataclass, field
 from .memory import BF16, FP32, adapted_linears, layer_activation_bytes_per_token, regime
 from .shape import ModelShape, TrainSetup
 
-ELEMENTWISE_PASSES = {"eager": 4.0, "compiled": 2.0}
-"""Bytes the memory-bound kernels of a block move, as a multiple of the bytes the block saves for its backward."""
-OPTIMIZER_BYTES_PER_PARAM = {"adamw": 28.0 + 12.0, "adamw8bit": 14.0 + 12.0, "muon": 28.0 + 12.0, "lora": 40.0}
+ELEMENTWISE_PASSES = {"eager": 9.4, "compiled": 3.8}
+"""Bytes the memory-bound kernels of a block move, as a multiple of the bytes the block saves for its backward
+(eager: the autocast casts, transposes and contiguous copies around every product move the saved bytes many times
+over; compiled: inductor fuses most of them). Fitted: the non-matmul, non-attention device time of the GPT
+configurations of the ledger check's set A (benchmarks/RESULTS.md, "the ledger against 16 configurations")."""
+OPTIMIZER_BYTES_PER_PARAM = {"adamw": 40.0, "adamw8bit": 92.0, "muon": 40.0, "lora": 40.0}
 """Bytes the optimizer step moves per trainable parameter: fused AdamW reads weight, gradient and two fp32 moments and
-writes three (28), the gradient clip reads the gradients and scales them and zeroing writes them (12); 8-bit AdamW
-keeps one-byte moments."""
+writes three (28), the gradient clip reads and scales the gradients and zeroing writes them (12). bitsandbytes'
+8-bit blockwise kernel moves fewer bytes but runs far below the bandwidth: 80 is its measured time at the card's
+bandwidth (set B's 770M run: 20.8 ms for 0.77B parameters on an H100), + 12."""
 EMA_BYTES_PER_PARAM = 12.0
 """An fp32 EMA update reads the average and the weight and writes the average."""
-LOSS_BYTES_PER_LOGIT = {"chunked": 24.0, "eager": 24.0, "compiled": 12.0}
-"""Bytes per logit of the loss's memory-bound kernels (fp32 upcast, log-softmax, its gradient)."""
+LOSS_BYTES_PER_LOGIT = {"chunked": 54.0, "eager": 54.0, "compiled": 16.0}
+"""Device bytes per logit of the loss's memory-bound kernels: eager, the fp32 upcast, softmax forward and backward and
+their copies (set A's 30M run: 76 ms for 4.2G logits); compiled, inductor's fused cross-entropy (set A's 124M run)."""
+LORA_BYTES_PER_TOKEN = {"in": 36.0, "out": 30.0, "in_recompute": 12.0, "out_recompute": 10.0}
+"""Bytes per token an adapted linear's casts and adds move, per input / output feature: peft casts the input to the
+adapter's fp32 and autocast back to bf16 (12 B per input feature forward, twice that backward), scales and adds the
+adapter's output (10 B per output feature forward, twice backward); a full recompute repeats the forward."""
 NF4_DEQUANT_BYTES_PER_PARAM = 2.5
 """A 4-bit weight de-quantised for one product: half a byte read, a bf16 copy written."""
-KERNELS_PER_LAYER = {"gpt": 60, "gptneox": 70, "llama": 75}
-"""Kernels one block launches in an eager forward and backward under autocast (counted on the CPU with a dispatch
-trace of each layout: tests/test_budget_time.py)."""
-KERNELS_PER_ADAPTED_LINEAR = 14
-"""A LoRA adapter's extra kernels per step (dropout, two products, scale, add, their backward)."""
-COMPILED_KERNEL_SHARE = 0.35
-"""Kernels a compiled step launches, as a share of the eager count (inductor fuses the elementwise chains)."""
-OPTIMIZER_KERNELS = 12
-"""Kernels of the fused optimizer step, the clip and the zeroing (multi-tensor kernels: a few per step)."""
+KERNELS_PER_LAYER = {"gpt": 62, "gptneox": 72, "llama": 68}
+"""Kernels one block launches in an eager forward and backward under autocast. gpt: set A's eager GPTs (350M: 1,509
+per step over 24 blocks, the optimizer and loss kernels aside); gptneox and llama from set A's LoRA runs less their
+adapters' kernels."""
+KERNELS_PER_ADAPTED_LINEAR = 25
+"""A LoRA adapter's kernels per step (casts, dropout, two products, scale, add, and their backward): set A's
+Pythia-shape (4 adapted linears a block) and SmolLM2-shape (7) runs, solved together."""
+RECOMPUTE_KERNEL_FACTOR = 4.0 / 3.0
+"""A full recompute re-runs the forward: about a third of a block's kernels once more."""
+COMPILED_KERNEL_SHARE = 0.82
+"""Kernels a compiled step launches, as a share of the eager count: inductor fuses the elementwise chains, but the
+products, attention and the norms' reductions stay kernels of their own (set A's 124M: 650 a step)."""
+OPTIMIZER_KERNELS = {"adamw": 20, "adamw8bit": 20, "muon": 150, "lora": 20}
+"""Kernels of the optimizer step, the clip and the zeroing (multi-tensor kernels; Muon runs its Newton-Schulz
+iterations per stacked shape, eagerly)."""
+MASKED_ATTENTION_SLOWDOWN = 1.75
+"""Attention under a per-document mask (our GPT's --document_masking with sdpa) runs the memory-efficient kernel, not
+flash: this many times the flash time. Fitted: set A's zh-poetry-modern step (6.3 ms against 3.6 for flash)."""
+LOSS_KERNELS_PER_CHUNK = 12
+"""Kernels of one checkpointed loss chunk, forward, recompute and backward."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +71,8 @@ class Gemm:
     k: float
     count: float = 1.0
     label: str = ""
+    batch: float = 1.0
+    """Products of this shape run together as one batched kernel (its rate is that of the whole batch's work)."""
 
     @property
     def flops(self) -> float:
@@ -72,6 +94,12 @@ class StepWork:
     """The step's model FLOPs as MFU counts them (no recompute)."""
     samples: float = 0.0
     """Samples (tokens, images) the step trains on."""
+    seq_len: int = 0
+    """Tokens per sequence of the attention kernels (their efficiency grows with it); 0 = no attention."""
+    compiled: bool = False
+    """The step runs compiled (fused kernels, launched from generated code)."""
+    optimizer_kernels: float = 0.0
+    """Kernels of the optimizer step, clip and zeroing: launched eagerly after the backward, so a phase of their own."""
     notes: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -120,6 +148,12 @@ def lm_step_work(shape: ModelShape, setup: TrainSetup) -> StepWork:
     opt_kind = "lora" if setup.adapters else ("adamw8bit" if setup.tier == "adamw8bit" else setup.optimizer)
     opt_bytes = OPTIMIZER_BYTES_PER_PARAM.get(opt_kind, OPTIMIZER_BYTES_PER_PARAM["adamw"]) * trainable
     memory = [("blocks' elementwise kernels", block), ("loss", loss), ("optimizer step", opt_bytes)]
+    if adapted:
+        lb, rc = LORA_BYTES_PER_TOKEN, forwards == 2.0
+        per_token = sum((lb["in"] + rc * lb["in_recompute"]) * lin.d_in + (lb["out"] + rc * lb["out_recompute"])
+                        * lin.d_out for lin in shape.linears() if lin.name in adapted)
+        fused = ELEMENTWISE_PASSES["compiled"] / ELEMENTWISE_PASSES["eager"] if compiled else 1.0  # as the blocks'
+        memory.append(("adapters' casts and adds", per_token * t * layers * micro * fused))
     if setup.ema:
         memory.append(("EMA update", EMA_BYTES_PER_PARAM * trainable))
     if setup.tier == "qlora":
@@ -129,22 +163,30 @@ def lm_step_work(shape: ModelShape, setup: TrainSetup) -> StepWork:
         memory.append(("frozen weights read", BF16 * shape.n_matmul_params * 2.0 * micro))
     else:
         memory.append(("autocast weight casts", (FP32 + BF16) * shape.n_matmul_params * micro))
-    kernels = (KERNELS_PER_LAYER[shape.family] * forwards + KERNELS_PER_ADAPTED_LINEAR * len(adapted)) * layers
-    kernels = kernels * micro * (COMPILED_KERNEL_SHARE if compiled else 1.0) + OPTIMIZER_KERNELS
+    recompute = RECOMPUTE_KERNEL_FACTOR if forwards == 2.0 else 1.0
+    kernels = (KERNELS_PER_LAYER[shape.family] + KERNELS_PER_ADAPTED_LINEAR * len(adapted)) * recompute * layers
+    if setup.loss_chunk_size:
+        kernels += LOSS_KERNELS_PER_CHUNK * -(-int(t) // setup.loss_chunk_size)
+    kernels = kernels * micro * (COMPILED_KERNEL_SHARE if compiled else 1.0)
     model_flops = 6.0 * shape.matmul_params_per_token * t * micro + attn * 3.0 * 2.0  # MFU counts the full square
     if setup.adapters:
         model_flops -= 2.0 * shape.matmul_params_per_token * t * micro
-    return StepWork(tuple(gemms), attention, tuple(memory), kernels, model_flops, t * micro)
+    if setup.packed and shape.family == "gpt" and shape.attention == "sdpa":
+        attention *= MASKED_ATTENTION_SLOWDOWN
+    return StepWork(tuple(gemms), attention, tuple(memory), kernels, model_flops, t * micro, setup.seq_len, compiled,
+                    optimizer_kernels=OPTIMIZER_KERNELS.get(opt_kind, 20))
 
 
 def muon_gemms(shape: ModelShape, iterations: int = 5) -> list[Gemm]:
-    """Newton-Schulz orthogonalisation of every block matrix (m <= n): per iteration X X^T, A A and B X."""
+    """Newton-Schulz orthogonalisation of every block matrix (m <= n): per iteration X X^T, A A and B X, the layers'
+    matrices of one shape stacked into one batched product."""
     out = []
     for lin in shape.linears():
         m, n = sorted((lin.d_in, lin.d_out))
         count = shape.n_layer * iterations
-        out += [Gemm(m, m, n, count, f"muon {lin.name} X X^T"), Gemm(m, m, m, count, f"muon {lin.name} A A"),
-                Gemm(m, n, m, count, f"muon {lin.name} B X")]
+        out += [Gemm(m, m, n, count, f"muon {lin.name} X X^T", shape.n_layer),
+                Gemm(m, m, m, count, f"muon {lin.name} A A", shape.n_layer),
+                Gemm(m, n, m, count, f"muon {lin.name} B X", shape.n_layer)]
     return out
 
 

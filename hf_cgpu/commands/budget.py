@@ -306,7 +306,7 @@ def lm_run_time(shape: ModelShape, setup: TrainSetup, train, card: Card, eval_mi
                     checkpoint_bytes=st.weights + st.optimizer + (st.trainable_params * 4 if setup.ema else 0))
 
 
-def format_time(rt: RunTime, setup: TrainSetup, unit: str = "tokens") -> str:
+def format_time(rt: RunTime, setup: TrainSetup, unit: str = "tokens", fitted: bool = True) -> str:
     """The time ledger: one row per kind of work in a step, the step, then the run's rows and its minutes."""
     step, card = rt.step, rt.step.card
     label_w = max(len(r.label) for r in (*step.rows, *rt.rows)) + 2
@@ -326,7 +326,7 @@ def format_time(rt: RunTime, setup: TrainSetup, unit: str = "tokens") -> str:
     elif rt.minutes > 0:
         steps += f", inside --max_minutes {rt.minutes:g}"
     lines.append(f"  this run         {steps} x {setup.tokens_per_step * gpus:,} {unit} -> {fmt_duration(rt.seconds)}")
-    if rt.limited_by_minutes and not getattr(rt, "fitted", True):
+    if rt.limited_by_minutes and not fitted:
         lines.append("  the cosine is still high when the minutes end: add --fit_schedule_to_time true")
     return "\n".join(lines)
 
@@ -397,7 +397,7 @@ def run(argv: Sequence[str] | None = None) -> str:
     out.append("")
     card = budget_card(opts, train)
     rt = lm_run_time(shape, setup, train, card, opts.eval_micro_batches)
-    out.append(format_time(rt, setup))
+    out.append(format_time(rt, setup, fitted=train.fit_schedule_to_time))
     if not setup.adapters:
         out.append(format_chinchilla(shape, setup, rt.step))
     return "\n".join(out)
