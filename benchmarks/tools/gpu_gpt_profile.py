@@ -60,8 +60,10 @@ def kernel_times(prof) -> dict[str, tuple[int, float]]:
     ``key_averages()`` by kernel name counts it twice)."""
     out: dict[str, tuple[int, float]] = {}
     for ev in prof.events():
-        # "## Call CompiledFxGraph ... ##" is a user annotation that spans its graph's kernels on the device timeline
-        if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("## "):
+        # "## Call CompiledFxGraph ... ##" and "Optimizer.step#AdamW.step" are user annotations that span their kernels
+        # on the device timeline: counting them counts those kernels twice
+        annotation = ev.name.startswith("## ") or getattr(ev, "is_user_annotation", False) or "#" in ev.name
+        if ev.device_type == torch.autograd.DeviceType.CUDA and not annotation:
             calls, ms = out.get(ev.name, (0, 0.0))
             out[ev.name] = (calls + 1, ms + ev.device_time_total / 1e3)
     return out

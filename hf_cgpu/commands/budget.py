@@ -403,18 +403,23 @@ def run(argv: Sequence[str] | None = None) -> str:
     return "\n".join(out)
 
 
+def price_card(run_shape: RunShape, setup: TrainSetup, train, card: Card) -> dict[str, Any]:
+    """The ledger's figures of one run on ``card``, as numbers: allocated / reserved / total GiB and whether the total
+    fits the card's memory, step seconds and its rows, the steps the run does."""
+    led = ledger(run_shape.model, setup, card.memory_gib * GiB if card.memory_gib else None)
+    rt = lm_run_time(run_shape.model, setup, train, card)
+    return {"allocated_gib": led.allocated / GiB, "reserved_gib": led.reserved / GiB, "total_gib": led.total / GiB,
+            "fits": led.fits, "step_s": rt.step.seconds, "bound": rt.step.bound, "steps": rt.steps,
+            "parts": "/".join(f"{r.seconds * 1e3:.1f}" for r in rt.step.rows)}
+
+
 def price(task: str, argv: Sequence[str], card: Card) -> dict[str, Any]:
     """The ledger's figures for ``hf-cgpu train TASK ARGV`` on ``card``, as numbers (a benchmark puts them beside its
     measurements): allocated / reserved / total GiB, step seconds and its rows, steps the run does."""
     if task not in ("gpt", "lora"):
         raise SettingsError(f"the ledger prices gpt and lora runs; not {task!r} yet")
     run_shape, train, opts, _ = _describe(list(argv))
-    setup = run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp)
-    led = ledger(run_shape.model, setup)
-    rt = lm_run_time(run_shape.model, setup, train, card, opts.eval_micro_batches)
-    parts = "/".join(f"{r.seconds * 1e3:.1f}" for r in rt.step.rows)
-    return {"allocated_gib": led.allocated / GiB, "reserved_gib": led.reserved / GiB, "total_gib": led.total / GiB,
-            "step_s": rt.step.seconds, "parts": parts, "bound": rt.step.bound, "steps": rt.steps}
+    return price_card(run_shape, run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp), train, card)
 
 
 def budget_card(opts: BudgetSettings, train) -> Card:
