@@ -59,7 +59,7 @@ def time_grid(num_inference_steps: int, spacing: str, shift: float, num_train_ti
     return 1.0 - sigmas  # (N + 1,)
 
 
-class _FlowMatchBase(SchedulerMixin, ConfigMixin):
+class FlowMatchScheduler(SchedulerMixin, ConfigMixin):
     """Shared grid and step-index bookkeeping. ``t_grid`` has N + 1 entries, ``timesteps`` the model-call times.
 
     Usable right after construction, as diffusers' schedulers: the default grid has ``num_train_timesteps`` steps
@@ -125,7 +125,7 @@ class _FlowMatchBase(SchedulerMixin, ConfigMixin):
         return [(t, d, lo - 1e-6 <= t <= hi + 1e-6) for t, d in zip(ts, ds)]
 
 
-class FlowMatchEulerScheduler(_FlowMatchBase):
+class FlowMatchEulerScheduler(FlowMatchScheduler):
     """x_{k+1} = x_k + (t_{k+1} - t_k) v(x_k, t_k): N model calls for N steps, first order."""
 
     order = 1
@@ -155,7 +155,7 @@ class FlowMatchEulerScheduler(_FlowMatchBase):
         return self._output(prev.to(model_output.dtype), return_dict)
 
 
-class FlowMatchHeunScheduler(_FlowMatchBase):
+class FlowMatchHeunScheduler(FlowMatchScheduler):
     """Heun (explicit trapezoid) on every interval but the last, which takes one Euler step.
 
     Like diffusers' FlowMatchHeunDiscreteScheduler: N steps cost 2N - 1 model calls, and ``timesteps`` lists the
@@ -208,7 +208,7 @@ class FlowMatchHeunScheduler(_FlowMatchBase):
 
 def sample_ode(
     velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    scheduler: _FlowMatchBase,
+    scheduler: FlowMatchScheduler,
     x0: torch.Tensor,
     num_inference_steps: int,
 ) -> tuple[torch.Tensor, int]:
