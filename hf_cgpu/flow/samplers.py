@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from ..errors import SettingsError
 from ..registry import Registry
+from .carry import carried_source
 
 SAMPLERS: Registry[type | str] = Registry("sampler")
 """Every sampler the commands and settings accept: name -> the scheduler class, or the ``"module:Class"`` holding it."""
@@ -34,12 +35,29 @@ def check_sampler(name: str, flag: str = "--scheduler") -> None:
 
 
 def sampler_class(name: str) -> type:
+    """The scheduler class registered as ``name``, checked on first use: a diffusers ``SchedulerMixin`` in our time
+    convention (``timesteps_are_t``, ``call_plan``: ``FlowMatchScheduler`` gives both), whose file a saved pipeline
+    can carry (``carry.carried_source``); anything else is one line naming the fix."""
     check_sampler(name)
-    found = SAMPLERS[name]
-    if isinstance(found, str):
-        module, _, cls = found.partition(":")
-        return getattr(importlib.import_module(module), cls)
-    return found
+    return _checked_class(name, SAMPLERS[name])
+
+
+@lru_cache(maxsize=None)
+def _checked_class(name: str, entry: type | str) -> type:
+    from diffusers.schedulers.scheduling_utils import SchedulerMixin
+
+    if isinstance(entry, str):
+        module, _, cls = entry.partition(":")
+        entry = getattr(importlib.import_module(module), cls)
+    if not (isinstance(entry, type) and issubclass(entry, SchedulerMixin) and getattr(entry, "timesteps_are_t", False)
+            and callable(getattr(entry, "call_plan", None))):
+        raise SettingsError(f"sampler {name!r} is {entry!r}, not a scheduler in hf_cgpu's time convention; subclass "
+                            "hf_cgpu.flow.scheduling_flow_match.FlowMatchScheduler (docs/extending.md)")
+    try:
+        carried_source(entry, {__name__.split(".")[0], entry.__module__.split(".")[0]})
+    except ValueError as err:
+        raise SettingsError(f"sampler {name!r}: a saved pipeline could not carry its code: {err}") from None
+    return entry
 
 
 @lru_cache(maxsize=None)

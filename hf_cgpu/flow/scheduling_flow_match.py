@@ -1,7 +1,8 @@
 """Euler and Heun ODE schedulers for flow matching in our time convention, as diffusers schedulers.
 
-Self-contained on purpose (imports only numpy, torch and diffusers): ``save_for_remote_code`` copies this file
-into ``scheduler/`` so a saved pipeline loads without hf_cgpu.
+Imports only numpy, torch and diffusers: ``save_for_remote_code`` writes this file into ``scheduler/`` so a saved
+pipeline loads without hf_cgpu, and carries it into the saved file of a sampler that subclasses ``FlowMatchScheduler``
+in a file of its own.
 
 Convention: t = 0 is noise, t = 1 is data, the model predicts ut = x1 - x0 at time t, and sampling integrates
 dx/dt = v(x, t) from t = 0 up to t = 1. ``scheduler.timesteps`` holds exactly the t values the pipeline passes to
@@ -60,10 +61,13 @@ def time_grid(num_inference_steps: int, spacing: str, shift: float, num_train_ti
 
 
 class FlowMatchScheduler(SchedulerMixin, ConfigMixin):
-    """Shared grid and step-index bookkeeping. ``t_grid`` has N + 1 entries, ``timesteps`` the model-call times.
+    """The base of every sampler: the grid, the step index and the call plan. ``t_grid`` has N + 1 entries,
+    ``timesteps`` the model-call times.
 
-    Usable right after construction, as diffusers' schedulers: the default grid has ``num_train_timesteps`` steps
-    until ``set_timesteps`` picks another.
+    A sampler sets ``order`` (model calls per step at most) and writes ``set_timesteps`` (``_make_grid``, then
+    ``timesteps``), ``_call_interval`` (the grid interval of each call) and ``step``. Usable right after
+    construction, as diffusers' schedulers: the default grid has ``num_train_timesteps`` steps until
+    ``set_timesteps`` picks another.
     """
 
     config_name = "scheduler_config.json"
