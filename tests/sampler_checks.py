@@ -105,8 +105,9 @@ def check_evaluation_count(name: str) -> None:
             pipe(2, steps, torch.Generator().manual_seed(0), class_labels=[0, 1], guidance_scale=scale,
                  guidance_interval=interval, output_type="np")
             expected = evaluations_per_image(name, steps, scale, interval)
-            assert sum(rows) / 2 == expected, f"{name}, {steps} steps, guidance {scale} on {interval}: {sum(rows) / 2} " \
-                                              f"UNet calls per image, evaluations_per_image says {expected}"
+            per_image = sum(rows) / 2
+            assert per_image == expected, f"{name}, {steps} steps, guidance {scale} on {interval}: {per_image} UNet " \
+                                          f"calls per image, evaluations_per_image says {expected}"
             assert times == [t for t, _, _ in pipe.scheduler.call_plan()], name
             assert steps_within(expected, name, scale, interval) == steps
 
