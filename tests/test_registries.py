@@ -111,6 +111,7 @@ def test_every_instruction_format_round_trips_its_rows(name, tmp_path):
         assert len(splits[split]) == len(ids)
         for i, loaded in zip(ids, splits[split]):
             chat = to_messages(loaded, fmt)
+            assert chat == to_messages(row(i), fmt)  # what the file and the loader gave back is the row written
             said = [m["content"] for m in chat]
             texts = [m["content"] for m in row(i)["messages"]] if columns == ["messages"] else row(i).values()
             assert all(any(t in s for s in said) for t in texts) and chat[-1]["role"] == "assistant", (row(i), chat)
@@ -129,7 +130,7 @@ WRITERS = {
 def test_every_text_file_format_round_trips_its_texts(extension, tmp_path):
     builder = TEXT_FILE_FORMATS[extension]
     assert builder in WRITERS, f"{extension}: no writer for the {builder!r} builder in WRITERS: add one"
-    texts = [f"paragraph {i}: the quick brown fox, café {i}" for i in range(6)]
+    texts = [f"paragraph {i}: the quick brown fox,\nits second line, café {i}" for i in range(6)]
     WRITERS[builder](texts, tmp_path / f"train{extension}")
     WRITERS[builder](texts[:2], tmp_path / f"validation{extension}")
     data = load_text_dataset(str(tmp_path), carve=False)
