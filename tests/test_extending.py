@@ -5,6 +5,8 @@ card and, for the sampler, in a saved pipeline that loads without hf_cgpu."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -191,6 +193,52 @@ def test_a_sampler_in_a_new_file_is_found_everywhere(midpoint, synthetic_data, t
                      str(tmp_path / "drawn"), "--save_pipeline", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again" / "model_index.json").read_text())
     assert again["scheduler"] == index["scheduler"]
+
+
+RENAMED = '''"""A sampler file that imports a re-exported class under another name, a type only for checkers, and a name
+inside a method: the save carries what runs and nothing else."""
+
+from typing import TYPE_CHECKING
+
+from hf_cgpu.flow import FlowMatchEulerScheduler as Euler
+
+if TYPE_CHECKING:
+    from ..train import Task
+
+
+class RenamedEuler(Euler):
+    def step(self, model_output, timestep, sample, return_dict=True):
+        from .scheduling_flow_match import FlowMatchSchedulerOutput
+
+        return FlowMatchSchedulerOutput(super().step(model_output, timestep, sample).prev_sample)
+'''
+
+
+def test_the_save_carries_the_modules_a_file_imports_and_nothing_else(new_file):
+    from hf_cgpu.flow.carry import carried_source
+    from hf_cgpu.flow.unet import FlowUNet2DModel
+
+    new_file("scheduling_renamed", RENAMED)
+    text = carried_source(importlib.import_module("hf_cgpu.flow.scheduling_renamed").RenamedEuler, {"hf_cgpu"})
+    imports = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not [ast.unparse(n) for n in imports if getattr(n, "level", 0) or "hf_cgpu" in ast.unparse(n)]
+    carried = [line[len("# ---- "):] for line in text.splitlines() if line.startswith("# ---- ")]
+    assert carried == ["hf_cgpu.flow.scheduling_flow_match", "hf_cgpu.flow.scheduling_renamed"]  # where it is defined
+    namespace = {"__name__": "carried"}
+    exec(compile(text, "carried", "exec"), namespace)
+    assert namespace["Euler"] is namespace["FlowMatchEulerScheduler"]
+    sched = namespace["RenamedEuler"]()
+    sched.set_timesteps(2)
+    out = sched.step(torch.ones(1), sched.timesteps[0], torch.zeros(1))
+    assert type(out).__name__ == "FlowMatchSchedulerOutput" and float(out.prev_sample) == 0.5
+    unet = importlib.import_module(FlowUNet2DModel.__module__)
+    assert carried_source(FlowUNet2DModel, {"hf_cgpu"}) == Path(unet.__file__).read_text()  # imports none of ours
+
+    new_file("scheduling_clash", "from .scheduling_flow_match import FlowMatchEulerScheduler\n\n\n"
+                                 "def time_grid():\n    return None\n\n\nclass Clash(FlowMatchEulerScheduler):\n    pass\n")
+    with pytest.raises(ValueError, match="scheduling_flow_match and hf_cgpu.flow.scheduling_clash both define "
+                                         "'time_grid'"):
+        carried_source(importlib.import_module("hf_cgpu.flow.scheduling_clash").Clash, {"hf_cgpu"})
 
 
 def test_the_registry_refuses_a_sampler_it_cannot_use_or_save_in_one_line(new_file, capsys):

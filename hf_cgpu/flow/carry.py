@@ -18,6 +18,7 @@ import importlib.util
 import inspect
 import re
 import sys
+import textwrap
 from collections.abc import Collection
 
 # diffusers' dynamic-module loader copies every file a line of this shape names (its get_relative_imports): a carried
@@ -186,8 +187,9 @@ def carried_source(obj, packages: Collection[str]) -> str:
                 raise ValueError(f"{first[0]} and {module.name} both define {bound!r}; a saved folder carries them as "
                                  f"one module, so rename one of them")
     futures = sorted({f for m in modules.values() for f in m.futures})
-    parts = [f'"""{name}, with the modules of {"/".join(sorted(packages))} it imports carried in: '
-             f'{", ".join(m for m in modules if m != name)}."""\n']
+    about = (f"{name}, with the modules of {'/'.join(sorted(packages))} it imports carried in: "
+             f"{', '.join(m for m in modules if m != name)}.")
+    parts = [f'"""{textwrap.fill(about, 116)}"""\n']
     if futures:
         parts.append(f"from __future__ import {', '.join(futures)}\n")
     parts += [f"\n# ---- {m.name}\n{m.text()}" for m in modules.values()]
