@@ -92,8 +92,8 @@ class _Module:
         """The absolute module a ``from`` import of ours reads (None: not ours)."""
         if not isinstance(node, ast.ImportFrom):
             return None
-        target = importlib.util.resolve_name("." * node.level + (node.module or ""), self.package) if node.level \
-            else node.module
+        written = "." * node.level + (node.module or "")
+        target = importlib.util.resolve_name(written, self.package) if node.level else written
         return target if _ours(target, packages) else None
 
     def _carry(self, node: ast.ImportFrom, target: str) -> str:
