@@ -235,7 +235,8 @@ def test_the_save_carries_the_modules_a_file_imports_and_nothing_else(new_file):
     assert carried_source(FlowUNet2DModel, {"hf_cgpu"}) == Path(unet.__file__).read_text()  # imports none of ours
 
     new_file("scheduling_clash", "from .scheduling_flow_match import FlowMatchEulerScheduler\n\n\n"
-                                 "def time_grid():\n    return None\n\n\nclass Clash(FlowMatchEulerScheduler):\n    pass\n")
+                                 "def time_grid():\n    return None\n\n\n"
+                                 "class Clash(FlowMatchEulerScheduler):\n    pass\n")
     with pytest.raises(ValueError, match="scheduling_flow_match and hf_cgpu.flow.scheduling_clash both define "
                                          "'time_grid'"):
         carried_source(importlib.import_module("hf_cgpu.flow.scheduling_clash").Clash, {"hf_cgpu"})
