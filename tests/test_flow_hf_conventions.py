@@ -23,9 +23,10 @@ from diffusers import (
 )
 
 from hf_cgpu.flow.pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
+from hf_cgpu.flow.samplers import SAMPLERS, sampler_class
 from hf_cgpu.flow.scheduling_flow_match import FlowMatchEulerScheduler, FlowMatchHeunScheduler
 
-SCHEDULERS = [FlowMatchEulerScheduler, FlowMatchHeunScheduler]
+SCHEDULERS = [sampler_class(name) for name in SAMPLERS]  # every registered sampler
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -279,13 +280,14 @@ def test_pipeline_mixin_checks_that_do_not_apply(check, reason):
 def test_usable_right_after_construction(cls):
     sched = cls()
     n = sched.config.num_train_timesteps
-    assert len(sched.timesteps) == (n if cls.order == 1 else 2 * n - 1)
+    assert len(sched.t_grid) == n + 1
     reference = cls()
     reference.set_timesteps(n)
     assert torch.equal(sched.timesteps, reference.timesteps)
     x = torch.randn(2, 3)
     out = sched.step(torch.ones_like(x), sched.timesteps[0], x).prev_sample
-    torch.testing.assert_close(out, x + 1 / n)  # first step of the default grid, dt = 1 / num_train_timesteps
+    torch.testing.assert_close(out, reference.step(torch.ones_like(x), reference.timesteps[0], x).prev_sample)
+    assert 0 < float((out - x).min()) and float((out - x).max()) <= 1 / n + 1e-6  # within the first interval
     with pytest.raises(ValueError, match="num_train_timesteps=0"):
         cls(num_train_timesteps=0)
 

@@ -1,15 +1,51 @@
-"""Our Euler/Heun schedulers: closed forms, equivalence with diffusers' flow-match schedulers, save/load."""
+"""Our samplers: what every registered one must do (``sampler_checks``, run for each entry of ``SAMPLERS``), then
+Euler's and Heun's closed forms and their equivalence with diffusers' flow-match schedulers."""
 
 import json
 
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FlowMatchHeunDiscreteScheduler
+from sampler_checks import (check_evaluation_count, check_grid_and_calls, check_order, check_saved_pipeline,
+                            check_scheduler_round_trip, remote_samples)
 
 from hf_cgpu.flow.matching import from_diffusers_timestep, to_diffusers_velocity
+from hf_cgpu.flow.samplers import SAMPLERS, sampler_class
 from hf_cgpu.flow.scheduling_flow_match import FlowMatchEulerScheduler, FlowMatchHeunScheduler, sample_ode
 
-SCHEDULERS = [FlowMatchEulerScheduler, FlowMatchHeunScheduler]
+SCHEDULERS = [sampler_class(name) for name in SAMPLERS]
+
+
+# ---------------------------------------------------------------------------- every registered sampler
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_every_sampler_walks_n_steps_from_noise_to_data(name):
+    check_grid_and_calls(name)
+
+
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_every_sampler_converges_at_its_order(name):
+    check_order(name)
+
+
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_every_sampler_costs_what_evaluations_per_image_counts(name):
+    check_evaluation_count(name)
+
+
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_every_sampler_config_round_trips(name, tmp_path):
+    check_scheduler_round_trip(name, tmp_path)
+
+
+def test_every_sampler_saves_a_pipeline_that_loads_with_and_without_hf_cgpu(tmp_path):
+    """One fresh interpreter loads every sampler's folder."""
+    folders = [tmp_path / name for name in SAMPLERS]
+    for name, folder in zip(SAMPLERS, folders):
+        check_saved_pipeline(name, folder)
+    remote_samples(folders)
+
+
+# ---------------------------------------------------------------------------- Euler and Heun
 
 
 def field(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The one training loop on a toy task: schedule, data order, exact resume, guards, atomic checkpoints."""
 
+import dataclasses
 import json
 import math
 import pickle
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from hf_cgpu.commands.budget import preset_shape
-from hf_cgpu.errors import Interrupted, SettingsError, TrainingStopped
+from hf_cgpu.errors import CheckpointError, Interrupted, SettingsError, TrainingStopped
 from hf_cgpu.integrity import build_manifest, write_manifest
+from hf_cgpu.optim import OPTIMIZERS
 from hf_cgpu.settings import TrainSettings
 from hf_cgpu.train import SampleOrder, Task, TaskPlan, fit, lr_at
 from hf_cgpu.train import checkpoint as ckpt_io
@@ -99,9 +101,10 @@ def test_bad_settings_are_one_line_errors():
         TrainSettings(micro_batch_size=0)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adamw-fused", "muon"])
+@pytest.mark.parametrize("optimizer", [*OPTIMIZERS, "adamw-fused"])
 def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, optimizer, request):
-    """adamw-fused: CUDA's optimizer, whose steps the loop reads one step late (``train.update``)."""
+    """Every registered optimizer. adamw-fused: CUDA's optimizer, whose steps the loop reads one step late
+    (``train.update``)."""
     if optimizer == "adamw-fused":
         request.getfixturevalue("fused_adamw")
         optimizer = "adamw"
@@ -114,6 +117,40 @@ def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, optimizer, re
     assert [p.name for p in ckpt_io.list_checkpoints(cut_dir)] == ["step_0000004"]
     fit(ToyTask(), settings(cut_dir, optimizer=optimizer, resume_from_checkpoint="latest"))
     assert_same_run(full_dir, cut_dir, range(5, 13))
+
+
+def another_value(f: dataclasses.Field):
+    """A valid value other than the field's default, for an optimizer's own setting."""
+    default = f.default
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, float):
+        return default / 2 if default else 0.5
+    if isinstance(default, int):
+        return default + 1
+    choices = f.metadata.get("choices")
+    choices = choices() if callable(choices) else choices
+    if choices:
+        return next(c for c in choices if c != default)
+    raise AssertionError(f"{f.name}: no other value to try; teach another_value its type")
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_every_optimizers_own_settings_and_name_are_in_the_fingerprint(tmp_path, optimizer):
+    """A resume with another value of any of the optimizer's own settings, or with another optimizer, is refused in
+    one line naming it and both values: each would continue with other updates."""
+    spec = OPTIMIZERS[optimizer]
+    fit(ToyTask(), settings(tmp_path, optimizer=optimizer, max_steps=2, checkpointing_steps=1))
+    resume = settings(tmp_path, optimizer=optimizer, max_steps=3, resume_from_checkpoint="latest")
+    for f in dataclasses.fields(spec.settings) if spec.settings else ():
+        value = another_value(f)
+        changed = dataclasses.replace(resume, optimizer_options=dataclasses.replace(spec.settings(), **{f.name: value}))
+        with pytest.raises(CheckpointError) as err:
+            fit(ToyTask(), changed)
+        assert f"{f.name!r}: ({f.default!r}, {value!r})" in str(err.value) and "\n" not in str(err.value), f.name
+    other = next(name for name in OPTIMIZERS if name != optimizer)
+    with pytest.raises(CheckpointError, match=f"'optimizer': \\('{optimizer}', '{other}'\\)"):
+        fit(ToyTask(), settings(tmp_path, optimizer=other, max_steps=3, resume_from_checkpoint="latest"))
 
 
 def assert_same_run(full_dir, cut_dir, steps):

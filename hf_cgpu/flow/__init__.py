@@ -27,6 +27,7 @@ _EXPORTS = {
     "scheduling_flow_match": [
         "FlowMatchEulerScheduler",
         "FlowMatchHeunScheduler",
+        "FlowMatchScheduler",
         "FlowMatchSchedulerOutput",
         "sample_ode",
         "time_grid",

@@ -1,8 +1,8 @@
 """Inference pipeline for our flow-matching UNet: noise at t = 0, integrate the predicted velocity to t = 1.
 
-Self-contained on purpose (imports only the standard library, torch, diffusers and, for Hub ids, huggingface_hub, which
-diffusers depends on): ``save_for_remote_code``
-copies this file as ``pipeline.py`` into the saved folder, so without hf_cgpu installed it loads with
+Imports only the standard library, torch, diffusers (and, for Hub ids, huggingface_hub, which diffusers depends on)
+and ``carry``, which ``save_for_remote_code`` carries into the copy of this file it writes as ``pipeline.py`` in the
+saved folder (with each component's code, carried the same way), so without hf_cgpu installed it loads with
 
     DiffusionPipeline.from_pretrained(folder, custom_pipeline=folder, trust_remote_code=True)
 
@@ -14,16 +14,16 @@ loaded from the copied files (another module than hf_cgpu's) pass diffusers' typ
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import os
-import shutil
 
 import torch
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline, ImagePipelineOutput
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
+
+from .carry import carried_source
 
 
 # from_pretrained arguments that locate a Hub repo's files, and those a ModelMixin component's own loader takes.
@@ -152,7 +152,13 @@ class FlowMatchPipeline(DiffusionPipeline):
             library, class_name = index[name]
             if name in kwargs or library is None or library.split(".")[0] != package:
                 continue
-            klass = getattr(importlib.import_module(library), class_name)
+            module = importlib.import_module(library)
+            klass = getattr(module, class_name)
+            for base in (ModelMixin, SchedulerMixin):
+                # diffusers checks a passed component against the base class it finds by name in the component's
+                # module; a module that subclasses one of ours (imported from another file) names none
+                if issubclass(klass, base) and not hasattr(module, base.__name__):
+                    setattr(module, base.__name__, base)
             extra = {}
             if issubclass(klass, ModelMixin):
                 extra = {k: kwargs[k] for k in _MODEL_ARGS if k in kwargs}
@@ -302,10 +308,12 @@ class FlowMatchPipeline(DiffusionPipeline):
 def save_for_remote_code(pipeline: DiffusionPipeline, save_directory: str | os.PathLike) -> None:
     """``save_pretrained`` plus the code, so the folder loads where hf_cgpu is not installed.
 
-    Writes pipeline.py (the pipeline class's source file) at the top and copies each non-diffusers component's
-    module file into its folder under the module's import name (unet/hf_cgpu.flow.unet.py,
-    scheduler/hf_cgpu.flow.scheduling_flow_match.py), which is the name model_index.json records: diffusers loads
-    a component from ``<folder>/<library>.py`` when that file exists and trust_remote_code=True. Load with
+    Writes pipeline.py (the pipeline class's module) at the top and each non-diffusers component's module into its
+    folder under the module's import name (unet/hf_cgpu.flow.unet.py, scheduler/hf_cgpu.flow.scheduling_flow_match.py),
+    which is the name model_index.json records: diffusers loads a component from ``<folder>/<library>.py`` when that
+    file exists and trust_remote_code=True. Each file is written with the modules of its own package and of this
+    one's that it imports carried inside (``carry.carried_source``), so a sampler in its own file that subclasses one
+    of ours saves a folder that loads as well. Load with
     ``DiffusionPipeline.from_pretrained(d, custom_pipeline=d, trust_remote_code=True)``, or with hf_cgpu installed
     ``FlowMatchPipeline.from_pretrained(d)``.
     """
@@ -314,6 +322,12 @@ def save_for_remote_code(pipeline: DiffusionPipeline, save_directory: str | os.P
     index_path = os.path.join(save_directory, "model_index.json")
     with open(index_path, encoding="utf-8") as f:
         index = json.load(f)
+    ours = __name__.split(".")[0]  # hf_cgpu, or diffusers_modules for a pipeline loaded as remote code
+
+    def write_code(cls: type, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(carried_source(cls, {ours, cls.__module__.split(".")[0]}))
+
     for name in pipeline.components:
         component = getattr(pipeline, name)
         component = getattr(component, "_orig_mod", component)  # torch.compile wrapper -> the model
@@ -321,9 +335,9 @@ def save_for_remote_code(pipeline: DiffusionPipeline, save_directory: str | os.P
         if component is None or module.split(".")[0] in ("diffusers", "transformers"):
             continue  # a stock class loads from its library
         library = module.removeprefix("diffusers_modules.local.")  # re-saving a pipeline loaded as remote code
-        shutil.copyfile(inspect.getsourcefile(type(component)), os.path.join(save_directory, name, f"{library}.py"))
+        write_code(type(component), os.path.join(save_directory, name, f"{library}.py"))
         index[name] = [library, type(component).__name__]
-    shutil.copyfile(inspect.getsourcefile(type(pipeline)), os.path.join(save_directory, "pipeline.py"))
+    write_code(type(pipeline), os.path.join(save_directory, "pipeline.py"))
     with open(index_path, "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2, sort_keys=True)
         f.write("\n")

@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = vars(parser.parse_args(argv))
     model_dir = ns.pop("model_dir")
     a = SampleSettings(**{k: v for k, v in ns.items() if v is not None})
+    sampler = sampler_class(a.scheduler) if a.scheduler else None
     check_pipeline_folder(model_dir)
     if a.save_pipeline and Path(a.save_pipeline).resolve() == Path(model_dir).resolve():
         raise SettingsError(f"--save_pipeline {a.save_pipeline} is MODEL_DIR itself; name a new folder (the run's "
@@ -153,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                             "replace; name a new folder")
     pipe = FlowMatchPipeline.from_pretrained(model_dir)
     set_guidance_model(pipe, a.guidance_model, model_dir)
-    if a.scheduler:
-        pipe.scheduler = sampler_class(a.scheduler).from_config(pipe.scheduler.config)
+    if sampler is not None:
+        pipe.scheduler = sampler.from_config(pipe.scheduler.config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipe.to(device)
     sampling = a.sampling(pipe)

@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from ..errors import SettingsError
 from ..registry import Registry
+from .carry import carried_source
 
 SAMPLERS: Registry[type | str] = Registry("sampler")
 """Every sampler the commands and settings accept: name -> the scheduler class, or the ``"module:Class"`` holding it."""
@@ -34,12 +35,34 @@ def check_sampler(name: str, flag: str = "--scheduler") -> None:
 
 
 def sampler_class(name: str) -> type:
+    """The scheduler class registered as ``name``, checked: a diffusers ``SchedulerMixin`` in our time convention
+    (``timesteps_are_t``, ``call_plan``: ``FlowMatchScheduler`` gives both), whose file a saved pipeline can carry
+    (``carry.carried_source``); anything else is one line naming the fix."""
+    from diffusers.schedulers.scheduling_utils import SchedulerMixin
+
     check_sampler(name)
     found = SAMPLERS[name]
     if isinstance(found, str):
         module, _, cls = found.partition(":")
-        return getattr(importlib.import_module(module), cls)
+        found = getattr(importlib.import_module(module), cls)
+    if not (isinstance(found, type) and issubclass(found, SchedulerMixin) and getattr(found, "timesteps_are_t", False)
+            and callable(getattr(found, "call_plan", None))):
+        raise SettingsError(f"sampler {name!r} is {found!r}, not a scheduler in hf_cgpu's time convention; subclass "
+                            "hf_cgpu.flow.scheduling_flow_match.FlowMatchScheduler (docs/extending.md)")
+    problem = _uncarried(found)
+    if problem:
+        raise SettingsError(f"sampler {name!r}: a saved pipeline could not carry its code: {problem}")
     return found
+
+
+@lru_cache(maxsize=None)
+def _uncarried(scheduler_class: type) -> str:
+    """Why a saved pipeline could not carry the class's module ('' when it can)."""
+    try:
+        carried_source(scheduler_class, {__name__.split(".")[0], scheduler_class.__module__.split(".")[0]})
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
 @lru_cache(maxsize=None)

@@ -1,7 +1,8 @@
 """Euler and Heun ODE schedulers for flow matching in our time convention, as diffusers schedulers.
 
-Self-contained on purpose (imports only numpy, torch and diffusers): ``save_for_remote_code`` copies this file
-into ``scheduler/`` so a saved pipeline loads without hf_cgpu.
+Imports only numpy, torch and diffusers: ``save_for_remote_code`` writes this file into ``scheduler/`` so a saved
+pipeline loads without hf_cgpu, and carries it into the saved file of a sampler that subclasses ``FlowMatchScheduler``
+in a file of its own.
 
 Convention: t = 0 is noise, t = 1 is data, the model predicts ut = x1 - x0 at time t, and sampling integrates
 dx/dt = v(x, t) from t = 0 up to t = 1. ``scheduler.timesteps`` holds exactly the t values the pipeline passes to
@@ -59,11 +60,14 @@ def time_grid(num_inference_steps: int, spacing: str, shift: float, num_train_ti
     return 1.0 - sigmas  # (N + 1,)
 
 
-class _FlowMatchBase(SchedulerMixin, ConfigMixin):
-    """Shared grid and step-index bookkeeping. ``t_grid`` has N + 1 entries, ``timesteps`` the model-call times.
+class FlowMatchScheduler(SchedulerMixin, ConfigMixin):
+    """The base of every sampler: the grid, the step index and the call plan. ``t_grid`` has N + 1 entries,
+    ``timesteps`` the model-call times.
 
-    Usable right after construction, as diffusers' schedulers: the default grid has ``num_train_timesteps`` steps
-    until ``set_timesteps`` picks another.
+    A sampler sets ``order`` (model calls per step at most) and writes ``set_timesteps`` (``_make_grid``, then
+    ``timesteps``), ``_call_interval`` (the grid interval of each call) and ``step``. Usable right after
+    construction, as diffusers' schedulers: the default grid has ``num_train_timesteps`` steps until
+    ``set_timesteps`` picks another.
     """
 
     config_name = "scheduler_config.json"
@@ -125,7 +129,7 @@ class _FlowMatchBase(SchedulerMixin, ConfigMixin):
         return [(t, d, lo - 1e-6 <= t <= hi + 1e-6) for t, d in zip(ts, ds)]
 
 
-class FlowMatchEulerScheduler(_FlowMatchBase):
+class FlowMatchEulerScheduler(FlowMatchScheduler):
     """x_{k+1} = x_k + (t_{k+1} - t_k) v(x_k, t_k): N model calls for N steps, first order."""
 
     order = 1
@@ -155,7 +159,7 @@ class FlowMatchEulerScheduler(_FlowMatchBase):
         return self._output(prev.to(model_output.dtype), return_dict)
 
 
-class FlowMatchHeunScheduler(_FlowMatchBase):
+class FlowMatchHeunScheduler(FlowMatchScheduler):
     """Heun (explicit trapezoid) on every interval but the last, which takes one Euler step.
 
     Like diffusers' FlowMatchHeunDiscreteScheduler: N steps cost 2N - 1 model calls, and ``timesteps`` lists the
@@ -208,7 +212,7 @@ class FlowMatchHeunScheduler(_FlowMatchBase):
 
 def sample_ode(
     velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    scheduler: _FlowMatchBase,
+    scheduler: FlowMatchScheduler,
     x0: torch.Tensor,
     num_inference_steps: int,
 ) -> tuple[torch.Tensor, int]:

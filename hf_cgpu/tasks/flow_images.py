@@ -69,6 +69,7 @@ class FlowMatchingTask(Task):
 
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
         cfg = self.cfg
+        sampler_class(cfg.sampler)  # the registry checks the sampler of the grids and the saved pipeline now
         self.load_data(accelerator, labels=cfg.class_conditional)
         num_classes = None
         if cfg.class_conditional:
