@@ -112,16 +112,26 @@ def autofit(
     within ``effective_batch_tokens``. The micro-batch rung halves it (doubling accumulation) down to
     ``min_micro_batch`` (1 in the seed's ladder; a floor of 4 keeps a consumer GPU busier and reaches recompute
     sooner). Every later rung is switched on cumulatively, and after recompute and each tier the micro-batch (and
-    the sequence) grow back as far as they fit, because a memory saving is best spent on throughput. When the
-    ``recompute`` rung is among ``rungs`` the walk starts without recompute, whatever ``base`` says: recompute
-    costs a forward, so it is only taken when the run does not fit otherwise.
+    the sequence) grow back as far as they fit, because a memory saving is best spent on throughput. A ``base``
+    that fits as given is the plan. Otherwise, when the ``recompute`` rung is among ``rungs``, the walk starts without
+    recompute, whatever ``base`` says (and says so): recompute costs a forward, so it is only taken when the run does
+    not fit otherwise.
     """
     unknown = set(rungs) - set(RUNGS)
     if unknown:
         raise SettingsError(f"unknown rungs {sorted(unknown)}: choose from {', '.join(RUNGS)}")
     base = dataclasses.replace(base or TrainSetup(), seq_len=seq_len)
-    if "recompute" in rungs:  # recompute is the ladder's to choose: a run that fits without it is faster
+    given = dataclasses.replace(base, micro_batch_size=micro_batch_size or base.micro_batch_size,
+                                gradient_accumulation_steps=gradient_accumulation_steps or base.gradient_accumulation_steps)
+    as_given = ledger(shape, given, memory_cap)
+    if as_given.fits:
+        return FitPlan(setup=given, ledger=as_given, fits=True, memory_cap=memory_cap,
+                       reasons=(f"fits as given: {fmt_gib(as_given.total)} <= {fmt_gib(memory_cap)}",))
+    reasons: list[str] = []
+    if "recompute" in rungs and base.recompute:  # the ladder's to choose: a run that fits without it is faster
         base = dataclasses.replace(base, recompute=False, recompute_policy="full")
+        reasons.append(f"as given {fmt_gib(as_given.total)} > {fmt_gib(memory_cap)} cap; the walk starts without "
+                       "--recompute, which the ladder takes only where the run does not fit otherwise")
     if effective_batch_tokens is None:
         mb = micro_batch_size or base.micro_batch_size
         effective_batch_tokens = mb * (gradient_accumulation_steps or base.gradient_accumulation_steps) * seq_len
@@ -132,7 +142,6 @@ def autofit(
     if effective_batch_tokens < seq_len:
         raise SettingsError(f"effective batch {effective_batch_tokens} tokens is below one sequence of {seq_len}")
     tokens, cap = effective_batch_tokens, memory_cap
-    reasons: list[str] = []
 
     def total(s: TrainSetup) -> float:
         return ledger(shape, s, cap).total
