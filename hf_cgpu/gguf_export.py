@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, MissingPathError, SettingsError, about
+from .errors import CheckpointError, IntegrityError, MissingPathError, SettingsError, about
 from .finetune import merged_model
 from .generate import adapter_base
-from .integrity import atomic_output
+from .hub.push import GGUF_DIR
+from .integrity import FileEntry, Manifest, atomic_output, read_manifest, sha256_file, write_manifest
 from .settings import build_parser
 
 OUTTYPES = {"bf16": ("BF16", "MOSTLY_BF16", 0.05), "f16": ("F16", "MOSTLY_F16", 0.02),
@@ -57,9 +58,11 @@ class ExportSettings:
     """Precision of the matrices: bf16 (the trained weights to bf16), f16, or q8_0 (8-bit blocks, half the size);
     norms stay f32."""
     output: str = ""
-    """The .gguf file to write (default: DIR/gguf/<name>-<outtype>.gguf, a folder Ollama's Modelfile can name)."""
+    """The .gguf file to write (default: DIR/gguf/<name>-<outtype>.gguf, a folder Ollama's Modelfile can name, sealed
+    by gguf/manifest.json for `hf-cgpu push DIR REPO --include_gguf`)."""
     check: bool = True
-    """Load the file back with transformers and compare its logits with the merged model's on one chat prompt."""
+    """Load the file back with transformers before it takes its name: every tensor must be the model's in --outtype
+    bit for bit, the config and tokenizer the same, the logits close; otherwise nothing is written (exit 2)."""
     trust_remote_code: bool = False
     """Allow the base model's own code from its repository."""
 
@@ -347,6 +350,19 @@ def compare_logits(model, tokenizer_dir: Path, path: Path, outtype: str = "") ->
     return out
 
 
+def seal_export(path: Path) -> None:
+    """Record the written (and checked) ``path`` in its folder's manifest (kind gguf), entries of files since deleted
+    dropped: ``hf-cgpu push DIR --include_gguf`` uploads exactly what was exported, verified."""
+    folder = path.parent
+    try:
+        manifest = read_manifest(folder)
+    except IntegrityError:  # none yet, or unreadable: this export starts it again
+        manifest = Manifest("gguf", {})
+    manifest.files = {rel: e for rel, e in manifest.files.items() if rel != path.name and (folder / rel).is_file()}
+    manifest.files[path.name] = FileEntry(path.stat().st_size, sha256_file(path))
+    write_manifest(folder, manifest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser((ExportSettings,), prog="hf-cgpu export", description=about(
         "Write a fine-tuned run (its adapter merged into its base) or a llama-family model folder as one GGUF file "
@@ -366,8 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SettingsError("GGUF export needs the gguf package: pip install gguf") from None
     model, tokenizer_dir = load_for_export(folder, s.trust_remote_code)
     name = folder.resolve().name
-    path = Path(s.output).expanduser() if s.output else folder / "gguf" / f"{name}-{s.outtype}.gguf"
+    path = Path(s.output).expanduser() if s.output else folder / GGUF_DIR / f"{name}-{s.outtype}.gguf"
     c = write_gguf(model, tokenizer_dir, path, s.outtype, name, check=s.check)
+    if path.parent.resolve() == (folder / GGUF_DIR).resolve():
+        seal_export(path)
     print(f"wrote {path}: {c['tensors']} tensors, {s.outtype}, {path.stat().st_size / 2**20:.1f} MiB")
     if s.check:
         print(f"check: transformers loads it back in {c['load_s']:.1f} s; max |logit difference| {c['max_diff']:.4f} "
