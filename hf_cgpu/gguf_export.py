@@ -387,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {path}: {c['tensors']} tensors, {s.outtype}, {path.stat().st_size / 2**20:.1f} MiB")
     if s.check:
         print(f"check: transformers loads it back in {c['load_s']:.1f} s; every tensor as written; max |logit "
-              f"difference| {c['max_diff']:.4f} (logits up to {c['max_logit']:.1f}) against the merged model; tokenizer "
-              f"{'round-trips' if c['same_tokens'] else 'encodes the prompt differently'}, chat template kept")
+              f"difference| {c['max_diff']:.4f} (logits up to {c['max_logit']:.1f}) against the merged model; "
+              f"tokenizer {'round-trips' if c['same_tokens'] else 'encodes the prompt differently'}, chat template "
+              "kept")
         if not c["same_tokens"]:
             print("note: transformers reads some pre-tokenizers back as GPT-2's (SmolLM2's digit by digit split, for "
                   "one); llama.cpp splits text with the one the file names")

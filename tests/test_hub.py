@@ -394,8 +394,8 @@ def test_a_pushed_lora_names_no_local_path_and_its_card_says_how_the_base_was_ma
 
 @pytest.mark.parametrize("base,snippet", [
     ("someone/tiny-base-GGUF/tiny.Q8_0.gguf",
-     'from_pretrained("someone/tiny-base-GGUF", gguf_file="tiny.Q8_0.gguf", dtype="float32")'),
-    ("", 'from_pretrained("FOLDER_HOLDING_THE_GGUF", gguf_file="tiny.Q8_0.gguf", dtype="float32")'),
+     'from_pretrained( "someone/tiny-base-GGUF", gguf_file="tiny.Q8_0.gguf", dtype="float32")'),
+    ("", 'from_pretrained( "FOLDER_HOLDING_THE_GGUF", gguf_file="tiny.Q8_0.gguf", dtype="float32")'),
 ])
 def test_a_gguf_base_is_loaded_by_the_cards_snippet_as_training_loaded_it(tmp_path, base, snippet):
     """A GGUF of a Hub repo: the snippet de-quantises it from there; a local one with no Hub base given: from a

@@ -189,7 +189,8 @@ def gguf_lora(hub, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("gguf_lora")
     llama_folder(tmp / "llama")
-    cli(hub, tmp, "export", str(tmp / "llama"), "--gguf", "--outtype", "f16", "--output", str(tmp / "models" / "tiny.gguf"))
+    cli(hub, tmp, "export", str(tmp / "llama"), "--gguf", "--outtype", "f16", "--output",
+        str(tmp / "models" / "tiny.gguf"))
     run = tmp / "run"
     train(hub, tmp, "lora", "--model", str(tmp / "models" / "tiny.gguf"), "--base_model_name", "someone/tiny-llama",
           "--dataset", "builtin", "--seq_len", "32", "--micro_batch_size", "4", "--gradient_accumulation_steps", "1",

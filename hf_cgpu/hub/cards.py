@@ -464,7 +464,8 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
         base_gguf=base_gguf,
         base_gguf_from=base_gguf_from,
         base_note=base_note,
-        tokenizer_path=(repo_id or str(d)) if (d / "tokenizer_config.json").is_file() else base_model or "BASE_MODEL",
+        tokenizer_path=(repo_id or str(d)) if (d / "tokenizer_config.json").is_file()
+        else base_model or "BASE_MODEL",  # the tokenizer it was trained with, where the folder holds it
         base_model_label=(f"[{base_model}](https://huggingface.co/{base_model})" if _is_hub_id(base_model)
                           else f"`{base_model}`" if base_model else "its base model"),
         **fields,
