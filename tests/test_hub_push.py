@@ -217,8 +217,8 @@ def test_a_pushed_gguf_lora_holds_its_sealed_files_and_no_local_path(hub, gguf_l
     assert set(plain) == sealed | {"manifest.json", "README.md"}
     assert set(with_gguf) == set(plain) | {"gguf/run-q8_0.gguf", "gguf/manifest.json"}
     assert with_gguf["gguf/run-q8_0.gguf"] == (run / "gguf" / "run-q8_0.gguf").read_bytes()
-    assert ("left out: extra/notes.txt, model.bin (not in manifest.json); gguf/manifest.json, gguf/run-q8_0.gguf "
-            "(--include_gguf uploads what hf-cgpu export wrote)") in said[0]
+    assert ("left out: extra/notes.txt, model.bin (not in manifest.json); gguf/ (2 files) (--include_gguf uploads "
+            "what hf-cgpu export wrote)") in said[0]
     assert "left out: extra/notes.txt, model.bin (not in manifest.json)\n" in said[1]
     roots = {str(tmp), str(tmp.resolve()), str(Path.home())}
     for repo in (plain, with_gguf):

@@ -91,9 +91,17 @@ class UploadPlan:
         other = [f for f in self.left_out if f not in gguf]
         why = (f"not in {GGUF_DIR}/{MANIFEST}: export it again" if self.include_gguf
                else "--include_gguf uploads what hf-cgpu export wrote")
-        parts = ([f"{', '.join(other)} (not in {MANIFEST})"] if other else []) + (
-            [f"{', '.join(gguf)} ({why})"] if gguf else [])
+        parts = ([f"{_names(other)} (not in {MANIFEST})"] if other else []) + (
+            [f"{_names(gguf)} ({why})"] if gguf else [])
         return "left out: " + "; ".join(parts)
+
+
+def _names(paths: list[str]) -> str:
+    """``paths`` for one line: a folder holding more than one of them as ``folder/ (N files)``."""
+    groups: dict[str, list[str]] = {}
+    for rel in paths:
+        groups.setdefault(rel.split("/", 1)[0] if "/" in rel else rel, []).append(rel)
+    return ", ".join(rels[0] if len(rels) == 1 else f"{top}/ ({len(rels)} files)" for top, rels in groups.items())
 
 
 def upload_plan(output_dir: str | os.PathLike, include_gguf: bool = False) -> UploadPlan:
