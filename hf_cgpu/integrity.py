@@ -4,7 +4,8 @@ Atomic writes: every file hf_cgpu writes outside a checkpoint goes through ``ato
 ``atomic_write_text`` / ``atomic_write_bytes`` / ``atomic_dir``): the content is written to a hidden temporary name
 beside the target, flushed and fsynced, then ``os.replace``d onto the target. A kill at any moment leaves the old
 file or the new one, never a 0-byte or half-written one (what a kill during a plain write, e.g. a tokenizer save,
-leaves behind).
+leaves behind); the hidden temporary a kill leaves is removed by the next atomic write into that folder
+(``remove_stale_temporaries``).
 
 Manifests: a checkpoint, the best-weights folder and a finished model folder each carry ``manifest.json``: every
 file's size and SHA-256, the folder's kind and step. ``verify_folder`` re-reads every file and refuses, in one line
@@ -48,6 +49,44 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
 
 
+_TMP_PATTERN = re.compile(r"\..+\.tmp-([1-9][0-9]*)(\.[^.]+)?")
+"""The names of ``_tmp_name`` (``.NAME.tmp-PID.SUFFIX``) and of ``atomic_dir``'s folders (``.NAME.tmp-PID``)."""
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
+    """Remove the hidden temporaries that ``atomic_output`` and ``atomic_dir`` left in ``folder`` when their process
+    was killed (its PID runs no more on this machine); returns their names. Every atomic write tidies its folder this
+    way, so a killed export or run leaves nothing behind for longer than the next write there. Only names of that
+    pattern are touched, never a link, never a temporary of a running process."""
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TMP_PATTERN.fullmatch(entry.name)
+        if m is None or entry.is_symlink() or _running(int(m.group(1))):
+            continue
+        try:
+            shutil.rmtree(entry.path) if entry.is_dir() else os.unlink(entry.path)
+        except OSError:  # removed meanwhile, or not ours to remove
+            continue
+        removed.append(entry.name)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; a number no PID can be: leave the file
+        return True
+    return True
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename inside ``path`` durable (a no-op where directories cannot be opened)."""
     try:
@@ -73,6 +112,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     error (or a kill) ``p`` is untouched and ``tmp`` removed (or left hidden, for a kill)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent)
     tmp = _tmp_name(path)
     try:
         yield tmp
@@ -113,6 +153,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """``with atomic_dir(d) as tmp: save_pretrained(tmp)``: the folder appears (or replaces the old one) whole."""
     path = Path(path)
+    remove_stale_temporaries(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -314,6 +355,7 @@ __all__ = [
     "fsync_dir",
     "read_manifest",
     "regular_files",
+    "remove_stale_temporaries",
     "replace_dir",
     "sha256_file",
     "update_manifest",

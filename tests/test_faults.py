@@ -690,6 +690,44 @@ def test_atomic_output_leaves_the_old_file_on_error_and_on_kill(tmp_path):
     assert target.read_text() == "old"
 
 
+def test_the_next_atomic_write_removes_what_killed_writers_left_and_nothing_else(tmp_path):
+    """The hidden temporaries of killed processes (an export's ``.m.tmp-PID.gguf``, a card's ``.README.tmp-PID.md``,
+    a tokenizer folder's ``.tokenizer.tmp-PID``) go with the next atomic write into their folder; those of a running
+    process, links, hf_cgpu's other staging names and the user's own files stay; verify and push never see them."""
+    from hf_cgpu.hub import upload_file_list
+
+    def child():
+        with integrity.atomic_output(tmp_path / "m.gguf") as tmp:
+            tmp.write_bytes(b"GGUF half")
+            os._exit(KILLED)
+
+    assert in_child(child) == KILLED
+    (killed,) = [p.name for p in tmp_path.iterdir()]
+    dead = int(killed.split(".tmp-")[1].split(".")[0])
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        kept = [f".m.tmp-{alive.pid}.gguf", ".notes.md", f"m.tmp-{dead}.gguf", ".tmp-step_0000004",
+                f".README.tmp-{dead}.md.bak", f".tokens-x.bin.tmp-{dead}-0a1b2c3d", ".hf_cgpu.lock"]
+        for name in kept:
+            (tmp_path / name).write_text("x")
+        (tmp_path / f".README.tmp-{dead}.md").write_text("half a card")
+        (tmp_path / f".tokenizer.tmp-{dead}").mkdir()
+        (tmp_path / f".tokenizer.tmp-{dead}" / "vocab.json").write_text("{}")
+        outside = tmp_path.parent / f"{tmp_path.name}-outside.txt"
+        outside.write_text("not hf_cgpu's")
+        (tmp_path / f".link.tmp-{dead}.txt").symlink_to(outside)
+        integrity.write_manifest(tmp_path, integrity.build_manifest(tmp_path, "model"))
+        assert integrity.verify_folder(tmp_path).files.keys() == {f"m.tmp-{dead}.gguf"}
+        assert upload_file_list(tmp_path) == [f"m.tmp-{dead}.gguf", "manifest.json"]
+        integrity.atomic_write_text(tmp_path / "README.md", "card")
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [*kept, f".link.tmp-{dead}.txt", "README.md", "manifest.json"])
+        assert outside.read_text() == "not hf_cgpu's"
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 def test_a_kill_while_the_tokenizer_is_saved_leaves_no_broken_tokenizer(tmp_path):
     from transformers import PreTrainedTokenizerFast
 

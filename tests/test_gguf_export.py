@@ -164,3 +164,82 @@ def test_pre_tokenizers_get_llama_cpp_names():
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Digits(individual_digits=False)
     with pytest.raises(ValueError, match="has no llama.cpp name here"):
         pre_tokenizer_name(tok)
+
+
+def llama_folder(root, **layout):
+    """A tiny llama model folder (the byte-level BPE above) with ``layout`` in its config and visible biases."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=2, **layout)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)  # as large as the weights' effect: a misplaced bias moves every logit
+    model.save_pretrained(root)
+    bpe_tokenizer().save_pretrained(root)
+    return root, model.eval()
+
+
+def test_biases_and_a_head_width_apart_from_hidden_over_heads_export_as_llama_cpp_reads_them(tmp_path, capsys):
+    """q/k biases permuted with their rows, MLP and output biases kept, heads of width 24 (not 64/4) recorded as
+    attention.key_length/value_length: the file loaded back (biases read where present, as llama.cpp reads them)
+    gives the model's logits."""
+    import gguf
+
+    folder, model = llama_folder(tmp_path / "biased", attention_bias=True, mlp_bias=True, head_dim=24)
+    out = tmp_path / "alone" / "biased.gguf"
+    assert export(folder, out, "--outtype", "f16") == 0
+    assert "tokenizer round-trips" in capsys.readouterr().out
+    fields = gguf.GGUFReader(out).fields
+    for key in ("llama.attention.key_length", "llama.attention.value_length", "llama.rope.dimension_count"):
+        assert fields[key].contents() == 24, key
+    from transformers import AutoModelForCausalLM
+
+    back = AutoModelForCausalLM.from_pretrained(out.parent, gguf_file=out.name, dtype=torch.float32,
+                                                attention_bias=True, mlp_bias=True).eval()
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        want = model(ids).logits
+        assert (back(ids).logits - want).abs().max() < 2e-3 * want.abs().max()
+
+
+def test_a_read_back_that_differs_exits_2_and_leaves_the_earlier_file(tmp_path, capsys, monkeypatch):
+    """An exporter that gets the rotary layout wrong (q/k rows left in transformers' order) is caught by its own
+    check: one line, exit 2, no temporary left, and the file an earlier export wrote at that path untouched."""
+    from hf_cgpu import gguf_export
+
+    folder, _ = llama_folder(tmp_path / "plain")
+    out = tmp_path / "alone" / "plain.gguf"
+    assert export(folder, out, "--outtype", "f16") == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    monkeypatch.delenv("HF_CGPU_DEBUG", raising=False)
+    monkeypatch.setattr(gguf_export, "_rotary_rows", lambda weight, heads: weight)
+    assert export(folder, out, "--outtype", "f16") == 2
+    said = capsys.readouterr()
+    err = said.err.splitlines(keepends=True)[-1]  # after transformers' progress bars
+    assert err.startswith("error: GGUF export: the file read back differs from the model (4 tensors are not "
+                          "the model's in f16, e.g. model.layers.0.self_attn.q_proj.weight, ") 
+    assert f"{out} not written" in err and "wrote " not in said.out
+    assert out.read_bytes() == before and sorted(p.name for p in out.parent.iterdir()) == ["plain.gguf"]
+    out.unlink()
+    assert export(folder, out, "--outtype", "f16") == 2 and not out.parent.joinpath("plain.gguf").exists()
+    assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("layout,said", [
+    ({"hidden_act": "gelu"}, "uses the gelu activation; llama.cpp's llama architecture gates its MLP with silu"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "uses linear rope scaling"),
+])
+def test_llama_layouts_the_file_cannot_hold_are_refused_before_writing(tmp_path, capsys, monkeypatch, layout, said):
+    folder, _ = llama_folder(tmp_path / "odd", **layout)
+    capsys.readouterr()
+    monkeypatch.delenv("HF_CGPU_DEBUG", raising=False)
+    assert export(folder, tmp_path / "alone" / "odd.gguf") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and said in err and err.count("\n") == 1
+    assert not (tmp_path / "alone").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -233,7 +234,8 @@ def test_push_sends_only_listed_files_and_a_card_for_the_repo(tmp_path, monkeypa
     (_, repo, operations), = [c for c in FakeApi.calls if c[0] == "create_commit"]
     sent = sorted(op.path_in_repo for op in operations)
     assert sent == ["README.md", "all_results.json", "config.json", "model.safetensors"]
-    assert all(Path(op.path_or_fileobj).resolve().is_relative_to(d.resolve()) for op in operations)
+    assert all(isinstance(op.path_or_fileobj, bytes) or Path(op.path_or_fileobj).resolve().is_relative_to(d.resolve())
+               for op in operations)  # a file of the folder, or the public copy of one
     card = (d / "README.md").read_text()
     assert 'from_pretrained("someone/tiny-model"' in card and str(tmp_path) not in card
     assert "`output_dir`" not in card and "`cache_dir`" not in card
@@ -294,3 +296,135 @@ def test_flow_card_samples_as_the_folder_was_saved(tmp_path, classes):
     else:
         assert "pipe(batch_size=16).images  # the saved sampler: FlowMatchHeunScheduler, 6 steps\n" in text
         assert "(step 0000400)](samples/step_0000400.png)" in text and "class_labels" not in text
+
+
+def sent_files(operations) -> dict[str, bytes]:
+    """What a commit's operations upload, path in the repo -> bytes."""
+    return {op.path_in_repo: op.path_or_fileobj if isinstance(op.path_or_fileobj, bytes)
+            else Path(op.path_or_fileobj).read_bytes() for op in operations}
+
+
+def test_push_sends_the_manifests_files_and_the_card_and_names_what_stays(tmp_path, monkeypatch, capsys):
+    """A sealed folder sends what its manifest lists, the manifest and the card; a pickle, notes and a GGUF put
+    beside them stay local, named in one line; --include_gguf without a GGUF that export sealed is refused."""
+    import pickle
+
+    import huggingface_hub
+
+    from hf_cgpu.hub.push import main
+    from hf_cgpu.integrity import build_manifest, write_manifest
+
+    d = make_run(tmp_path, "gpt")
+    write_manifest(d, build_manifest(d, "model", exclude=("checkpoints",)))
+    (d / "model.bin").write_bytes(pickle.dumps({"weights": [1.0]}))
+    (d / "extra").mkdir()
+    (d / "extra" / "notes.txt").write_text("to self")
+    (d / "gguf").mkdir()
+    (d / "gguf" / "run-bf16.gguf").write_bytes(b"GGUF")
+    FakeApi.calls = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    assert main([str(d), "someone/tiny-model", "--token", "hf_x"]) == 0
+    (_, _, operations), = [c for c in FakeApi.calls if c[0] == "create_commit"]
+    assert sorted(sent_files(operations)) == ["README.md", "all_results.json", "config.json", "manifest.json",
+                                              "model.safetensors"]
+    said = capsys.readouterr().out.splitlines()
+    assert said[0] == ("left out: extra/notes.txt, model.bin (not in manifest.json); gguf/run-bf16.gguf "
+                       "(--include_gguf uploads what hf-cgpu export wrote)")
+    with pytest.raises(hub.HubError, match="--include_gguf: .*gguf holds no manifest.json, so no GGUF that "
+                                           "`hf-cgpu export .* --gguf` wrote and checked"):
+        hub.push_to_hub(d, "someone/tiny-model", token="hf_x", include_gguf=True)
+
+
+def lora_run_on_a_local_gguf(tmp_path: Path) -> tuple[Path, list[Path]]:
+    """A sealed LoRA run folder as a run on a GGUF base leaves it: adapter_config.json naming the de-quantised copy
+    in the cache, base_model.json the GGUF file and that copy, all_results.json the run's settings; with the local
+    roots a push must not publish."""
+    from hf_cgpu.integrity import build_manifest, write_manifest
+
+    d = make_run(tmp_path, "lora")
+    cache = tmp_path / "cache" / "gguf" / "tiny-1234"
+    gguf = tmp_path / "models" / "tiny.Q8_0.gguf"
+    config = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(cache)}))
+    (d / "base_model.json").write_text(json.dumps({"base_model": "someone/tiny-base", "load_from": str(cache),
+                                                   "gguf_file": str(gguf), "dequantized_to": str(cache),
+                                                   "tier": "lora"}))
+    settings = {"model": str(gguf), "output_dir": str(d), "cache_dir": str(tmp_path / "cache"),
+                "dataset": str(tmp_path / "data" / "chat"), "learning_rate": 1e-3}
+    (d / "all_results.json").write_text(json.dumps({**RESULTS, "settings": settings}))
+    (d / "tokenizer_config.json").write_text("{}")
+    write_manifest(d, build_manifest(d, "model", exclude=("checkpoints",)))
+    return d, [d, tmp_path]
+
+
+def test_a_pushed_lora_names_no_local_path_and_its_card_says_how_the_base_was_made(tmp_path, monkeypatch):
+    """adapter_config.json, base_model.json and all_results.json go up as public copies (the base by its Hub id,
+    local-only settings dropped, paths cut to their names) sealed by the manifest that goes with them; the card says
+    the base was a de-quantised local GGUF and that the snippet's Hub base is not those weights."""
+    import huggingface_hub
+
+    d, roots = lora_run_on_a_local_gguf(tmp_path)
+    FakeApi.calls = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    hub.push_to_hub(d, "someone/tiny-lora", token="hf_x", log=lambda line: None)
+    (_, _, operations), = [c for c in FakeApi.calls if c[0] == "create_commit"]
+    sent = sent_files(operations)
+    for rel, data in sent.items():
+        for root in roots:
+            assert str(root).encode() not in data, (rel, root)
+    assert json.loads(sent["adapter_config.json"])["base_model_name_or_path"] == "someone/tiny-base"
+    assert json.loads(sent["base_model.json"]) == {"base_model": "someone/tiny-base", "gguf_file": "tiny.Q8_0.gguf",
+                                                   "tier": "lora"}
+    settings = json.loads(sent["all_results.json"])["settings"]
+    assert settings == {"model": "tiny.Q8_0.gguf", "dataset": "chat", "learning_rate": 1e-3}
+    manifest = json.loads(sent["manifest.json"])["files"]
+    assert set(manifest) == set(sent) - {"README.md", "manifest.json"}
+    for rel, entry in manifest.items():  # the repo verifies as uploaded
+        assert entry == {"size": len(sent[rel]), "sha256": hashlib.sha256(sent[rel]).hexdigest()}, rel
+    assert json.loads((d / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        tmp_path / "cache" / "gguf" / "tiny-1234")  # the local folder keeps what generate and export load
+    card = " ".join(sent["README.md"].decode().split())
+    assert ("Trained on the weights of the GGUF checkpoint `tiny.Q8_0.gguf` (a file of the machine that trained it), "
+            "de-quantised by transformers. The snippet loads someone/tiny-base, named as the base by "
+            "`--base_model_name`: its weights differ from the trained-on ones by the GGUF's quantisation.") in card
+    assert 'from_pretrained("someone/tiny-base", dtype="auto")' in card
+    assert 'PeftModel.from_pretrained(base, "someone/tiny-lora")' in card
+    assert 'AutoTokenizer.from_pretrained("someone/tiny-lora")' in card
+
+
+@pytest.mark.parametrize("base,snippet", [
+    ("someone/tiny-base-GGUF/tiny.Q8_0.gguf",
+     'from_pretrained( "someone/tiny-base-GGUF", gguf_file="tiny.Q8_0.gguf", dtype="float32")'),
+    ("", 'from_pretrained( "FOLDER_HOLDING_THE_GGUF", gguf_file="tiny.Q8_0.gguf", dtype="float32")'),
+])
+def test_a_gguf_base_is_loaded_by_the_cards_snippet_as_training_loaded_it(tmp_path, base, snippet):
+    """A GGUF of a Hub repo: the snippet de-quantises it from there; a local one with no Hub base given: from a
+    folder the reader names."""
+    d, _ = lora_run_on_a_local_gguf(tmp_path)
+    recorded = json.loads((d / "base_model.json").read_text())
+    if base:
+        recorded.update(base_model="someone/tiny-base-GGUF", gguf_file=base)
+    else:
+        recorded["base_model"] = recorded["gguf_file"]  # no --base_model_name: --model, the file itself
+    (d / "base_model.json").write_text(json.dumps(recorded))
+    text = " ".join(hub.render_model_card("lora", d, repo_id="someone/tiny-lora").split())
+    assert snippet in text and str(tmp_path) not in text
+
+
+def test_push_refuses_a_text_file_that_names_a_local_path(tmp_path, monkeypatch):
+    """A path of this machine in a file hf_cgpu does not rewrite (a config saved with its folder) stops the push
+    before any request, naming the file."""
+    import huggingface_hub
+
+    from hf_cgpu.integrity import build_manifest, write_manifest
+
+    d = make_run(tmp_path, "gpt")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "_name_or_path": str(d.resolve())}))
+    write_manifest(d, build_manifest(d, "model", exclude=("checkpoints",)))
+    FakeApi.calls = []
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    with pytest.raises(hub.HubError, match=f"refusing to push: config.json names {d.resolve()}, a path of this "
+                                           "machine"):
+        hub.push_to_hub(d, "someone/tiny-model", token="hf_x")
+    assert FakeApi.calls == []

@@ -169,3 +169,67 @@ def test_flow2d_pushes_its_table_and_plot(hub, tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     repo = hub.repos["someone/tiny-flow2d"]
     assert "flow2d_samples.png" in repo and "rows" in json.loads(repo["all_results.json"])
+
+
+def cli(hub: HubServer, tmp: Path, *argv: str) -> str:
+    """``hf-cgpu ARGV`` in a child process against the loopback Hub; its output (it must succeed)."""
+    done = subprocess.run([sys.executable, "-m", "hf_cgpu.cli", *argv], cwd=tmp, env=env(hub, tmp),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def gguf_lora(hub, tmp_path_factory):
+    """A LoRA run on a local GGUF base (a tiny llama written by `hf-cgpu export`, de-quantised by the run into
+    hf_cgpu's cache), exported as q8_0 into its gguf/ folder, with a pickle and notes put beside it; pushed twice,
+    without and with --include_gguf. Returns (the scratch folder, the run, the two pushes' output)."""
+    pytest.importorskip("gguf", reason="a GGUF base needs `pip install gguf`")
+    from test_gguf_export import llama_folder
+
+    tmp = tmp_path_factory.mktemp("gguf_lora")
+    llama_folder(tmp / "llama")
+    cli(hub, tmp, "export", str(tmp / "llama"), "--gguf", "--outtype", "f16", "--output",
+        str(tmp / "models" / "tiny.gguf"))
+    run = tmp / "run"
+    train(hub, tmp, "lora", "--model", str(tmp / "models" / "tiny.gguf"), "--base_model_name", "someone/tiny-llama",
+          "--dataset", "builtin", "--seq_len", "32", "--micro_batch_size", "4", "--gradient_accumulation_steps", "1",
+          "--max_steps", "2", "--eval_steps", "0", "--eval_batches", "1", "--checkpointing_steps", "0",
+          "--lora_r", "4", "--recompute", "false", "--output_dir", str(run))
+    cli(hub, tmp, "export", str(run), "--gguf", "--outtype", "q8_0")
+    (run / "model.bin").write_bytes(b"\x80\x04K\x01.")  # a pickle
+    (run / "extra").mkdir()
+    (run / "extra" / "notes.txt").write_text("to self")
+    said = [cli(hub, tmp, "push", str(run), "someone/tiny-gguf-lora"),
+            cli(hub, tmp, "push", str(run), "someone/tiny-gguf-lora-q8", "--include_gguf")]
+    return tmp, run, said
+
+
+def test_a_pushed_gguf_lora_holds_its_sealed_files_and_no_local_path(hub, gguf_lora, tmp_path):
+    """Exactly the manifest's files, the manifest and the card; the GGUF only when asked (and sealed by its export);
+    no byte of any pushed file names the scratch folder (the run, the cache, the GGUF's folder) or the home folder;
+    each repo verifies as uploaded; the adapter names its Hub base; the card says how the base was made."""
+    from hf_cgpu.integrity import read_manifest, verify_folder
+
+    tmp, run, said = gguf_lora
+    plain, with_gguf = hub.repos["someone/tiny-gguf-lora"], hub.repos["someone/tiny-gguf-lora-q8"]
+    sealed = set(read_manifest(run).files)
+    assert set(plain) == sealed | {"manifest.json", "README.md"}
+    assert set(with_gguf) == set(plain) | {"gguf/run-q8_0.gguf", "gguf/manifest.json"}
+    assert with_gguf["gguf/run-q8_0.gguf"] == (run / "gguf" / "run-q8_0.gguf").read_bytes()
+    assert ("left out: extra/notes.txt, model.bin (not in manifest.json); gguf/ (2 files) (--include_gguf uploads "
+            "what hf-cgpu export wrote)") in said[0]
+    assert "left out: extra/notes.txt, model.bin (not in manifest.json)\n" in said[1]
+    roots = {str(tmp), str(tmp.resolve()), str(Path.home())}
+    for repo in (plain, with_gguf):
+        for rel, data in repo.items():
+            assert not [root for root in roots if root.encode() in data], rel
+    folder = hub.write_repo("someone/tiny-gguf-lora-q8", tmp_path / "repo")
+    verify_folder(folder)
+    verify_folder(folder / "gguf")
+    assert json.loads(plain["adapter_config.json"])["base_model_name_or_path"] == "someone/tiny-llama"
+    card = ModelCard(plain["README.md"].decode())
+    assert card.data.base_model == "someone/tiny-llama"
+    text = " ".join(card.text.split())
+    assert "Trained on the weights of the GGUF checkpoint `tiny.gguf` (a file of the machine that trained it)" in text
+    assert 'from_pretrained("someone/tiny-llama", dtype="auto")' in text

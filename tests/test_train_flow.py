@@ -48,6 +48,12 @@ def test_tiny_run_writes_loadable_pipeline(flow_run):
     assert images.shape == (2, 32, 32, 3) and 0 <= images.min() and images.max() <= 1
     grid = Image.open(out / "samples" / "step_0000012.png")  # the final evaluation's grid: 10 classes x 8
     assert grid.size == (8 * 34 + 2, 10 * 34 + 2)
+    from hf_cgpu.hub import upload_file_list
+    from hf_cgpu.integrity import verify_folder
+
+    assert results["sample_grid"] == "samples/step_0000012.png"  # the card's figure: sealed, so pushed
+    assert "samples/step_0000012.png" in verify_folder(out).files and "samples/step_0000012.png" in upload_file_list(
+        out)
 
 
 def test_pipeline_holds_the_ema_weights(flow_run):

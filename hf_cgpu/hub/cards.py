@@ -231,6 +231,16 @@ def public_value(value: Any) -> Any:
     return Path(value).expanduser().name if _looks_local(value) else value
 
 
+def public_json(value: Any) -> Any:
+    """A JSON document as it may be published: ``LOCAL_ONLY`` keys dropped, local paths cut to their last component,
+    at every depth."""
+    if isinstance(value, dict):
+        return {k: public_json(v) for k, v in value.items() if k not in LOCAL_ONLY}
+    if isinstance(value, list):
+        return [public_json(v) for v in value]
+    return public_value(value)
+
+
 def _rows(mapping: dict[str, Any], skip: set[str] = frozenset(), public: bool = False) -> list[tuple[str, str]]:
     """Scalar (and short list) entries as table rows; nested objects and None are left out. ``public``: no local
     paths (``LOCAL_ONLY`` keys dropped, other paths cut to their last component)."""
@@ -348,6 +358,45 @@ def _file_size(path: Path) -> str:
     return f"{n} bytes"
 
 
+def base_model_of(d: Path, public: bool = False) -> str | None:
+    """The base of the adapter folder ``d`` as its card names it: ``base_model.json``'s ``base_model`` (the Hub id
+    ``--base_model_name`` gave, else ``--model``), else adapter_config.json's ``base_model_name_or_path``; ``public``:
+    a local path cut to its last component."""
+    base = read_json(d / "base_model.json").get("base_model") or read_json(d / "adapter_config.json").get(
+        "base_model_name_or_path")
+    return public_value(base) if public and base and not _is_hub_id(base) else base
+
+
+def _gguf_base(d: Path, base_model: str | None, public: bool) -> tuple[str, str, str]:
+    """(file name, where the card's snippet loads it from, a sentence saying how the base was made) for an adapter
+    trained on a de-quantised GGUF checkpoint (``base_model.json``'s ``gguf_file``); three empty strings otherwise.
+    The snippet loads the GGUF as training did where it can be named: from its Hub repo, or (a card for this
+    machine) its folder. A local file in a card for the Hub cannot be: the snippet loads the Hub base given by
+    ``--base_model_name`` instead, and the sentence says that its weights are not the de-quantised ones."""
+    recorded = read_json(d / "base_model.json").get("gguf_file")
+    if not recorded:
+        return "", "", ""
+    source = Path(recorded)
+    name, folder = source.name, source.parent.as_posix()
+    if _is_hub_id(folder):
+        return name, folder, (f"Trained on the weights of the GGUF checkpoint `{name}` of [{folder}]"
+                              f"(https://huggingface.co/{folder}), de-quantised by transformers: the snippet loads "
+                              "them the same way (`gguf_file=`).")
+    if not public:
+        return name, folder, (f"Trained on the weights of the GGUF checkpoint `{source}`, de-quantised by "
+                              "transformers: the snippet loads them the same way (`gguf_file=`).")
+    if base_model and _is_hub_id(base_model):
+        return name, "", (f"Trained on the weights of the GGUF checkpoint `{name}` (a file of the machine that "
+                          f"trained it), de-quantised by transformers. The snippet loads {base_model}, named as the "
+                          "base by `--base_model_name`: its weights differ from the trained-on ones by the GGUF's "
+                          "quantisation. For the base exactly as trained, load that file the way training did: "
+                          f'`AutoModelForCausalLM.from_pretrained(FOLDER, gguf_file="{name}")`.')
+    return name, "FOLDER_HOLDING_THE_GGUF", (
+        f"Trained on the weights of the GGUF checkpoint `{name}` (a file of the machine that trained it, no Hub id "
+        "recorded: `--base_model_name`), de-quantised by transformers: the snippet loads it the same way from a folder "
+        "holding that file.")
+
+
 def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -> str:
     """Render the template of the card ``kind`` (``CARDS``) for ``output_dir``, write it as ``output_dir/README.md``, return the text.
 
@@ -371,14 +420,8 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
     repo_id = fields.pop("repo_id", None)
     dataset = fields.pop("dataset", None) or settings.get("dataset") or config.get("dataset")
     public = repo_id is not None  # rendered for the Hub: the repo id to load from, no path of this machine
-    recorded = read_json(d / "base_model.json")  # written by the fine-tuning task: the Hub id, the GGUF it came from
-    base_model = fields.pop("base_model", None) or (
-        (recorded.get("base_model") or config.get("base_model_name_or_path")) if spec.adapter else None)
-    if public and base_model and not _is_hub_id(base_model):
-        base_model = public_value(base_model)
-    if recorded.get("gguf_file") and "description" not in fields:
-        fields["description"] = (f"The base was de-quantised from the GGUF checkpoint `{Path(recorded['gguf_file']).name}` "
-                                 "(`from_pretrained(..., gguf_file=...)`); load it that way before the adapter.")
+    base_model = fields.pop("base_model", None) or (base_model_of(d, public) if spec.adapter else None)
+    base_gguf, base_gguf_from, base_note = _gguf_base(d, base_model, public) if spec.adapter else ("", "", "")
     extra_tags = list(fields.pop("tags", None) or [])
     model_name = fields.pop("model_name", None) or (repo_id.split("/")[-1] if repo_id else d.resolve().name)
     eval_results = _eval_results(spec, results, dataset)
@@ -418,6 +461,11 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
         eval_batches=settings.get("eval_batches") or 0,  # validation scored on that many micro-batches only
         config_rows=_rows(config, skip=CONFIG_NOISE, public=public),
         base_model_name=base_model or "BASE_MODEL",
+        base_gguf=base_gguf,
+        base_gguf_from=base_gguf_from,
+        base_note=base_note,
+        tokenizer_path=(repo_id or str(d)) if (d / "tokenizer_config.json").is_file()
+        else base_model or "BASE_MODEL",  # the tokenizer it was trained with, where the folder holds it
         base_model_label=(f"[{base_model}](https://huggingface.co/{base_model})" if _is_hub_id(base_model)
                           else f"`{base_model}`" if base_model else "its base model"),
         **fields,
@@ -427,5 +475,5 @@ def render_model_card(kind: str, output_dir: str | os.PathLike, **fields: Any) -
     return str(card)
 
 
-__all__ = ["CARDS", "CardSpec", "card_spec", "count_parameters", "detect_kind", "public_value", "read_json",
-           "render_model_card", "template_dir"]
+__all__ = ["CARDS", "CardSpec", "base_model_of", "card_spec", "count_parameters", "detect_kind", "public_json",
+           "public_value", "read_json", "render_model_card", "template_dir"]

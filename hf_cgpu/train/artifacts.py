@@ -1,5 +1,6 @@
 """What a finished run leaves in ``output_dir``: the model (EMA weights when EMA is on, or the best weights),
-``all_results.json`` (the final figures and every setting), ``history.json``, ``training_curves.png`` and the card.
+``all_results.json`` (the final figures and every setting), ``history.json``, ``training_curves.png``, the sample
+grid the card shows (image runs) and the card.
 
 Everything but the card is written into ``output_dir/.tmp-model`` first and sealed there by a ``manifest.json``
 (``hf-cgpu verify DIR`` re-checks it; the card, re-rendered by ``hf-cgpu push``, is documentation and left out);
@@ -88,6 +89,10 @@ def save_run(task, model: torch.nn.Module, ema: EMA | None, use_best: bool, outp
         log(f"saving the model to {output_dir}")
         task.save_pretrained(model, staging)
         results.update(task.on_saved(model, output_dir, log) or {})  # into the caller's results too
+    grid = results.get("sample_grid")
+    if grid and (output_dir / grid).is_file():  # the picture the card shows is sealed (and pushed) with the model
+        (staging / grid).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(output_dir / grid, staging / grid)
     results["settings"] = settings  # into the caller's results too: fit returns what all_results.json holds
     (staging / "all_results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False))
     (staging / "history.json").write_text(json.dumps(history))
