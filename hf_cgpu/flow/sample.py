@@ -119,6 +119,16 @@ def saved_sampling(pipe, steps: int, scale: float, interval: str, fallback_scale
             (tuple(saved_interval) if saved_interval else None)}
 
 
+def check_guidance_interval(pipe, sampling: dict, flags: tuple[str, str] = ("--guidance_interval",
+                                                                           "--num_inference_steps")) -> None:
+    """One line when ``sampling``'s guidance interval (``saved_sampling``'s dict) holds none of the model calls of its
+    steps with ``pipe``'s scheduler at a guidance scale other than 1: the guidance would change nothing."""
+    try:
+        pipe.check_guidance_interval(**sampling, flags=flags)
+    except ValueError as err:
+        raise SettingsError(str(err)) from None
+
+
 def check_pipeline_folder(model_dir: str) -> None:
     """A saved FlowMatchPipeline folder, or a one-line error naming what it is instead."""
     require_model(model_dir, "pipeline folder")
@@ -159,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     pipe.to(device)
     sampling = a.sampling(pipe)
     check_guide_used(a.guidance_model, sampling["guidance_scale"])
+    check_guidance_interval(pipe, sampling)
+    defaults = saved_sampling(pipe, a.num_inference_steps, a.guidance_scale, a.guidance_interval, 2.5)
+    if a.save_pipeline:  # the defaults as given, whether or not these images had labels
+        check_guidance_interval(pipe, defaults)
     names_file = Path(model_dir) / "class_names.txt"
     names = names_file.read_text().split() if names_file.is_file() else []
     labels = parse_labels(a.class_labels, names, pipe.unet.config.num_classes)
@@ -173,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = max(1, int(math.sqrt(a.num_images)))
     image_grid(out, rows).save(dest / "grid.png")
     print(f"wrote {len(out)} images and grid.png to {dest}")
-    if a.save_pipeline:  # the defaults as given, whether or not these images had labels
-        defaults = saved_sampling(pipe, a.num_inference_steps, a.guidance_scale, a.guidance_interval, 2.5)
+    if a.save_pipeline:
         save_with_defaults(pipe, defaults, model_dir, a.save_pipeline)
         print(f"saved the pipeline with these sampling defaults to {a.save_pipeline}")
     return 0

@@ -9,6 +9,7 @@ result is an ordinary FlowMatchPipeline folder whose saved defaults are ``sample
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -55,6 +56,10 @@ class FlowDistillTask(FlowMatchingTask):
         kw = saved_sampling(teacher, 1, cfg.guidance_scale, cfg.guidance_interval, fallback_scale=2.5)
         guide = teacher.guide_unet  # a teacher folder saved with autoguidance is distilled as it samples
         self.guidance = (kw["guidance_scale"] if conditional or guide is not None else 1.0, kw["guidance_interval"])
+        # the guidance baked in, as resolved from the folder's saved defaults: these FIXED settings hold it, so the
+        # resume fingerprint and all_results.json record it and a resume against a re-saved teacher is refused
+        self.cfg = cfg = dataclasses.replace(cfg, guidance_scale=self.guidance[0],
+                                             guidance_interval=format_interval(self.guidance[1]))
         self.teacher = unet.to(accelerator.device).eval().requires_grad_(False)
         guide_fn = None
         if guide is not None:
