@@ -361,3 +361,55 @@ def test_autoguided_folder_loads_with_trust_remote_code_without_hf_cgpu(tmp_path
     proc = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert np.allclose(np.load(tmp_path / "o.npy"), expected, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- hf-cgpu sample on a saved folder
+def _folder(path, scheduler=None, **defaults):
+    """A tiny class-conditional pipeline folder as a run saves it (with its code), ``defaults`` its sampling ones."""
+    pipe = _pipe(scheduler or FlowMatchHeunScheduler())
+    pipe.register_to_config(**defaults)
+    save_for_remote_code(pipe, path)
+    return path
+
+
+def _sample(argv, capsys) -> tuple[int, str]:
+    from hf_cgpu.cli import main as cli_main
+
+    capsys.readouterr()
+    rc = cli_main(["sample", *map(str, argv)])
+    return rc, capsys.readouterr().err
+
+
+def test_an_interval_holding_no_call_is_refused_not_a_silent_no_op():
+    """0.8:0.95 at 4 steps (calls at t = 0, 0.25, 0.5, 0.75) guides no call: the samples were the unguided ones, byte
+    for byte, at a guidance scale the caller asked for. Refused naming the calls' t and the fix; at 8 steps (a call
+    at t = 0.875) it guides; at scale 1 nothing is asked."""
+    labels = dict(class_labels=[0, 2], guidance_interval=(0.8, 0.95), output_type="pt")
+    for scheduler in (FlowMatchEulerScheduler(), FlowMatchHeunScheduler()):
+        with pytest.raises(ValueError, match=r"holds none of the model calls of 4 FlowMatch(Euler|Heun)Scheduler steps "
+                                             r"\(t = 0, 0.25, 0.5, 0.75\).*raise num_inference_steps"):
+            _pipe(scheduler)(2, 4, _gen(), guidance_scale=3.0, **labels)
+    pipe = _pipe()
+    guided = pipe(2, 8, _gen(), guidance_scale=3.0, **labels).images
+    assert not torch.allclose(guided, pipe(2, 8, _gen(), guidance_scale=1.0, **labels).images, atol=1e-3)
+    assert pipe(2, 4, _gen(), guidance_scale=1.0, **labels).images.shape == (2, 3, 8, 8)
+
+
+def test_sample_refuses_an_interval_holding_no_call_before_writing(tmp_path, capsys):
+    """hf-cgpu sample: a --guidance_interval (or a folder's saved one) holding none of the steps' t is one line naming
+    the t and the flags to change, exit 2, and nothing is written; with more steps it samples."""
+    folder = _folder(tmp_path / "pipe", num_inference_steps=4, guidance_scale=2.5)
+    out = tmp_path / "png"
+    common = [folder, "--class_labels", "0,1", "--num_images", "2", "--output_dir", out]
+    rc, err = _sample([*common, "--guidance_interval", "0.8:0.95"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "(t = 0, 0.25, 0.5, 0.75)" in err and "--guidance_interval" in err and "--num_inference_steps" in err
+    assert not out.exists()
+    saved = _folder(tmp_path / "saved", num_inference_steps=4, guidance_scale=2.5, guidance_interval=[0.8, 0.95])
+    rc, err = _sample([saved, *common[1:]], capsys)
+    assert rc == 2 and "0.8:0.95 holds none" in err and not out.exists(), err
+    rc, err = _sample([folder, *common[1:], "--save_pipeline", tmp_path / "new", "--class_labels", "",
+                       "--guidance_interval", "0.8:0.95"], capsys)
+    assert rc == 2 and "0.8:0.95 holds none" in err and not (tmp_path / "new").exists(), err  # the defaults it saves
+    rc, err = _sample([*common, "--guidance_interval", "0.8:0.95", "--num_inference_steps", "8"], capsys)
+    assert rc == 0 and (out / "grid.png").is_file(), err

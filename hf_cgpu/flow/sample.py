@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 
 from ..errors import MissingPathError, SettingsError, about, require_model
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.save_pipeline and any((Path(a.save_pipeline) / f).exists() for f in ("all_results.json", "checkpoints")):
         raise SettingsError(f"--save_pipeline {a.save_pipeline} holds a training run, whose weights it would "
                             "replace; name a new folder")
+    diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
     pipe = FlowMatchPipeline.from_pretrained(model_dir)
     set_guidance_model(pipe, a.guidance_model, model_dir)
     if a.scheduler:
