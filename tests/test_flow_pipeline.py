@@ -1,7 +1,9 @@
 """FlowMatchPipeline: outputs, guidance, save/load, and loading with trust_remote_code where hf_cgpu is absent."""
 
 import copy
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -413,3 +415,64 @@ def test_sample_refuses_an_interval_holding_no_call_before_writing(tmp_path, cap
     assert rc == 2 and "0.8:0.95 holds none" in err and not (tmp_path / "new").exists(), err  # the defaults it saves
     rc, err = _sample([*common, "--guidance_interval", "0.8:0.95", "--num_inference_steps", "8"], capsys)
     assert rc == 0 and (out / "grid.png").is_file(), err
+
+
+def _custom_code(folder, marker):
+    """The folder's unet recorded as a module of its own, which would write ``marker`` when run."""
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "unet": ["my_unet", "MyUNet"]}))
+    (folder / "unet" / "my_unet.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                                "from diffusers import UNet2DModel as MyUNet\n")
+
+
+def _custom_pipeline(folder, marker):
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": ["my_pipeline", "MyPipeline"]}))
+    (folder / "my_pipeline.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+
+
+def _pickled_unet(folder, marker):
+    unet = FlowUNet2DModel.from_pretrained(folder / "unet")
+    (folder / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    unet.save_pretrained(folder / "unet", safe_serialization=False)
+
+
+def _cut_unet(folder, marker):
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _language_model(folder, marker):
+    from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
+
+    shutil.rmtree(folder)
+    CgptForCausalLM(CgptConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=8)).save_pretrained(folder)
+
+
+@pytest.mark.parametrize("as_guide, damage, words", [
+    (False, _custom_code, "my_unet.MyUNet, code of the folder's own, which hf_cgpu never runs"),
+    (False, _custom_pipeline, "names the pipeline class my_pipeline.MyPipeline, not FlowMatchPipeline"),
+    (False, _pickled_unet, "only as a pickle (diffusion_pytorch_model.bin), which hf_cgpu never loads"),
+    (False, _cut_unet, "weights cannot be read"),
+    (True, _pickled_unet, "only as a pickle (diffusion_pytorch_model.bin), which hf_cgpu never loads"),
+    (True, _cut_unet, "weights cannot be read"),
+    (True, _language_model, "holds a language model (cgpt), not a FlowUNet2DModel"),
+    (True, _custom_code, None),  # a guide is read as a UNet folder with hf_cgpu's class: the folder's code never runs
+], ids=["code", "pipeline-code", "pickle", "cut", "guide-pickle", "guide-cut", "guide-language-model", "guide-code"])
+def test_a_folder_that_does_not_load_as_saved_is_one_line_and_nothing_of_it_runs(as_guide, damage, words, tmp_path,
+                                                                                  capsys):
+    """A pipeline folder (MODEL_DIR or --guidance_model) with code of its own, pickled weights, weights cut off, or a
+    language model where a UNet belongs gave tracebacks, or had its .bin unpickled silently; now one line naming the
+    fix, exit 2, and the folder's code never runs."""
+    marker = tmp_path / "ran"
+    bad = _folder(tmp_path / "bad", guidance_interval=[0.2, 0.9])  # two numbers in model_index.json, no component
+    damage(bad, marker)
+    good = _folder(tmp_path / "good", guidance_interval=[0.2, 0.9])
+    argv = [good, "--guidance_model", bad, "--guidance_scale", "2"] if as_guide else [bad]
+    rc, err = _sample([*argv, "--class_labels", "0", "--num_images", "1", "--output_dir", tmp_path / "png"], capsys)
+    assert not marker.exists()
+    if words is None:
+        assert rc == 0 and (tmp_path / "png" / "grid.png").is_file(), err
+        return
+    assert rc == 2 and err.startswith("error:") and len(err.strip().splitlines()) == 1, err
+    assert words in err and not (tmp_path / "png").exists(), err

@@ -132,8 +132,16 @@ def test_a_resume_after_the_teachers_saved_guidance_changed_is_refused(runs, syn
 
 
 def test_bad_teacher_is_one_line_and_exit_2(runs, synthetic_data, tmp_path, capsys):
+    coded, cut = tmp_path / "coded", tmp_path / "cut"
+    shutil.copytree(runs / "teacher", coded)
+    index = json.loads((coded / "model_index.json").read_text())
+    (coded / "model_index.json").write_text(json.dumps({**index, "unet": ["my_unet", "MyUNet"]}))
+    shutil.copytree(runs / "teacher", cut)
+    weights = cut / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
     for teacher, words in (("", "--teacher"), (str(tmp_path), "model_index.json"),
-                           (str(runs / "student"), "already a distilled")):
+                           (str(runs / "student"), "already a distilled"), (str(coded), "never runs"),
+                           (str(cut), "weights cannot be read")):
         rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(tmp_path / "x"),
                        "--teacher", teacher, "--dataset", str(synthetic_data), "--progress", "false"])
         err = capsys.readouterr().err

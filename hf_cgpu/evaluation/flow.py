@@ -33,7 +33,7 @@ from ..data.images import cache_file, load_image_dataset
 from ..errors import about, run_main
 from ..flow.guide import check_guide_used, load_weights_file, set_guidance_model, weight_variants
 from ..flow.pipeline_flow_match import FlowMatchPipeline
-from ..flow.sample import check_guidance_interval, image_grid, saved_sampling
+from ..flow.sample import check_guidance_interval, image_grid, load_pipeline_folder, saved_sampling
 from ..flow.samplers import (SAMPLERS, check_sampler, format_interval, parse_interval, sampler_class, sampler_names,
                              steps_within)
 from ..paths import feature_cache, image_cache
@@ -382,10 +382,7 @@ def weak_judge_warning(classifier_dir: str | Path, measured: float | None) -> st
 def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device, guidance_model: str = ""):
     """The folder's pipeline on ``device``, with ``raw_weights`` in its UNet when given and the autoguidance model
     ``guidance_model`` (``hf_cgpu.flow.guide``; '' = as saved, none = off)."""
-    from diffusers.utils import logging as diffusers_logging
-
-    diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
-    pipe = FlowMatchPipeline.from_pretrained(run_dir)
+    pipe = load_pipeline_folder(str(run_dir))
     set_guidance_model(pipe, guidance_model, run_dir)  # before the raw weights: the guide copies the saved UNet
     if raw_weights is not None:
         pipe.unet.load_state_dict(load_weights_file(raw_weights), strict=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from dataclasses import dataclass, field
@@ -11,11 +12,12 @@ import numpy as np
 import torch
 from diffusers.utils import logging as diffusers_logging
 from PIL import Image
+from safetensors import SafetensorError
 
-from ..errors import MissingPathError, SettingsError, about, require_model
+from ..errors import MissingPathError, SettingsError, UserError, about, require_model
 from ..hub.checks import check_hub_model
 from ..settings import build_parser
-from .guide import check_guide_used, set_guidance_model
+from .guide import check_guide_used, safetensors_only, set_guidance_model, unreadable
 from .pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
 from .samplers import check_sampler, parse_interval, sampler_class, sampler_names
 
@@ -146,6 +148,56 @@ def check_pipeline_folder(model_dir: str) -> None:
                            "(hf-cgpu train flow)")
 
 
+def check_pipeline_files(folder: Path, what: str) -> None:
+    """A pipeline folder that loads as it is: a FlowMatchPipeline whose components are hf_cgpu's or diffusers' own
+    classes (a folder's code is never run) with safetensors weights (a pickle is never loaded); else one line."""
+    try:
+        index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        index = None
+    if not isinstance(index, dict):
+        raise SettingsError(f"{what}: model_index.json is not a JSON object; save the pipeline again")
+    name = index.get("_class_name")
+    if name != FlowMatchPipeline.__name__:
+        shown = ".".join(map(str, name)) if isinstance(name, list) else name or "none"
+        raise SettingsError(f"{what}: its model_index.json names the pipeline class {shown}, not FlowMatchPipeline, "
+                            "and hf_cgpu never runs a folder's own code; pass the output_dir of a flow run (hf-cgpu "
+                            "train flow)")
+    ours = FlowMatchPipeline.__module__.split(".")[0]
+    for component, entry in index.items():
+        if component.startswith("_") or not (isinstance(entry, list) and len(entry) == 2
+                                             and all(isinstance(x, str) for x in entry)):
+            continue  # a saved setting (guidance_interval is two numbers) or an empty component
+        if str(entry[0]).split(".")[0] not in (ours, "diffusers"):
+            raise SettingsError(f"{what}: its {component} is {entry[0]}.{entry[1]}, code of the folder's own, which "
+                                f"hf_cgpu never runs; pass a folder saved by hf_cgpu (hf-cgpu train flow, hf-cgpu "
+                                "sample --save_pipeline)")
+        safetensors_only(folder / component, f"{what}/{component}")
+
+
+def load_pipeline_folder(model_dir: str) -> FlowMatchPipeline:
+    """The FlowMatchPipeline saved in ``model_dir`` (a folder or a Hub id), loaded quietly, without running any of
+    the folder's code or unpickling any file; what does not load is one line naming the fix."""
+    check_pipeline_folder(model_dir)
+    diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
+    if Path(model_dir).is_dir():
+        folder = Path(model_dir)
+    else:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model_dir))
+    check_pipeline_files(folder, model_dir)
+    try:
+        return FlowMatchPipeline.from_pretrained(folder, use_safetensors=True)
+    except UserError:
+        raise
+    except (ImportError, AttributeError) as err:  # a component class hf_cgpu does not have
+        raise SettingsError(f"{model_dir}: model_index.json names a class hf_cgpu does not have ({err}); save the "
+                            "pipeline again with this hf_cgpu") from None
+    except (OSError, SafetensorError) as err:
+        raise unreadable(model_dir, err) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser((SampleSettings,), prog="hf-cgpu sample", description=about(
         "Sample images from a saved FlowMatchPipeline: a grid PNG and one PNG per image.",
@@ -155,15 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     ns = vars(parser.parse_args(argv))
     model_dir = ns.pop("model_dir")
     a = SampleSettings(**{k: v for k, v in ns.items() if v is not None})
-    check_pipeline_folder(model_dir)
+    check_pipeline_folder(model_dir)  # before the --save_pipeline checks, which name MODEL_DIR
     if a.save_pipeline and Path(a.save_pipeline).resolve() == Path(model_dir).resolve():
         raise SettingsError(f"--save_pipeline {a.save_pipeline} is MODEL_DIR itself; name a new folder (the run's "
                             "own stays as it was saved and sealed)")
     if a.save_pipeline and any((Path(a.save_pipeline) / f).exists() for f in ("all_results.json", "checkpoints")):
         raise SettingsError(f"--save_pipeline {a.save_pipeline} holds a training run, whose weights it would "
                             "replace; name a new folder")
-    diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
-    pipe = FlowMatchPipeline.from_pretrained(model_dir)
+    pipe = load_pipeline_folder(model_dir)
     set_guidance_model(pipe, a.guidance_model, model_dir)
     if a.scheduler:
         pipe.scheduler = sampler_class(a.scheduler).from_config(pipe.scheduler.config)

@@ -13,12 +13,11 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from diffusers.utils import logging as diffusers_logging
 
 from ..errors import SettingsError
 from ..flow.matching import FlowMatcher
 from ..flow.pipeline_flow_match import FlowMatchPipeline
-from ..flow.sample import check_pipeline_folder, saved_sampling
+from ..flow.sample import load_pipeline_folder, saved_sampling
 from ..flow.samplers import format_interval
 from ..flow.scheduling_flow_match import FlowMatchEulerScheduler
 from ..flow.shortcut import ShortcutObjective, guided_teacher
@@ -41,9 +40,7 @@ class FlowDistillTask(FlowMatchingTask):
         cfg = self.cfg
         if not cfg.teacher:
             raise SettingsError("pass --teacher DIR, the output_dir of a flow run (hf-cgpu train flow)")
-        check_pipeline_folder(cfg.teacher)
-        diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
-        teacher = FlowMatchPipeline.from_pretrained(cfg.teacher)
+        teacher = load_pipeline_folder(cfg.teacher)
         unet = teacher.unet
         if getattr(unet.config, "step_size_embedding", False):
             raise SettingsError(f"{cfg.teacher} is already a distilled pipeline; pass the flow run it came from")
