@@ -476,3 +476,34 @@ def test_a_folder_that_does_not_load_as_saved_is_one_line_and_nothing_of_it_runs
         return
     assert rc == 2 and err.startswith("error:") and len(err.strip().splitlines()) == 1, err
     assert words in err and not (tmp_path / "png").exists(), err
+
+
+def test_sample_replaces_links_in_what_it_writes_never_writes_through_them(tmp_path, capsys):
+    """samples_cli/grid.png linked to another file: that file was overwritten. Every file sample writes (the grid,
+    each image, the --save_pipeline folder's files) replaces what is there whole: the link goes, the file behind it
+    keeps its bytes."""
+    folder = _folder(tmp_path / "pipe")
+    (folder / "class_names.txt").write_text("a\nb\nc\n")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "png"
+    out.mkdir()
+    for name in ("grid.png", "0000.png"):
+        (out / name).symlink_to(victim)
+    saved = _folder(tmp_path / "saved")  # an earlier saved pipeline, its files linked
+    for name in ("model_index.json", "unet/config.json", "class_names.txt"):
+        (saved / name).unlink(missing_ok=True)
+        (saved / name).symlink_to(victim)
+    rc, err = _sample([folder, "--class_labels", "0,1", "--num_images", "2", "--output_dir", out, "--save_pipeline",
+                       saved], capsys)
+    assert rc == 0, err
+    assert victim.read_bytes() == b"keep me"
+    assert not any(p.is_symlink() for p in [*out.iterdir(), *saved.rglob("*")])
+    assert Image.open(out / "grid.png").size == (2 * 10 + 2, 10 + 2) and Image.open(out / "0000.png").size == (8, 8)
+    assert FlowMatchPipeline.from_pretrained(saved).config.num_inference_steps == 8
+    assert (saved / "class_names.txt").read_text() == "a\nb\nc\n"
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    rc, err = _sample([folder, "--num_images", "1", "--output_dir", out, "--save_pipeline", other], capsys)
+    assert rc == 2 and "holds other files" in err and (other / "todo.txt").read_text() == "mine", err

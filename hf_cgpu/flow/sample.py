@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 
 from ..errors import MissingPathError, SettingsError, UserError, about, require_model
 from ..hub.checks import check_hub_model
+from ..integrity import atomic_dir, atomic_output
 from ..settings import build_parser
 from .guide import check_guide_used, safetensors_only, set_guidance_model, unreadable
 from .pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
@@ -214,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.save_pipeline and any((Path(a.save_pipeline) / f).exists() for f in ("all_results.json", "checkpoints")):
         raise SettingsError(f"--save_pipeline {a.save_pipeline} holds a training run, whose weights it would "
                             "replace; name a new folder")
+    saved = Path(a.save_pipeline)
+    if a.save_pipeline and saved.exists() and not (saved / "model_index.json").is_file() and (
+            not saved.is_dir() or any(saved.iterdir())):
+        raise SettingsError(f"--save_pipeline {a.save_pipeline} holds other files, which the saved pipeline would "
+                            "replace; name a new or empty folder (an earlier saved pipeline is replaced whole)")
     pipe = load_pipeline_folder(model_dir)
     set_guidance_model(pipe, a.guidance_model, model_dir)
     if a.scheduler:
@@ -235,10 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     out = pipe(batch_size=a.num_images, generator=gen, class_labels=labels, output_type="np", **sampling).images
     dest = Path(a.output_dir or Path(model_dir) / "samples_cli")
     dest.mkdir(parents=True, exist_ok=True)
-    for i, img in enumerate(out):
-        Image.fromarray((img * 255).round().astype(np.uint8)).save(dest / f"{i:04d}.png")
+    for i, img in enumerate(out):  # each PNG replaces what is there (a link too) whole, never writes through it
+        with atomic_output(dest / f"{i:04d}.png") as tmp:
+            Image.fromarray((img * 255).round().astype(np.uint8)).save(tmp, format="PNG")
     rows = max(1, int(math.sqrt(a.num_images)))
-    image_grid(out, rows).save(dest / "grid.png")
+    with atomic_output(dest / "grid.png") as tmp:
+        image_grid(out, rows).save(tmp, format="PNG")
     print(f"wrote {len(out)} images and grid.png to {dest}")
     if a.save_pipeline:
         save_with_defaults(pipe, defaults, model_dir, a.save_pipeline)
@@ -248,12 +256,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def save_with_defaults(pipe, sampling: dict, model_dir: str, dest: str) -> None:
     """``pipe`` (its sampler and guide as set) saved to ``dest`` with ``sampling`` as its defaults, like a run's
-    folder: loadable where hf_cgpu is not installed, with the run's class names."""
+    folder: loadable where hf_cgpu is not installed, with the run's class names. Written into a new folder that
+    then replaces ``dest`` whole, so no file of the save goes through a link left in ``dest``."""
     interval = sampling["guidance_interval"]
     pipe.register_to_config(num_inference_steps=sampling["num_inference_steps"],
                             guidance_scale=sampling["guidance_scale"],
                             guidance_interval=list(interval) if interval is not None else None)
-    save_for_remote_code(pipe, dest)
-    names = Path(model_dir) / "class_names.txt"
-    if names.is_file():
-        shutil.copyfile(names, Path(dest) / "class_names.txt")
+    with atomic_dir(dest) as tmp:
+        save_for_remote_code(pipe, tmp)
+        names = Path(model_dir) / "class_names.txt"
+        if names.is_file():
+            shutil.copyfile(names, tmp / "class_names.txt")
