@@ -208,8 +208,14 @@ def test_cli_single_evaluation_writes_json_and_grid(tmp_path, synthetic_data, sy
     common = [str(run), "--classifier", str(synthetic_classifier), "--dataset", str(synthetic_data),
               "--num_images", "20", "--batch_size", "8", "--scheduler", "heun", "--num_inference_steps", "2",
               "--guidance_scale", "1.5", "--cache_dir", str(tmp_path / "feat")]
+    victim = tmp_path / "victim.txt"  # the JSON and the grid replace links there, never write through them
+    victim.write_text("keep me")
+    (run / "eval").mkdir()
+    for link in (tmp_path / "a.json", run / "eval" / "grid_saved_heun2_w1.5.png"):
+        link.symlink_to(victim)
     rc, out, _ = _eval([*common, "--output_json", str(tmp_path / "a.json")], capsys)
     assert rc == 0 and "FD" in out
+    assert victim.read_bytes() == b"keep me" and not (tmp_path / "a.json").is_symlink()
     a = json.loads((tmp_path / "a.json").read_text())
     assert a["weights"] == "saved" and a["num_real"] == 105 and a["split"] == "test"
     assert a["nfe_per_image"] == 2 * (2 * 2 - 1)  # Heun 2 steps = 3 calls, guided = 2 rows each

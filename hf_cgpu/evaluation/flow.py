@@ -33,6 +33,7 @@ from ..data.images import cache_file, load_image_dataset
 from ..errors import about, run_main
 from ..flow.guide import check_guide_used, load_weights_file, set_guidance_model, weight_variants
 from ..flow.pipeline_flow_match import FlowMatchPipeline
+from ..integrity import atomic_output, atomic_write_text
 from ..flow.sample import check_guidance_interval, image_grid, load_pipeline_folder, saved_sampling
 from ..flow.samplers import (SAMPLERS, check_sampler, format_interval, parse_interval, sampler_class, sampler_names,
                              steps_within)
@@ -301,8 +302,9 @@ def save_grid(images_uint8: torch.Tensor, path: str | Path, num_classes: int | N
     n = len(images_uint8)
     cols = num_classes or max(1, int(math.sqrt(n)))
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image_grid(images_uint8.permute(0, 2, 3, 1).float().numpy() / 255.0, max(1, math.ceil(n / cols))).save(path)
+    with atomic_output(path) as tmp:  # replaces what is there (a link too) whole, never writes through it
+        image_grid(images_uint8.permute(0, 2, 3, 1).float().numpy() / 255.0, max(1, math.ceil(n / cols))).save(
+            tmp, format="PNG")
     return path
 
 
@@ -401,7 +403,7 @@ def write_sweep(rows: list[dict], out_dir: Path, plot: bool = True) -> list[Path
     keys = ["weights", "scheduler", "num_inference_steps", "guidance_scale", "guidance_interval", "guidance_model",
             "nfe_per_image", "fd", "precision",
             "recall", "label_accuracy", "class_share_min", "class_share_max", "class_histogram", "images_per_s"]
-    (out_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
+    atomic_write_text(out_dir / "sweep.json", json.dumps(rows, indent=1))
 
     def cell(v):
         if isinstance(v, list):  # the class histogram: counts per class, in class order
@@ -410,7 +412,7 @@ def write_sweep(rows: list[dict], out_dir: Path, plot: bool = True) -> list[Path
 
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows]
-    (out_dir / "sweep.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out_dir / "sweep.md", "\n".join(lines) + "\n")
     written = [out_dir / "sweep.json", out_dir / "sweep.md"]
     if plot and plot_sweep(out_dir / "sweep.json") is not None:
         written.append(out_dir / "sweep.png")
@@ -445,7 +447,8 @@ def plot_sweep(sweep_json: str | Path) -> Path | None:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = sweep_json.with_name("sweep.png")
-    fig.savefig(path, dpi=100)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return path
 
@@ -568,8 +571,7 @@ def _main(argv: list[str] | None) -> int:
                      if images is not None else inception_fid(None, None, ""))
         result = {**common, "weights": first, **row, "inception_fid": fid, "notes": notes + [note]}
         path = Path(s.output_json or out_dir / "eval.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+        atomic_write_text(path, json.dumps(result, indent=1))
         print(f"{report_line(result)} -> {path}")
         return 0
 
@@ -589,7 +591,8 @@ def _main(argv: list[str] | None) -> int:
     if not conditional and any(scale != 1.0 for _, _, scale, _ in s.grid):
         notes.append("unconditional model without --guidance_model: guidance scales other than 1 left out")
     written = write_sweep(rows, out_dir)
-    (out_dir / "sweep_notes.json").write_text(json.dumps({"notes": notes, "settings": asdict(s)}, indent=1, default=str))
+    atomic_write_text(out_dir / "sweep_notes.json", json.dumps({"notes": notes, "settings": asdict(s)}, indent=1,
+                                                               default=str))
     print(f"sweep of {len(rows)} settings: {', '.join(str(p) for p in written)}")
     return 0
 
