@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -66,12 +67,15 @@ class Interrupted(KeyboardInterrupt):
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with the one error path: a bad flag or value is a ``SettingsError`` (one line, exit 2), not
     argparse's usage block (dozens of lines for a settings parser) followed by the message. Flags are never taken by
-    a prefix (``--max_step`` is no ``--max_steps``), and an unknown one is answered with the closest real one."""
+    a prefix (``--max_step`` is no ``--max_steps``), and an unknown one is answered with the closest real one. A value
+    that starts with a minus and a digit (``-0.1:0.5``, ``-1e-3``) is a value, never a flag, so it reaches the setting's
+    own check (argparse takes only plain negative numbers so)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)  # keeps ``about``'s lines
         super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d\S*$")
 
     def error(self, message: str):  # type: ignore[override]
         raise SettingsError(f"{self.prog}: {message}{self._did_you_mean(message)}; `{self.prog} --help` lists the "

@@ -1,7 +1,9 @@
 """FlowMatchPipeline: outputs, guidance, save/load, and loading with trust_remote_code where hf_cgpu is absent."""
 
 import copy
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -361,3 +363,147 @@ def test_autoguided_folder_loads_with_trust_remote_code_without_hf_cgpu(tmp_path
     proc = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert np.allclose(np.load(tmp_path / "o.npy"), expected, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- hf-cgpu sample on a saved folder
+def _folder(path, scheduler=None, **defaults):
+    """A tiny class-conditional pipeline folder as a run saves it (with its code), ``defaults`` its sampling ones."""
+    pipe = _pipe(scheduler or FlowMatchHeunScheduler())
+    pipe.register_to_config(**defaults)
+    save_for_remote_code(pipe, path)
+    return path
+
+
+def _sample(argv, capsys) -> tuple[int, str]:
+    from hf_cgpu.cli import main as cli_main
+
+    capsys.readouterr()
+    rc = cli_main(["sample", *map(str, argv)])
+    return rc, capsys.readouterr().err
+
+
+def test_an_interval_holding_no_call_is_refused_not_a_silent_no_op():
+    """0.8:0.95 at 4 steps (calls at t = 0, 0.25, 0.5, 0.75) guides no call: the samples were the unguided ones, byte
+    for byte, at a guidance scale the caller asked for. Refused naming the calls' t and the fix; at 8 steps (a call
+    at t = 0.875) it guides; at scale 1 nothing is asked."""
+    labels = dict(class_labels=[0, 2], guidance_interval=(0.8, 0.95), output_type="pt")
+    for scheduler in (FlowMatchEulerScheduler(), FlowMatchHeunScheduler()):
+        with pytest.raises(ValueError, match=r"holds none of the model calls of 4 FlowMatch(Euler|Heun)Scheduler steps "
+                                             r"\(t = 0, 0.25, 0.5, 0.75\).*raise num_inference_steps"):
+            _pipe(scheduler)(2, 4, _gen(), guidance_scale=3.0, **labels)
+    pipe = _pipe()
+    guided = pipe(2, 8, _gen(), guidance_scale=3.0, **labels).images
+    assert not torch.allclose(guided, pipe(2, 8, _gen(), guidance_scale=1.0, **labels).images, atol=1e-3)
+    assert pipe(2, 4, _gen(), guidance_scale=1.0, **labels).images.shape == (2, 3, 8, 8)
+
+
+def test_sample_refuses_an_interval_holding_no_call_before_writing(tmp_path, capsys):
+    """hf-cgpu sample: a --guidance_interval (or a folder's saved one) holding none of the steps' t is one line naming
+    the t and the flags to change, exit 2, and nothing is written; with more steps it samples."""
+    folder = _folder(tmp_path / "pipe", num_inference_steps=4, guidance_scale=2.5)
+    out = tmp_path / "png"
+    common = [folder, "--class_labels", "0,1", "--num_images", "2", "--output_dir", out]
+    rc, err = _sample([*common, "--guidance_interval", "0.8:0.95"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "(t = 0, 0.25, 0.5, 0.75)" in err and "--guidance_interval" in err and "--num_inference_steps" in err
+    assert not out.exists()
+    saved = _folder(tmp_path / "saved", num_inference_steps=4, guidance_scale=2.5, guidance_interval=[0.8, 0.95])
+    rc, err = _sample([saved, *common[1:]], capsys)
+    assert rc == 2 and "0.8:0.95 holds none" in err and not out.exists(), err
+    rc, err = _sample([folder, *common[1:], "--save_pipeline", tmp_path / "new", "--class_labels", "",
+                       "--guidance_interval", "0.8:0.95"], capsys)
+    assert rc == 2 and "0.8:0.95 holds none" in err and not (tmp_path / "new").exists(), err  # the defaults it saves
+    rc, err = _sample([*common, "--guidance_interval", "0.8:0.95", "--num_inference_steps", "8"], capsys)
+    assert rc == 0 and (out / "grid.png").is_file(), err
+
+
+def _custom_code(folder, marker):
+    """The folder's unet recorded as a module of its own, which would write ``marker`` when run."""
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "unet": ["my_unet", "MyUNet"]}))
+    (folder / "unet" / "my_unet.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                                "from diffusers import UNet2DModel as MyUNet\n")
+
+
+def _custom_pipeline(folder, marker):
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": ["my_pipeline", "MyPipeline"]}))
+    (folder / "my_pipeline.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+
+
+def _pickled_unet(folder, marker):
+    unet = FlowUNet2DModel.from_pretrained(folder / "unet")
+    (folder / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    unet.save_pretrained(folder / "unet", safe_serialization=False)
+
+
+def _cut_unet(folder, marker):
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _language_model(folder, marker):
+    from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
+
+    shutil.rmtree(folder)
+    CgptForCausalLM(CgptConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=8)).save_pretrained(folder)
+
+
+@pytest.mark.parametrize("as_guide, damage, words", [
+    (False, _custom_code, "my_unet.MyUNet, code of the folder's own, which hf_cgpu never runs"),
+    (False, _custom_pipeline, "names the pipeline class my_pipeline.MyPipeline, not FlowMatchPipeline"),
+    (False, _pickled_unet, "only as a pickle (diffusion_pytorch_model.bin), which hf_cgpu never loads"),
+    (False, _cut_unet, "weights cannot be read"),
+    (True, _pickled_unet, "only as a pickle (diffusion_pytorch_model.bin), which hf_cgpu never loads"),
+    (True, _cut_unet, "weights cannot be read"),
+    (True, _language_model, "holds a language model (cgpt), not a FlowUNet2DModel"),
+    (True, _custom_code, None),  # a guide is read as a UNet folder with hf_cgpu's class: the folder's code never runs
+], ids=["code", "pipeline-code", "pickle", "cut", "guide-pickle", "guide-cut", "guide-language-model", "guide-code"])
+def test_a_folder_that_does_not_load_as_saved_is_one_line_and_nothing_of_it_runs(as_guide, damage, words, tmp_path,
+                                                                                  capsys):
+    """A pipeline folder (MODEL_DIR or --guidance_model) with code of its own, pickled weights, weights cut off, or a
+    language model where a UNet belongs gave tracebacks, or had its .bin unpickled silently; now one line naming the
+    fix, exit 2, and the folder's code never runs."""
+    marker = tmp_path / "ran"
+    bad = _folder(tmp_path / "bad", guidance_interval=[0.2, 0.9])  # two numbers in model_index.json, no component
+    damage(bad, marker)
+    good = _folder(tmp_path / "good", guidance_interval=[0.2, 0.9])
+    argv = [good, "--guidance_model", bad, "--guidance_scale", "2"] if as_guide else [bad]
+    rc, err = _sample([*argv, "--class_labels", "0", "--num_images", "1", "--output_dir", tmp_path / "png"], capsys)
+    assert not marker.exists()
+    if words is None:
+        assert rc == 0 and (tmp_path / "png" / "grid.png").is_file(), err
+        return
+    assert rc == 2 and err.startswith("error:") and len(err.strip().splitlines()) == 1, err
+    assert words in err and not (tmp_path / "png").exists(), err
+
+
+def test_sample_replaces_links_in_what_it_writes_never_writes_through_them(tmp_path, capsys):
+    """samples_cli/grid.png linked to another file: that file was overwritten. Every file sample writes (the grid,
+    each image, the --save_pipeline folder's files) replaces what is there whole: the link goes, the file behind it
+    keeps its bytes."""
+    folder = _folder(tmp_path / "pipe")
+    (folder / "class_names.txt").write_text("a\nb\nc\n")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "png"
+    out.mkdir()
+    for name in ("grid.png", "0000.png"):
+        (out / name).symlink_to(victim)
+    saved = _folder(tmp_path / "saved")  # an earlier saved pipeline, its files linked
+    for name in ("model_index.json", "unet/config.json", "class_names.txt"):
+        (saved / name).unlink(missing_ok=True)
+        (saved / name).symlink_to(victim)
+    rc, err = _sample([folder, "--class_labels", "0,1", "--num_images", "2", "--output_dir", out, "--save_pipeline",
+                       saved], capsys)
+    assert rc == 0, err
+    assert victim.read_bytes() == b"keep me"
+    assert not any(p.is_symlink() for p in [*out.iterdir(), *saved.rglob("*")])
+    assert Image.open(out / "grid.png").size == (2 * 10 + 2, 10 + 2) and Image.open(out / "0000.png").size == (8, 8)
+    assert FlowMatchPipeline.from_pretrained(saved).config.num_inference_steps == 8
+    assert (saved / "class_names.txt").read_text() == "a\nb\nc\n"
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    rc, err = _sample([folder, "--num_images", "1", "--output_dir", out, "--save_pipeline", other], capsys)
+    assert rc == 2 and "holds other files" in err and (other / "todo.txt").read_text() == "mine", err

@@ -208,8 +208,14 @@ def test_cli_single_evaluation_writes_json_and_grid(tmp_path, synthetic_data, sy
     common = [str(run), "--classifier", str(synthetic_classifier), "--dataset", str(synthetic_data),
               "--num_images", "20", "--batch_size", "8", "--scheduler", "heun", "--num_inference_steps", "2",
               "--guidance_scale", "1.5", "--cache_dir", str(tmp_path / "feat")]
+    victim = tmp_path / "victim.txt"  # the JSON and the grid replace links there, never write through them
+    victim.write_text("keep me")
+    (run / "eval").mkdir()
+    for link in (tmp_path / "a.json", run / "eval" / "grid_saved_heun2_w1.5.png"):
+        link.symlink_to(victim)
     rc, out, _ = _eval([*common, "--output_json", str(tmp_path / "a.json")], capsys)
     assert rc == 0 and "FD" in out
+    assert victim.read_bytes() == b"keep me" and not (tmp_path / "a.json").is_symlink()
     a = json.loads((tmp_path / "a.json").read_text())
     assert a["weights"] == "saved" and a["num_real"] == 105 and a["split"] == "test"
     assert a["nfe_per_image"] == 2 * (2 * 2 - 1)  # Heun 2 steps = 3 calls, guided = 2 rows each
@@ -287,6 +293,25 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, synthetic_data, syntheti
     rc, _, err = _eval([str(run), "--classifier", str(synthetic_classifier), "--dataset", str(tmp_path / "nodata")],
                        capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "--dataset" in err
+
+
+def test_an_interval_holding_no_call_is_refused_before_anything_is_computed(tmp_path, synthetic_data,
+                                                                           synthetic_classifier, capsys):
+    """--guidance_interval 0.8:0.95 at 4 Euler steps (t = 0, 0.25, 0.5, 0.75) guided nothing while the report said
+    w=2: one line naming the t and the flags, exit 2, before the real features or any file; in a sweep the same for
+    the row whose steps miss the interval."""
+    run = _tiny_pipeline(tmp_path / "pipe", num_classes=10)
+    common = [str(run), "--classifier", str(synthetic_classifier), "--dataset", str(synthetic_data),
+              "--num_images", "10", "--scheduler", "euler", "--cache_dir", str(tmp_path / "feat"),
+              "--output_dir", str(tmp_path / "eval")]
+    rc, _, err = _eval([*common, "--num_inference_steps", "4", "--guidance_scale", "2", "--guidance_interval",
+                        "0.8:0.95"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "(t = 0, 0.25, 0.5, 0.75)" in err and "--guidance_interval" in err and "--num_inference_steps" in err
+    rc, _, err = _eval([*common, "--sweep", "--sweep_schedulers", "euler", "--sweep_steps", "8,4",
+                        "--sweep_guidance", "1,2", "--sweep_guidance_intervals", "0.8:0.95"], capsys)
+    assert rc == 2 and "of 4 FlowMatchEulerScheduler steps" in err and "--sweep_steps" in err, err
+    assert not (tmp_path / "feat").exists() and not (tmp_path / "eval").exists()
 
 
 def test_sweep_evaluations_give_each_sampler_the_most_steps_that_fit():

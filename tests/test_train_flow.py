@@ -107,11 +107,13 @@ def test_a_flipped_byte_in_the_ema_falls_back_and_ends_identical(flow_run, synth
 
 
 def test_bad_sampling_settings_are_one_line_before_training(synthetic_data, tmp_path, capsys):
-    """--sample_steps 0 would only fail at the first sample grid (after training), and a negative guidance scale
-    would be saved as the folder's default: both are refused up front, one line, exit 2."""
+    """--sample_steps 0 would only fail at the first sample grid (after training), a negative guidance scale would
+    be saved as the folder's default, and an interval holding none of the grids' steps would guide nothing: each is
+    refused up front, one line, exit 2."""
     from hf_cgpu.cli import main as cli_main
 
-    for flag, value in (("--sample_steps", "0"), ("--guidance_scale", "-1"), ("--guidance_scale", "0")):
+    for flag, value in (("--sample_steps", "0"), ("--guidance_scale", "-1"), ("--guidance_scale", "0"),
+                        ("--guidance_interval", "0.8:0.95")):  # no t of the preset's 4 Heun steps: a no-op
         rc = cli_main(["train", "flow", "--preset", "tiny", "--dataset", str(synthetic_data), "--max_steps", "1",
                        "--output_dir", str(tmp_path / "x"), "--progress", "false", flag, value])
         err = capsys.readouterr().err

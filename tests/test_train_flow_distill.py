@@ -100,12 +100,48 @@ def test_a_resume_after_the_teacher_changed_is_refused(runs, synthetic_data, tmp
     rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(student), "--progress", "false",
                    *common, "--max_steps", "4", "--resume_from_checkpoint", "latest"])
     err = capsys.readouterr().err
-    assert rc == 2 and "teacher_weights" in err, err
+    assert rc == 2 and "teacher_weights" in err and len(err.strip().splitlines()) == 1, err
+    assert "(--" not in err  # a content hash: no flag sets it, so none is suggested
+
+
+def test_a_resume_after_the_teachers_saved_guidance_changed_is_refused(runs, synthetic_data, tmp_path, capsys):
+    """Same weights, another saved guidance (the teacher folder re-saved at scale 4 after a kill): the student bakes
+    in the guidance it resolves from the folder, so a resume took 2.5 for its first steps and 4 for the rest while the
+    card said 4. The resolved scale and interval are the run's fixed settings: the resume is refused naming the flag
+    that resumes it, and with that flag it resumes at the recorded guidance."""
+    teacher, student = tmp_path / "teacher", tmp_path / "student"
+    shutil.copytree(runs / "teacher", teacher)
+    common = ["--teacher", str(teacher), "--dataset", str(synthetic_data), "--max_steps", "4"]
+    _train("flow-distill", student, *common[:-2], "--max_steps", "2", "--checkpointing_steps", "2")
+    assert json.loads((student / "all_results.json").read_text())["settings"]["guidance_scale"] == 2.5
+    index = teacher / "model_index.json"
+    saved = json.loads(index.read_text())
+    for changed, named in (({"guidance_scale": 4.0}, "'guidance_scale': (2.5, 4.0)"),
+                           ({"guidance_interval": [0.1, 0.9]}, "'guidance_interval': ('0.2:0.9', '0.1:0.9')")):
+        index.write_text(json.dumps({**saved, **changed}))
+        capsys.readouterr()
+        rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(student), "--progress",
+                       "false", *common, "--resume_from_checkpoint", "latest"])
+        err = capsys.readouterr().err
+        assert rc == 2 and named in err and len(err.strip().splitlines()) == 1, err
+    assert "(--guidance_interval 0.2:0.9)" in err
+    _train("flow-distill", student, *common, "--resume_from_checkpoint", "latest", "--guidance_interval", "0.2:0.9")
+    results = json.loads((student / "all_results.json").read_text())
+    assert results["steps"] == 4 and results["teacher_guidance_scale"] == 2.5
+    assert results["teacher_guidance_interval"] == "0.2:0.9"
 
 
 def test_bad_teacher_is_one_line_and_exit_2(runs, synthetic_data, tmp_path, capsys):
+    coded, cut = tmp_path / "coded", tmp_path / "cut"
+    shutil.copytree(runs / "teacher", coded)
+    index = json.loads((coded / "model_index.json").read_text())
+    (coded / "model_index.json").write_text(json.dumps({**index, "unet": ["my_unet", "MyUNet"]}))
+    shutil.copytree(runs / "teacher", cut)
+    weights = cut / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
     for teacher, words in (("", "--teacher"), (str(tmp_path), "model_index.json"),
-                           (str(runs / "student"), "already a distilled")):
+                           (str(runs / "student"), "already a distilled"), (str(coded), "never runs"),
+                           (str(cut), "weights cannot be read")):
         rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(tmp_path / "x"),
                        "--teacher", teacher, "--dataset", str(synthetic_data), "--progress", "false"])
         err = capsys.readouterr().err

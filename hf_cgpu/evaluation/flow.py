@@ -33,8 +33,8 @@ from ..data.images import cache_file, load_image_dataset
 from ..errors import about, run_main
 from ..flow.guide import check_guide_used, load_weights_file, set_guidance_model, weight_variants
 from ..flow.pipeline_flow_match import FlowMatchPipeline
-from ..flow.sample import image_grid
-from ..flow.sample import saved_sampling
+from ..integrity import atomic_output, atomic_write_text
+from ..flow.sample import check_guidance_interval, image_grid, load_pipeline_folder, saved_sampling
 from ..flow.samplers import (SAMPLERS, check_sampler, format_interval, parse_interval, sampler_class, sampler_names,
                              steps_within)
 from ..paths import feature_cache, image_cache
@@ -193,6 +193,26 @@ def _use_bf16(mixed_precision: str, device: torch.device) -> bool:
     return mixed_precision == "bf16" or torch.cuda.is_bf16_supported()
 
 
+def sampler_pipeline(pipe, scheduler: str):
+    """A pipeline of ``pipe``'s UNet and guide with the sampler ``scheduler`` (empty, or the saved one's name
+    (``saved_sampler_name``): the saved sampler); ``pipe`` itself is not changed."""
+    own = type(pipe.scheduler)
+    klass = own if scheduler in ("", own.__name__) else sampler_class(scheduler)
+    sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=klass.from_config(pipe.scheduler.config),
+                                guide_unet=pipe.guide_unet, guidance_model=pipe.config.get("guidance_model"))
+    sampler.set_progress_bar_config(disable=True)
+    return sampler
+
+
+def check_guidance_reaches(pipe, scheduler: str, steps: int, scale: float, interval, sweep: bool = False) -> None:
+    """One line when ``interval`` holds none of the model calls of ``steps`` steps of ``scheduler`` at guidance
+    ``scale`` (guidance would change nothing), before any image is drawn."""
+    flags = ("--sweep_guidance_intervals", "--sweep_steps") if sweep else ("--guidance_interval",
+                                                                           "--num_inference_steps")
+    check_guidance_interval(sampler_pipeline(pipe, scheduler), {"num_inference_steps": steps, "guidance_scale": scale,
+                                                                "guidance_interval": interval}, flags)
+
+
 @torch.no_grad()
 def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inference_steps: int = 10,
                     guidance_scale: float = 1.0, batch_size: int = 500, seed: int = 0, mixed_precision: str = "no",
@@ -206,12 +226,8 @@ def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inferenc
     """
     from tqdm.auto import tqdm
 
-    own = type(pipe.scheduler)  # empty, or the saved one's name (``saved_sampler_name``): the saved sampler
-    klass = own if scheduler in ("", own.__name__) else sampler_class(scheduler)
+    sampler = sampler_pipeline(pipe, scheduler)
     guide = pipe.guide_unet
-    sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=klass.from_config(pipe.scheduler.config), guide_unet=guide,
-                                guidance_model=pipe.config.get("guidance_model"))
-    sampler.set_progress_bar_config(disable=True)
     device = pipe.unet.device
     num_classes = pipe.unet.config.num_classes
     if not num_classes and guide is None and guidance_scale != 1.0:
@@ -286,8 +302,9 @@ def save_grid(images_uint8: torch.Tensor, path: str | Path, num_classes: int | N
     n = len(images_uint8)
     cols = num_classes or max(1, int(math.sqrt(n)))
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image_grid(images_uint8.permute(0, 2, 3, 1).float().numpy() / 255.0, max(1, math.ceil(n / cols))).save(path)
+    with atomic_output(path) as tmp:  # replaces what is there (a link too) whole, never writes through it
+        image_grid(images_uint8.permute(0, 2, 3, 1).float().numpy() / 255.0, max(1, math.ceil(n / cols))).save(
+            tmp, format="PNG")
     return path
 
 
@@ -367,10 +384,7 @@ def weak_judge_warning(classifier_dir: str | Path, measured: float | None) -> st
 def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device, guidance_model: str = ""):
     """The folder's pipeline on ``device``, with ``raw_weights`` in its UNet when given and the autoguidance model
     ``guidance_model`` (``hf_cgpu.flow.guide``; '' = as saved, none = off)."""
-    from diffusers.utils import logging as diffusers_logging
-
-    diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
-    pipe = FlowMatchPipeline.from_pretrained(run_dir)
+    pipe = load_pipeline_folder(str(run_dir))
     set_guidance_model(pipe, guidance_model, run_dir)  # before the raw weights: the guide copies the saved UNet
     if raw_weights is not None:
         pipe.unet.load_state_dict(load_weights_file(raw_weights), strict=True)
@@ -389,7 +403,7 @@ def write_sweep(rows: list[dict], out_dir: Path, plot: bool = True) -> list[Path
     keys = ["weights", "scheduler", "num_inference_steps", "guidance_scale", "guidance_interval", "guidance_model",
             "nfe_per_image", "fd", "precision",
             "recall", "label_accuracy", "class_share_min", "class_share_max", "class_histogram", "images_per_s"]
-    (out_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
+    atomic_write_text(out_dir / "sweep.json", json.dumps(rows, indent=1))
 
     def cell(v):
         if isinstance(v, list):  # the class histogram: counts per class, in class order
@@ -398,7 +412,7 @@ def write_sweep(rows: list[dict], out_dir: Path, plot: bool = True) -> list[Path
 
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows]
-    (out_dir / "sweep.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out_dir / "sweep.md", "\n".join(lines) + "\n")
     written = [out_dir / "sweep.json", out_dir / "sweep.md"]
     if plot and plot_sweep(out_dir / "sweep.json") is not None:
         written.append(out_dir / "sweep.png")
@@ -433,7 +447,8 @@ def plot_sweep(sweep_json: str | Path) -> Path | None:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = sweep_json.with_name("sweep.png")
-    fig.savefig(path, dpi=100)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return path
 
@@ -502,6 +517,24 @@ def weights_to_score(run_dir: Path, s: ImageEvalSettings) -> tuple[dict[str, Pat
     return variants, notes
 
 
+def sampler_settings(pipe, s: ImageEvalSettings) -> list[Setting]:
+    """The sampler settings to evaluate: the one of the flags (0 and empty resolved from the folder's saved
+    defaults), or the sweep's grid (unguided only for an unconditional model without a guide); each refused in one
+    line where its guidance would change nothing."""
+    if not s.sweep:
+        kw = saved_sampling(pipe, s.num_inference_steps, s.guidance_scale, s.guidance_interval, fallback_scale=1.5)
+        check_guide_used(s.guidance_model, kw["guidance_scale"])
+        grid = [(s.scheduler or saved_sampler_name(pipe), kw["num_inference_steps"], kw["guidance_scale"],
+                 kw["guidance_interval"])]
+    elif bool(pipe.unet.config.num_classes) or pipe.guide_unet is not None:  # autoguidance needs no class
+        grid = s.grid
+    else:
+        grid = list(dict.fromkeys((a, b, 1.0, None) for a, b, _, _ in s.grid))
+    for sched, steps, scale, interval in grid:
+        check_guidance_reaches(pipe, sched, steps, scale, interval, sweep=s.sweep)
+    return grid
+
+
 def _main(argv: list[str] | None) -> int:
     run_dir, s = parse(list(argv or []))
     if not (run_dir / "model_index.json").is_file():
@@ -515,6 +548,9 @@ def _main(argv: list[str] | None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     classifier = load_classifier(s.classifier, device)
     variants, notes = weights_to_score(run_dir, s)
+    first = next(iter(variants))
+    pipe = load_pipeline(run_dir, variants[first], device, s.guidance_model)
+    grid = sampler_settings(pipe, s)  # checked before the real features are computed
     out_dir = Path(s.output_dir or run_dir / "eval")
     out_dir.mkdir(parents=True, exist_ok=True)
     real = real_reference(classifier, s.classifier, s)
@@ -525,32 +561,25 @@ def _main(argv: list[str] | None) -> int:
               "real_features_cache": real["cache"]}
 
     if not s.sweep:
-        (name, raw), = variants.items()
-        pipe = load_pipeline(run_dir, raw, device, s.guidance_model)
-        sched = s.scheduler or saved_sampler_name(pipe)
-        kw = saved_sampling(pipe, s.num_inference_steps, s.guidance_scale, s.guidance_interval, fallback_scale=1.5)
-        steps, scale, interval = kw["num_inference_steps"], kw["guidance_scale"], kw["guidance_interval"]
-        check_guide_used(s.guidance_model, scale)
+        (sched, steps, scale, interval), = grid
         row = evaluate_pipeline(pipe, classifier, real, s.num_images, sched, steps, scale, s.batch_size, s.seed,
                                 s.nearest_k, s.mixed_precision, s.progress,
-                                out_dir / grid_name(name, sched, steps, scale, interval), s.grid_images,
+                                out_dir / grid_name(first, sched, steps, scale, interval), s.grid_images,
                                 return_images=bool(s.inception_weights), guidance_interval=interval)
         images = row.pop("images", None)
         fid, note = (inception_fid(load_real_images(s).images, images, s.inception_weights)
                      if images is not None else inception_fid(None, None, ""))
-        result = {**common, "weights": name, **row, "inception_fid": fid, "notes": notes + [note]}
+        result = {**common, "weights": first, **row, "inception_fid": fid, "notes": notes + [note]}
         path = Path(s.output_json or out_dir / "eval.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+        atomic_write_text(path, json.dumps(result, indent=1))
         print(f"{report_line(result)} -> {path}")
         return 0
 
-    conditional = None
+    conditional = bool(pipe.unet.config.num_classes) or pipe.guide_unet is not None  # autoguidance needs no class
     rows = []
     for name, raw in variants.items():
-        pipe = load_pipeline(run_dir, raw, device, s.guidance_model)
-        conditional = bool(pipe.unet.config.num_classes) or pipe.guide_unet is not None  # autoguidance needs no class
-        grid = s.grid if conditional else list(dict.fromkeys((a, b, 1.0, None) for a, b, _, _ in s.grid))
+        if name != first:
+            pipe = load_pipeline(run_dir, raw, device, s.guidance_model)
         for sched, steps, scale, interval in grid:
             row = evaluate_pipeline(pipe, classifier, real, s.num_images, sched, steps, scale, s.batch_size, s.seed,
                                     s.nearest_k, s.mixed_precision, s.progress,
@@ -562,7 +591,8 @@ def _main(argv: list[str] | None) -> int:
     if not conditional and any(scale != 1.0 for _, _, scale, _ in s.grid):
         notes.append("unconditional model without --guidance_model: guidance scales other than 1 left out")
     written = write_sweep(rows, out_dir)
-    (out_dir / "sweep_notes.json").write_text(json.dumps({"notes": notes, "settings": asdict(s)}, indent=1, default=str))
+    atomic_write_text(out_dir / "sweep_notes.json", json.dumps({"notes": notes, "settings": asdict(s)}, indent=1,
+                                                               default=str))
     print(f"sweep of {len(rows)} settings: {', '.join(str(p) for p in written)}")
     return 0
 

@@ -24,11 +24,43 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..errors import MissingPathError, SettingsError
+from ..errors import CheckpointError, MissingPathError, SettingsError, UserError
 from ..train.checkpoint import list_checkpoints, read_trainer_state
 
 GUIDE_SOURCES = ("raw, a checkpoint folder (RUN/checkpoints/step_N) or one of its .safetensors files, a pipeline "
                  "folder or a UNet folder")
+PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+"""Suffixes of pickled weights: never loaded (unpickling a file can run any code it holds)."""
+
+
+def safetensors_only(folder: Path, what: str) -> None:
+    """One line when ``folder`` holds weights only as pickles (``.bin``...), which diffusers would fall back to."""
+    folder = Path(folder)
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLED)
+    if pickled:
+        raise SettingsError(f"{what} holds its weights only as a pickle ({pickled[0]}), which hf_cgpu never loads "
+                            "(unpickling can run code); save them as safetensors (save_pretrained(..., "
+                            "safe_serialization=True)) or pass another folder")
+
+
+def unreadable(what: str, err: BaseException) -> CheckpointError:
+    """The one-line error of weights that do not load (a file cut off or damaged), naming the loader's first line."""
+    first = " ".join((str(err).strip().splitlines() or [type(err).__name__])[0].split())[:240]
+    return CheckpointError(f"{what}: its weights cannot be read ({first}); the files are damaged or cut off (a copy "
+                           "or save interrupted): copy or save the folder again, or pass another one")
+
+
+def unet_from_folder(klass, folder: Path, what: str, **kwargs):
+    """``klass.from_pretrained(folder)`` from safetensors only, every failure to read the weights one line."""
+    safetensors_only(folder, what)
+    try:
+        return klass.from_pretrained(folder, use_safetensors=True, **kwargs)
+    except UserError:
+        raise
+    except (OSError, SafetensorError) as err:
+        raise unreadable(what, err) from None
 
 
 def weight_variants(run_dir: Path) -> tuple[dict[str, Path | None], list[str]]:
@@ -67,6 +99,7 @@ def copy_with_weights(model: torch.nn.Module, source: str | Path, flag: str = "-
     if not source.exists():
         raise MissingPathError(f"{flag} {source} does not exist; pass {GUIDE_SOURCES}")
     if source.is_dir():
+        safetensors_only(source, f"{flag} {source}")
         found = [source / f for f in ("ema.safetensors", "model.safetensors") if (source / f).is_file()]
         if not found:
             raise MissingPathError(f"{flag} {source} holds neither ema.safetensors nor model.safetensors; pass "
@@ -75,7 +108,8 @@ def copy_with_weights(model: torch.nn.Module, source: str | Path, flag: str = "-
     try:
         weights = load_weights_file(source)
     except SafetensorError:
-        raise SettingsError(f"{flag} {source} is not a safetensors weights file; pass {GUIDE_SOURCES}") from None
+        raise SettingsError(f"{flag} {source} is not a safetensors weights file (or one cut off); pass "
+                            f"{GUIDE_SOURCES}") from None
     weak = copy.deepcopy(model)
     try:
         weak.load_state_dict(weights, strict=True)
@@ -101,10 +135,24 @@ def guidance_model(spec: str, run_dir: str | Path, unet) -> tuple[torch.nn.Modul
         raise MissingPathError(f"--guidance_model {spec} does not exist; pass {GUIDE_SOURCES}")
     folder = path / "unet" if (path / "model_index.json").is_file() else path
     if folder.is_dir() and (folder / "config.json").is_file():
+        check_unet_config(folder / "config.json", type(unet).__name__, f"--guidance_model {spec}")
         # loaded in the UNet's dtype: a later .to(dtype) makes diffusers warn, above any one-line error
-        weak = type(unet).from_pretrained(folder, dtype=unet.dtype).eval().requires_grad_(False)
-        return weak.to(unet.device), str(spec)
+        weak = unet_from_folder(type(unet), folder, f"--guidance_model {spec}", dtype=unet.dtype)
+        return weak.eval().requires_grad_(False).to(unet.device), str(spec)
     return copy_with_weights(unet, path), str(spec)
+
+
+def check_unet_config(config: Path, class_name: str, what: str) -> None:
+    """One line when ``config`` is not a ``class_name`` config (a language model's config.json, another UNet's)."""
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise SettingsError(f"{what}: {config} is not JSON; pass {GUIDE_SOURCES}") from None
+    found = data.get("_class_name") if isinstance(data, dict) else None
+    if found != class_name:
+        kind = (f"a language model ({data['model_type']})" if isinstance(data, dict) and data.get("model_type")
+                else f"a {found}" if found else "no diffusers model")
+        raise SettingsError(f"{what} holds {kind}, not a {class_name}; pass {GUIDE_SOURCES} of a flow run")
 
 
 def set_guidance_model(pipe, spec: str, run_dir: str | Path) -> None:
@@ -130,5 +178,6 @@ def check_guide_used(spec: str, scale: float) -> None:
                             "yours); pass --guidance_scale, e.g. 2, or drop --guidance_model")
 
 
-__all__ = ["GUIDE_SOURCES", "check_guide_used", "copy_with_weights", "guidance_model", "load_weights_file",
-           "set_guidance_model", "weight_variants"]
+__all__ = ["GUIDE_SOURCES", "PICKLED", "check_guide_used", "check_unet_config", "copy_with_weights", "guidance_model",
+           "load_weights_file", "safetensors_only", "set_guidance_model", "unet_from_folder", "unreadable",
+           "weight_variants"]

@@ -226,6 +226,22 @@ class FlowMatchPipeline(DiffusionPipeline):
         ts = (1.0 - self.scheduler.sigmas[: len(self.scheduler.timesteps)]).tolist()
         return [(t, 0.0, lo - 1e-6 <= t <= hi + 1e-6) for t in ts]
 
+    def check_guidance_interval(self, num_inference_steps: int, guidance_scale: float, guidance_interval,
+                                flags: tuple[str, str] = ("guidance_interval", "num_inference_steps")) -> None:
+        """Refuse (ValueError) a guidance interval that holds none of the model calls of ``num_inference_steps``
+        steps of this scheduler while ``guidance_scale`` != 1: guidance would then change nothing, silently. ``flags``
+        name the interval and the steps in the message (a command's own flags)."""
+        interval = _checked_interval(guidance_interval)
+        if guidance_scale == 1.0 or interval is None:
+            return
+        self.scheduler.set_timesteps(num_inference_steps)
+        plan = self._call_plan(interval)
+        if not any(guided for _, _, guided in plan):
+            times = ", ".join(f"{t:.3g}" for t in dict.fromkeys(round(t, 6) for t, _, _ in plan))
+            raise ValueError(f"{flags[0]} {interval[0]:g}:{interval[1]:g} holds none of the model calls of "
+                             f"{num_inference_steps} {type(self.scheduler).__name__} steps (t = {times}), so guidance "
+                             f"scale {guidance_scale:g} would change nothing; widen {flags[0]} or raise {flags[1]}")
+
     @torch.no_grad()
     def __call__(
         self,
@@ -252,7 +268,8 @@ class FlowMatchPipeline(DiffusionPipeline):
             output_type: "pil" (list of PIL images), "np" (B, H, W, C) float in [0, 1], "pt" (B, C, H, W) in [0, 1].
             guidance_interval: (lo, hi): guidance only at calls whose t (0 = noise, 1 = data) lies in [lo, hi], the
                 plain conditional model (one forward) elsewhere (Kynkaanniemi et al. 2024: guidance near the noise
-                end costs variety); None = every call; "saved" = ``config.guidance_interval``.
+                end costs variety); None = every call; "saved" = ``config.guidance_interval``. An interval that
+                holds no call while guidance_scale != 1 is refused (``check_guidance_interval``).
         """
         if output_type not in ("pil", "np", "pt"):
             raise ValueError(f"output_type={output_type!r}; use 'pil', 'np' or 'pt'")
@@ -276,6 +293,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         if not can_guide and guidance_scale != 1.0:
             raise ValueError("guidance_scale != 1 needs class_labels (guidance contrasts a class with the null class) "
                              "or a guide_unet (autoguidance)")
+        self.check_guidance_interval(steps, guidance_scale, guidance_interval)
         cfg = self.unet.config
         shape = (batch_size, cfg.in_channels, cfg.sample_size, cfg.sample_size)
         x = randn_tensor(shape, generator=generator, device=device, dtype=self.unet.dtype)  # x0 at t = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from dataclasses import dataclass, field
@@ -9,12 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from diffusers.utils import logging as diffusers_logging
 from PIL import Image
+from safetensors import SafetensorError
 
-from ..errors import MissingPathError, SettingsError, about, require_model
+from ..errors import MissingPathError, SettingsError, UserError, about, require_model
 from ..hub.checks import check_hub_model
+from ..integrity import atomic_dir, atomic_output
 from ..settings import build_parser
-from .guide import check_guide_used, set_guidance_model
+from .guide import check_guide_used, safetensors_only, set_guidance_model, unreadable
 from .pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
 from .samplers import check_sampler, parse_interval, sampler_class, sampler_names
 
@@ -119,6 +123,16 @@ def saved_sampling(pipe, steps: int, scale: float, interval: str, fallback_scale
             (tuple(saved_interval) if saved_interval else None)}
 
 
+def check_guidance_interval(pipe, sampling: dict, flags: tuple[str, str] = ("--guidance_interval",
+                                                                           "--num_inference_steps")) -> None:
+    """One line when ``sampling``'s guidance interval (``saved_sampling``'s dict) holds none of the model calls of its
+    steps with ``pipe``'s scheduler at a guidance scale other than 1: the guidance would change nothing."""
+    try:
+        pipe.check_guidance_interval(**sampling, flags=flags)
+    except ValueError as err:
+        raise SettingsError(str(err)) from None
+
+
 def check_pipeline_folder(model_dir: str) -> None:
     """A saved FlowMatchPipeline folder, or a one-line error naming what it is instead."""
     require_model(model_dir, "pipeline folder")
@@ -135,6 +149,56 @@ def check_pipeline_folder(model_dir: str) -> None:
                            "(hf-cgpu train flow)")
 
 
+def check_pipeline_files(folder: Path, what: str) -> None:
+    """A pipeline folder that loads as it is: a FlowMatchPipeline whose components are hf_cgpu's or diffusers' own
+    classes (a folder's code is never run) with safetensors weights (a pickle is never loaded); else one line."""
+    try:
+        index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        index = None
+    if not isinstance(index, dict):
+        raise SettingsError(f"{what}: model_index.json is not a JSON object; save the pipeline again")
+    name = index.get("_class_name")
+    if name != FlowMatchPipeline.__name__:
+        shown = ".".join(map(str, name)) if isinstance(name, list) else name or "none"
+        raise SettingsError(f"{what}: its model_index.json names the pipeline class {shown}, not FlowMatchPipeline, "
+                            "and hf_cgpu never runs a folder's own code; pass the output_dir of a flow run (hf-cgpu "
+                            "train flow)")
+    ours = FlowMatchPipeline.__module__.split(".")[0]
+    for component, entry in index.items():
+        if component.startswith("_") or not (isinstance(entry, list) and len(entry) == 2
+                                             and all(isinstance(x, str) for x in entry)):
+            continue  # a saved setting (guidance_interval is two numbers) or an empty component
+        if str(entry[0]).split(".")[0] not in (ours, "diffusers"):
+            raise SettingsError(f"{what}: its {component} is {entry[0]}.{entry[1]}, code of the folder's own, which "
+                                f"hf_cgpu never runs; pass a folder saved by hf_cgpu (hf-cgpu train flow, hf-cgpu "
+                                "sample --save_pipeline)")
+        safetensors_only(folder / component, f"{what}/{component}")
+
+
+def load_pipeline_folder(model_dir: str) -> FlowMatchPipeline:
+    """The FlowMatchPipeline saved in ``model_dir`` (a folder or a Hub id), loaded quietly, without running any of
+    the folder's code or unpickling any file; what does not load is one line naming the fix."""
+    check_pipeline_folder(model_dir)
+    diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
+    if Path(model_dir).is_dir():
+        folder = Path(model_dir)
+    else:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model_dir))
+    check_pipeline_files(folder, model_dir)
+    try:
+        return FlowMatchPipeline.from_pretrained(folder, use_safetensors=True)
+    except UserError:
+        raise
+    except (ImportError, AttributeError) as err:  # a component class hf_cgpu does not have
+        raise SettingsError(f"{model_dir}: model_index.json names a class hf_cgpu does not have ({err}); save the "
+                            "pipeline again with this hf_cgpu") from None
+    except (OSError, SafetensorError) as err:
+        raise unreadable(model_dir, err) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser((SampleSettings,), prog="hf-cgpu sample", description=about(
         "Sample images from a saved FlowMatchPipeline: a grid PNG and one PNG per image.",
@@ -145,14 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ns.pop("model_dir")
     a = SampleSettings(**{k: v for k, v in ns.items() if v is not None})
     sampler = sampler_class(a.scheduler) if a.scheduler else None
-    check_pipeline_folder(model_dir)
+    check_pipeline_folder(model_dir)  # before the --save_pipeline checks, which name MODEL_DIR
     if a.save_pipeline and Path(a.save_pipeline).resolve() == Path(model_dir).resolve():
         raise SettingsError(f"--save_pipeline {a.save_pipeline} is MODEL_DIR itself; name a new folder (the run's "
                             "own stays as it was saved and sealed)")
     if a.save_pipeline and any((Path(a.save_pipeline) / f).exists() for f in ("all_results.json", "checkpoints")):
         raise SettingsError(f"--save_pipeline {a.save_pipeline} holds a training run, whose weights it would "
                             "replace; name a new folder")
-    pipe = FlowMatchPipeline.from_pretrained(model_dir)
+    saved = Path(a.save_pipeline)
+    if a.save_pipeline and saved.exists() and not (saved / "model_index.json").is_file() and (
+            not saved.is_dir() or any(saved.iterdir())):
+        raise SettingsError(f"--save_pipeline {a.save_pipeline} holds other files, which the saved pipeline would "
+                            "replace; name a new or empty folder (an earlier saved pipeline is replaced whole)")
+    pipe = load_pipeline_folder(model_dir)
     set_guidance_model(pipe, a.guidance_model, model_dir)
     if sampler is not None:
         pipe.scheduler = sampler.from_config(pipe.scheduler.config)
@@ -160,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     pipe.to(device)
     sampling = a.sampling(pipe)
     check_guide_used(a.guidance_model, sampling["guidance_scale"])
+    check_guidance_interval(pipe, sampling)
+    defaults = saved_sampling(pipe, a.num_inference_steps, a.guidance_scale, a.guidance_interval, 2.5)
+    if a.save_pipeline:  # the defaults as given, whether or not these images had labels
+        check_guidance_interval(pipe, defaults)
     names_file = Path(model_dir) / "class_names.txt"
     names = names_file.read_text().split() if names_file.is_file() else []
     labels = parse_labels(a.class_labels, names, pipe.unet.config.num_classes)
@@ -169,13 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     out = pipe(batch_size=a.num_images, generator=gen, class_labels=labels, output_type="np", **sampling).images
     dest = Path(a.output_dir or Path(model_dir) / "samples_cli")
     dest.mkdir(parents=True, exist_ok=True)
-    for i, img in enumerate(out):
-        Image.fromarray((img * 255).round().astype(np.uint8)).save(dest / f"{i:04d}.png")
+    for i, img in enumerate(out):  # each PNG replaces what is there (a link too) whole, never writes through it
+        with atomic_output(dest / f"{i:04d}.png") as tmp:
+            Image.fromarray((img * 255).round().astype(np.uint8)).save(tmp, format="PNG")
     rows = max(1, int(math.sqrt(a.num_images)))
-    image_grid(out, rows).save(dest / "grid.png")
+    with atomic_output(dest / "grid.png") as tmp:
+        image_grid(out, rows).save(tmp, format="PNG")
     print(f"wrote {len(out)} images and grid.png to {dest}")
-    if a.save_pipeline:  # the defaults as given, whether or not these images had labels
-        defaults = saved_sampling(pipe, a.num_inference_steps, a.guidance_scale, a.guidance_interval, 2.5)
+    if a.save_pipeline:
         save_with_defaults(pipe, defaults, model_dir, a.save_pipeline)
         print(f"saved the pipeline with these sampling defaults to {a.save_pipeline}")
     return 0
@@ -183,12 +257,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def save_with_defaults(pipe, sampling: dict, model_dir: str, dest: str) -> None:
     """``pipe`` (its sampler and guide as set) saved to ``dest`` with ``sampling`` as its defaults, like a run's
-    folder: loadable where hf_cgpu is not installed, with the run's class names."""
+    folder: loadable where hf_cgpu is not installed, with the run's class names. Written into a new folder that
+    then replaces ``dest`` whole, so no file of the save goes through a link left in ``dest``."""
     interval = sampling["guidance_interval"]
     pipe.register_to_config(num_inference_steps=sampling["num_inference_steps"],
                             guidance_scale=sampling["guidance_scale"],
                             guidance_interval=list(interval) if interval is not None else None)
-    save_for_remote_code(pipe, dest)
-    names = Path(model_dir) / "class_names.txt"
-    if names.is_file():
-        shutil.copyfile(names, Path(dest) / "class_names.txt")
+    with atomic_dir(dest) as tmp:
+        save_for_remote_code(pipe, tmp)
+        names = Path(model_dir) / "class_names.txt"
+        if names.is_file():
+            shutil.copyfile(names, tmp / "class_names.txt")

@@ -101,7 +101,8 @@ def parse_interval(text: str, flag: str = "--guidance_interval") -> tuple[float,
         raise SettingsError(f"{flag} {text!r}; write LO:HI in t (0 = noise, 1 = data), e.g. 0.15:0.8, or full"
                             ) from None
     if not 0 <= lo < hi <= 1:
-        raise SettingsError(f"{flag} {text!r}; need 0 <= LO < HI <= 1, e.g. 0.15:0.8")
+        raise SettingsError(f"{flag} {text!r}: LO and HI must lie in [0, 1] (t: 0 = noise, 1 = data) with LO < HI; "
+                            "write e.g. 0.15:0.8")
     return (lo, hi)
 
 

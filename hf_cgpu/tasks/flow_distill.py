@@ -9,15 +9,15 @@ result is an ordinary FlowMatchPipeline folder whose saved defaults are ``sample
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
-from diffusers.utils import logging as diffusers_logging
 
 from ..errors import SettingsError
 from ..flow.matching import FlowMatcher
 from ..flow.pipeline_flow_match import FlowMatchPipeline
-from ..flow.sample import check_pipeline_folder, saved_sampling
+from ..flow.sample import load_pipeline_folder, saved_sampling
 from ..flow.samplers import format_interval
 from ..flow.scheduling_flow_match import FlowMatchEulerScheduler
 from ..flow.shortcut import ShortcutObjective, guided_teacher
@@ -40,9 +40,7 @@ class FlowDistillTask(FlowMatchingTask):
         cfg = self.cfg
         if not cfg.teacher:
             raise SettingsError("pass --teacher DIR, the output_dir of a flow run (hf-cgpu train flow)")
-        check_pipeline_folder(cfg.teacher)
-        diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
-        teacher = FlowMatchPipeline.from_pretrained(cfg.teacher)
+        teacher = load_pipeline_folder(cfg.teacher)
         unet = teacher.unet
         if getattr(unet.config, "step_size_embedding", False):
             raise SettingsError(f"{cfg.teacher} is already a distilled pipeline; pass the flow run it came from")
@@ -55,6 +53,10 @@ class FlowDistillTask(FlowMatchingTask):
         kw = saved_sampling(teacher, 1, cfg.guidance_scale, cfg.guidance_interval, fallback_scale=2.5)
         guide = teacher.guide_unet  # a teacher folder saved with autoguidance is distilled as it samples
         self.guidance = (kw["guidance_scale"] if conditional or guide is not None else 1.0, kw["guidance_interval"])
+        # the guidance baked in, as resolved from the folder's saved defaults: these FIXED settings hold it, so the
+        # resume fingerprint and all_results.json record it and a resume against a re-saved teacher is refused
+        self.cfg = cfg = dataclasses.replace(cfg, guidance_scale=self.guidance[0],
+                                             guidance_interval=format_interval(self.guidance[1]))
         self.teacher = unet.to(accelerator.device).eval().requires_grad_(False)
         guide_fn = None
         if guide is not None:

@@ -15,7 +15,7 @@ from ..data.images import augment_on_device, check_labels, describe_source, load
 from ..errors import SettingsError
 from ..flow.matching import FlowMatcher
 from ..flow.pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
-from ..flow.sample import image_grid
+from ..flow.sample import check_guidance_interval, image_grid
 from ..flow.samplers import parse_interval, sampler_class
 from ..flow.unet import FlowUNet2DModel
 from ..hub.checks import check_dataset
@@ -80,6 +80,10 @@ class FlowMatchingTask(Task):
         self.matcher = FlowMatcher(time_sampling=cfg.time_sampling)
         model = FlowUNet2DModel(sample_size=self.images.shape[-1], base_channels=cfg.base_channels,
                                 num_classes=num_classes)
+        pipe = self.pipeline(model)  # the sample grids' and the saved folder's sampling, refused before a step
+        check_guidance_interval(pipe, {k: pipe.config[k] for k in ("num_inference_steps", "guidance_scale",
+                                                                   "guidance_interval")},
+                                flags=("--guidance_interval", "--sample_steps"))
         size = self.images.shape[-1]
         labels = torch.zeros(1, dtype=torch.long) if num_classes is not None else None
         flops = counted_training_flops(model, torch.zeros(1, 3, size, size), torch.zeros(1), labels)

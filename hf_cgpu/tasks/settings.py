@@ -170,10 +170,10 @@ class FlowDistillSettings:
     guidance_scale: float = field(default=0.0, metadata=FIXED)
     """Guidance of the teacher, baked into the student (which samples with one call per step): classifier-free, or
     autoguidance where the teacher folder saved a guidance model (``hf-cgpu sample --save_pipeline``); 0 = the teacher
-    folder's saved scale."""
+    folder's saved scale. The run records the scale it resolved: a resume must resolve the same."""
     guidance_interval: str = field(default="", metadata=FIXED)
     """The teacher's guidance only where t (0 = noise, 1 = data) lies in LO:HI; full = every step; empty = the teacher
-    folder's saved interval."""
+    folder's saved interval. The run records the interval it resolved: a resume must resolve the same."""
     levels: int = field(default=7, metadata=FIXED)
     """Step sizes 1, 1/2, ..., 2^-levels are trained; the smallest is bootstrapped from two Euler steps of the
     teacher."""

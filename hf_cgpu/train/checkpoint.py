@@ -480,9 +480,9 @@ class Checkpointer:
         ours = fresh.fingerprint
         theirs = with_new_settings(saved.get("fingerprint", {}), ours, *settings)
         if theirs != ours:
-            raise CheckpointError(f"{found} was written for a different model/data ({difference(theirs, ours)} as "
-                                  "checkpoint vs now); resume with the settings it was made with, or use a fresh "
-                                  "--output_dir")
+            raise CheckpointError(f"{found} was written for a different model/data "
+                                  f"({difference(theirs, ours, *settings)} as checkpoint vs now); resume with the "
+                                  "settings it was made with, or use a fresh --output_dir")
         self._check_sharding(found)
         state = TrainState.from_dict({**dataclasses.asdict(fresh), **saved, "fingerprint": ours})
         self._apply_batch(state, fresh, found)

@@ -63,15 +63,18 @@ def with_new_settings(theirs: Mapping[str, Any], ours: Mapping[str, Any], *setti
     return {**{k: v for k, v in defaults.items() if k in ours and k not in theirs}, **theirs}
 
 
-def difference(theirs: Mapping[str, Any], ours: Mapping[str, Any], shown: int = 3) -> str:
+def difference(theirs: Mapping[str, Any], ours: Mapping[str, Any], *settings: Any, shown: int = 3) -> str:
     """The first ``shown`` differing entries as ``{key: (checkpoint's, this run's)}``, the count of the rest, and the
-    flag to set for the first one that is a setting or a model option."""
+    flag to set for the first one when it is a fixed setting or a model option of ``settings`` (a content hash or a
+    config field no flag sets gets none: there is no flag to name)."""
     keys = sorted(set(theirs) | set(ours), key=lambda k: (k not in ours or k not in theirs, k))  # changed ones first
     diff = {k: (theirs.get(k), ours.get(k)) for k in keys if theirs.get(k) != ours.get(k)}
     text = str(dict(list(diff.items())[:shown])) + (f" and {len(diff) - shown} more" if len(diff) > shown else "")
     first = next(iter(diff), "")
     name = first.removeprefix("model.")
-    if first and theirs.get(first) is not None and name not in ("tokenizer", "train_data", "validation_data"):
+    flag = (name in {f.name for s in settings for f in dataclasses.fields(s)} if first.startswith("model.")
+            else first in fixed_settings(*settings))
+    if flag and theirs.get(first) is not None:
         text += f" (--{name} {theirs[first]})"
     return text
 
