@@ -37,8 +37,10 @@ from ..flow.sample import image_grid
 from ..flow.sample import saved_sampling
 from ..flow.samplers import (SAMPLERS, check_sampler, format_interval, parse_interval, sampler_class, sampler_names,
                              steps_within)
+from ..options import VERIFY_MODES, check_choice
 from ..paths import feature_cache, image_cache
 from ..settings import SettingsError, build_parser
+from ..verify import check_saved
 from .classifier import file_hash, load_classifier
 from .images import (class_statistics, feature_statistics, frechet_distance, image_features, inception_fid,
                      kth_neighbour_radii, precision_recall)
@@ -117,8 +119,12 @@ class ImageEvalSettings:
     """Cache of real-image features (default $HF_CGPU_CACHE/features, else ~/.cache/hf_cgpu/features)."""
     progress: bool = True
     """Show a progress bar."""
+    verify: str = field(default="auto", metadata={"choices": lambda: VERIFY_MODES})
+    """What of RUN_DIR's (the classifier's, a guidance model's) manifest.json is checked before it is read: auto (the
+    sizes; the SHA-256 too up to 512 MiB), sizes, full, or off (a folder edited by hand); see docs/outputs.md."""
 
     def __post_init__(self) -> None:
+        check_choice("verify", self.verify, VERIFY_MODES)
         if self.scheduler:
             check_sampler(self.scheduler)
         if self.guidance_interval:
@@ -364,14 +370,16 @@ def weak_judge_warning(classifier_dir: str | Path, measured: float | None) -> st
             f"--dataset DATA --output_dir DIR on a GPU and pass --classifier DIR")
 
 
-def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device, guidance_model: str = ""):
+def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device, guidance_model: str = "",
+                  verify: str = "auto"):
     """The folder's pipeline on ``device``, with ``raw_weights`` in its UNet when given and the autoguidance model
-    ``guidance_model`` (``hf_cgpu.flow.guide``; '' = as saved, none = off)."""
+    ``guidance_model`` (``hf_cgpu.flow.guide``; '' = as saved, none = off), whose folder passes its manifest
+    (``verify``)."""
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
     pipe = FlowMatchPipeline.from_pretrained(run_dir)
-    set_guidance_model(pipe, guidance_model, run_dir)  # before the raw weights: the guide copies the saved UNet
+    set_guidance_model(pipe, guidance_model, run_dir, verify)  # before the raw weights: the guide copies the saved UNet
     if raw_weights is not None:
         pipe.unet.load_state_dict(load_weights_file(raw_weights), strict=True)
     pipe.to(device)
@@ -504,6 +512,7 @@ def weights_to_score(run_dir: Path, s: ImageEvalSettings) -> tuple[dict[str, Pat
 
 def _main(argv: list[str] | None) -> int:
     run_dir, s = parse(list(argv or []))
+    check_saved(run_dir, s.verify)
     if not (run_dir / "model_index.json").is_file():
         raise SettingsError(f"{run_dir} holds no model_index.json; pass the output_dir of recipes/train_flow.py")
     if not s.classifier:
@@ -513,8 +522,11 @@ def _main(argv: list[str] | None) -> int:
     if _looks_local(s.dataset) and not Path(s.dataset).expanduser().exists():
         load_real_images(s)  # raises the one-line error before anything slow runs
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_saved(s.classifier, s.verify, "--classifier")
     classifier = load_classifier(s.classifier, device)
     variants, notes = weights_to_score(run_dir, s)
+    for raw in filter(None, variants.values()):  # the raw weights: the last checkpoint's
+        check_saved(raw, s.verify, "the raw weights")
     out_dir = Path(s.output_dir or run_dir / "eval")
     out_dir.mkdir(parents=True, exist_ok=True)
     real = real_reference(classifier, s.classifier, s)
@@ -526,7 +538,7 @@ def _main(argv: list[str] | None) -> int:
 
     if not s.sweep:
         (name, raw), = variants.items()
-        pipe = load_pipeline(run_dir, raw, device, s.guidance_model)
+        pipe = load_pipeline(run_dir, raw, device, s.guidance_model, s.verify)
         sched = s.scheduler or saved_sampler_name(pipe)
         kw = saved_sampling(pipe, s.num_inference_steps, s.guidance_scale, s.guidance_interval, fallback_scale=1.5)
         steps, scale, interval = kw["num_inference_steps"], kw["guidance_scale"], kw["guidance_interval"]
@@ -548,7 +560,7 @@ def _main(argv: list[str] | None) -> int:
     conditional = None
     rows = []
     for name, raw in variants.items():
-        pipe = load_pipeline(run_dir, raw, device, s.guidance_model)
+        pipe = load_pipeline(run_dir, raw, device, s.guidance_model, s.verify)
         conditional = bool(pipe.unet.config.num_classes) or pipe.guide_unet is not None  # autoguidance needs no class
         grid = s.grid if conditional else list(dict.fromkeys((a, b, 1.0, None) for a, b, _, _ in s.grid))
         for sched, steps, scale, interval in grid:

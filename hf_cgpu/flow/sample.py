@@ -13,7 +13,10 @@ from PIL import Image
 
 from ..errors import MissingPathError, SettingsError, about, require_model
 from ..hub.checks import check_hub_model
+from ..options import VERIFY_MODES
 from ..settings import build_parser
+from ..train.artifacts import STAGING, install_model
+from ..verify import check_saved
 from .guide import check_guide_used, set_guidance_model
 from .pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
 from .samplers import check_sampler, parse_interval, sampler_class, sampler_names
@@ -84,6 +87,9 @@ class SampleSettings:
     """Seed of the starting noise."""
     output_dir: str = ""
     """Where the PNGs go; empty = MODEL_DIR/samples_cli."""
+    verify: str = field(default="auto", metadata={"choices": lambda: VERIFY_MODES})
+    """What of MODEL_DIR's (and a guidance model folder's) manifest.json is checked before it is read: auto (the
+    sizes; the SHA-256 too up to 512 MiB), sizes, full, or off (a folder edited by hand); see docs/outputs.md."""
 
     def __post_init__(self) -> None:
         if self.scheduler:
@@ -119,9 +125,11 @@ def saved_sampling(pipe, steps: int, scale: float, interval: str, fallback_scale
             (tuple(saved_interval) if saved_interval else None)}
 
 
-def check_pipeline_folder(model_dir: str) -> None:
-    """A saved FlowMatchPipeline folder, or a one-line error naming what it is instead."""
+def check_pipeline_folder(model_dir: str, verify: str = "auto", what: str = "") -> None:
+    """A saved FlowMatchPipeline folder that passes its manifest (``verify.check_saved``), or a one-line error
+    naming what it is instead."""
     require_model(model_dir, "pipeline folder")
+    check_saved(model_dir, verify, what)
     d = Path(model_dir)
     if not d.is_dir():
         check_hub_model(model_dir, "pipeline", filename="model_index.json")
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = vars(parser.parse_args(argv))
     model_dir = ns.pop("model_dir")
     a = SampleSettings(**{k: v for k, v in ns.items() if v is not None})
-    check_pipeline_folder(model_dir)
+    check_pipeline_folder(model_dir, a.verify)
     if a.save_pipeline and Path(a.save_pipeline).resolve() == Path(model_dir).resolve():
         raise SettingsError(f"--save_pipeline {a.save_pipeline} is MODEL_DIR itself; name a new folder (the run's "
                             "own stays as it was saved and sealed)")
@@ -152,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SettingsError(f"--save_pipeline {a.save_pipeline} holds a training run, whose weights it would "
                             "replace; name a new folder")
     pipe = FlowMatchPipeline.from_pretrained(model_dir)
-    set_guidance_model(pipe, a.guidance_model, model_dir)
+    set_guidance_model(pipe, a.guidance_model, model_dir, a.verify)
     if a.scheduler:
         pipe.scheduler = sampler_class(a.scheduler).from_config(pipe.scheduler.config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -182,12 +190,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def save_with_defaults(pipe, sampling: dict, model_dir: str, dest: str) -> None:
     """``pipe`` (its sampler and guide as set) saved to ``dest`` with ``sampling`` as its defaults, like a run's
-    folder: loadable where hf_cgpu is not installed, with the run's class names."""
+    folder: loadable where hf_cgpu is not installed, with the run's class names, staged and sealed by its manifest
+    as a run's final save is (``artifacts.install_model``: ordinary file modes, ``verify`` and ``push`` check it)."""
     interval = sampling["guidance_interval"]
     pipe.register_to_config(num_inference_steps=sampling["num_inference_steps"],
                             guidance_scale=sampling["guidance_scale"],
                             guidance_interval=list(interval) if interval is not None else None)
-    save_for_remote_code(pipe, dest)
+    staging = Path(dest) / STAGING
+    shutil.rmtree(staging, ignore_errors=True)
+    save_for_remote_code(pipe, staging)
     names = Path(model_dir) / "class_names.txt"
     if names.is_file():
-        shutil.copyfile(names, Path(dest) / "class_names.txt")
+        shutil.copyfile(names, staging / "class_names.txt")
+    install_model(staging, Path(dest))

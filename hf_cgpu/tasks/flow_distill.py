@@ -40,7 +40,7 @@ class FlowDistillTask(FlowMatchingTask):
         cfg = self.cfg
         if not cfg.teacher:
             raise SettingsError("pass --teacher DIR, the output_dir of a flow run (hf-cgpu train flow)")
-        check_pipeline_folder(cfg.teacher)
+        check_pipeline_folder(cfg.teacher, cfg.verify, "--teacher")
         diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
         teacher = FlowMatchPipeline.from_pretrained(cfg.teacher)
         unet = teacher.unet
