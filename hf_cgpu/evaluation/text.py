@@ -239,9 +239,10 @@ def parser() -> ArgumentParser:
     p.add_argument("--output_json", default=None, help="also write the figures to this JSON file")
     p.add_argument("--data_format", default="auto", help="auto (instruction columns -> the responses, as the "
                    "fine-tuning run scores them; else text), instruct or text")
-    p.add_argument("--verify", default="auto", choices=VERIFY_MODES, help="what of MODEL_DIR's manifest.json (and an adapter's record of its "
-                   "base) is checked before it is read: auto (the sizes; the SHA-256 too up to 512 MiB; an adapter's "
-                   "base always), sizes, full, or off (a folder edited by hand); see docs/outputs.md")
+    p.add_argument("--verify", default="auto", choices=VERIFY_MODES, help="what of MODEL_DIR's manifest.json (and "
+                   "an adapter's record of its base) is checked before it is read: auto (the sizes; the SHA-256 too up "
+                   "to 512 MiB; an adapter's base always), sizes, full, or off (a folder edited by hand); see "
+                   "docs/outputs.md")
     return p
 
 
