@@ -31,7 +31,7 @@ from .train.outdir import LOCK_NAME, MODEL_FILES
 
 HASH_LIMIT = 512 * 2**20
 """``--verify auto`` checks the SHA-256 of every file of a folder whose files total at most this many bytes (a flow
-pipeline, an adapter, a small GPT: well under a second), only their sizes above it (``--verify full``: always)."""
+pipeline, an adapter, a small GPT), only their sizes above it (``--verify full``: always)."""
 
 
 def folders_to_check(d: Path) -> list[Path]:
