@@ -88,16 +88,18 @@ def check_saved(path: str | os.PathLike, mode: str = "auto", what: str = "") -> 
         if (folder / MANIFEST).is_file() or unsealed(folder):
             print(f"note: --verify off: {label} is read without checking it against its {MANIFEST}", file=sys.stderr)
         return
+    where = label if folder == path else f"{label}: {folder}"  # the folder whose seal is checked, once
     reason = unsealed(folder)
     if reason:
-        raise IntegrityError(f"{label}: {folder} is {reason}; or pass --verify off to read it as it is")
+        raise IntegrityError(f"{where} is {reason}; or pass --verify off to read it as it is")
     if not (folder / MANIFEST).is_file():
         return  # not written by hf_cgpu: nothing to check it against
     try:
         verify_folder(folder, check_hashes=mode != "sizes", hash_limit=HASH_LIMIT if mode == "auto" else None)
     except IntegrityError as err:
-        raise IntegrityError(f"{label}: {err}; `hf-cgpu verify {folder}` checks every file: resume or retrain the run "
-                             "that wrote it, or pass --verify off to read it as it is") from None
+        raise IntegrityError(f"{where}: {str(err).removeprefix(f'{folder}: ')}; `hf-cgpu verify {folder}` checks "
+                             "every file: resume or retrain the run that wrote it, or pass --verify off to read it as "
+                             "it is") from None
 
 
 def check(folder: Path, hashes: bool = True) -> str:
