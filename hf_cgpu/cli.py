@@ -36,8 +36,7 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
-        return 0
+        return run_main(lambda _: print(usage()))
     if argv[0] not in COMMANDS:
         print(f"error: unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)} (hf-cgpu --help)",
               file=sys.stderr)

@@ -21,6 +21,8 @@ from pathlib import Path
 USER_ERROR_EXIT = 2
 INTERRUPTED_EXIT = 130
 """128 + SIGINT: what a shell reports for a process that Ctrl-C stopped."""
+CLOSED_PIPE_EXIT = 141
+"""128 + SIGPIPE: what a shell reports for a process whose reader went away (``... | head -1``)."""
 
 
 class UserError(Exception):
@@ -119,12 +121,32 @@ def require_model(spec: str, what: str = "model folder") -> None:
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
     """Run ``main(argv)``; a ``UserError`` ends in one line on stderr and its exit code (2; Ctrl-C: 130), and so
-    does Ctrl-C anywhere (``HF_CGPU_DEBUG=1``: raise)."""
+    does Ctrl-C anywhere (``HF_CGPU_DEBUG=1``: raise). A reader that closed stdout (``| head``) ends it quietly, as
+    a shell's own tools end, with 141."""
     try:
-        return int(main(argv) or 0)
+        code = int(main(argv) or 0)
+        return code if _flush_stdout() else CLOSED_PIPE_EXIT
+    except BrokenPipeError:
+        _flush_stdout()
+        return CLOSED_PIPE_EXIT
+    except SystemExit:  # argparse's --help, printed into a pipe that may be closed
+        if not _flush_stdout():
+            return CLOSED_PIPE_EXIT
+        raise
     except (UserError, KeyboardInterrupt) as err:
         if os.environ.get("HF_CGPU_DEBUG"):
             raise
         message = str(err) or "interrupted (Ctrl-C)"
         print(f"error: {' '.join(message.split())}", file=sys.stderr)
         return getattr(err, "exit_code", INTERRUPTED_EXIT)
+
+
+def _flush_stdout() -> bool:
+    """Flush stdout now (what is still buffered meets a closed pipe here, not in a traceback at exit); False when its
+    reader went away, and stdout then points at /dev/null, where the interpreter's own flush at exit cannot fail."""
+    try:
+        sys.stdout.flush()
+        return True
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return False

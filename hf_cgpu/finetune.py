@@ -9,6 +9,7 @@ around). A merge that rounds away part of the update (into bf16 weights) says so
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -17,15 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import SettingsError
+from .errors import IntegrityError, SettingsError
 from .gguf import gguf_location
-from .integrity import usual_modes
+from .integrity import sha256_file, usual_modes
 from .paths import gguf_cache
 from .tiers.load import load_base_model
 from .tiers.lora import peft_quiet
 
-__all__ = ["check_base", "load_adapter", "merge_and_save", "merge_base", "merge_rounding", "merged_model",
-           "resolve_base", "save_adapter"]
+__all__ = ["BASE_RECORD", "base_digest", "base_files", "check_base", "check_base_digest", "load_adapter",
+           "merge_and_save", "merge_base", "merge_rounding", "merged_model", "resolve_base", "save_adapter"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -40,6 +41,47 @@ TOKENIZER_FILES = (
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 """The files ``from_pretrained`` takes weights from (an index names shards of these kinds)."""
+BASE_RECORD = "base_model.json"
+"""Beside an adapter: the base it was trained on (``FinetuneTask._record_base``), with ``base_digest``."""
+
+
+def base_files(folder: Path) -> list[str]:
+    """The files of a base folder an adapter depends on: its config.json and weight files (top level)."""
+    return sorted({p.name for pattern in ("config.json", *WEIGHT_PATTERNS) for p in folder.glob(pattern)
+                   if p.is_file()})
+
+
+def base_digest(base: str) -> dict[str, dict[str, Any]] | None:
+    """The size and SHA-256 of each of ``base_files`` of a local base folder (None for a Hub id): what proves at
+    load time that the base is the one the adapter was trained on. Hashing reads the base once (seconds for a
+    billion-parameter base): a run does it in a background thread while the base loads."""
+    folder = Path(base).expanduser()
+    if not folder.is_dir():
+        return None
+    return {name: {"size": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)}
+            for name in base_files(folder)}
+
+
+def check_base_digest(adapter_dir: Path, base: str, verify: str = "auto") -> None:
+    """The local base folder ``base`` holds the files ``adapter_dir`` recorded (``base_digest``): the same names and
+    sizes, and (``verify`` auto or full) the same SHA-256; a one-line ``IntegrityError`` naming the base and the
+    files that differ otherwise. An adapter saved without a record (or a Hub base) is not checked."""
+    record = Path(adapter_dir) / BASE_RECORD
+    recorded = json.loads(record.read_text()).get("base_digest") if record.is_file() else None
+    folder = Path(base).expanduser()
+    if not recorded or verify == "off" or not folder.is_dir():
+        return
+    now = base_files(folder)
+    differ = [f"{name} {'added' if name in now else 'gone'}" for name in sorted(set(now) ^ set(recorded))]
+    differ += [f"{name} {(folder / name).stat().st_size} bytes, trained on {recorded[name]['size']}"
+               for name in sorted(set(now) & set(recorded)) if (folder / name).stat().st_size != recorded[name]["size"]]
+    if not differ and verify != "sizes":
+        differ = [f"{name} has other contents (SHA-256)" for name in sorted(recorded)
+                  if sha256_file(folder / name) != recorded[name]["sha256"]]
+    if differ:
+        raise IntegrityError(f"the base {folder} changed after {adapter_dir} was trained on it: {'; '.join(differ)}; "
+                             "restore the base it was trained on (or train the adapter again), or pass --verify off "
+                             "to use it anyway")
 
 
 def check_base(model: str, gguf_file: str = "") -> None:

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .data.tokenizer import check_vocab
 from .errors import MissingPathError, SettingsError, UserError, about, require_model
-from .finetune import TOKENIZER_FILES, load_adapter, resolve_base
+from .finetune import BASE_RECORD, TOKENIZER_FILES, check_base_digest, load_adapter, resolve_base
 from .gguf import gguf_location
 from .hub.checks import check_hub_model
 from .models import cgpt
+from .options import VERIFY_MODES, check_choice
 from .settings import build_parser
+from .verify import check_saved
 
 
 def continue_texts(
@@ -89,6 +91,10 @@ class GenerateSettings:
     chat: str = "auto"
     """auto: a tokenizer with a chat template (an instruction model, a chat fine-tune) gets each prompt as a user
     turn and prints the answer; true: require the template; false: continue the raw text."""
+    verify: str = field(default="auto", metadata={"choices": lambda: VERIFY_MODES})
+    """What of MODEL_DIR's manifest.json (and an adapter's record of its base) is checked before it is read: auto
+    (the sizes; the SHA-256 too up to 512 MiB; an adapter's base always), sizes, full, or off (a folder edited by
+    hand); see docs/outputs.md."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -98,6 +104,7 @@ class GenerateSettings:
                                 f"{self.temperature}, {self.top_k}, {self.top_p}); --greedy decodes without sampling")
         if self.chat not in ("auto", "true", "false"):
             raise SettingsError(f"--chat {self.chat!r}: choose auto, true or false")
+        check_choice("verify", self.verify, VERIFY_MODES)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = vars(parser.parse_args(argv))
     model_dir, prompts = ns.pop("model_dir"), ns.pop("prompt")
     s = GenerateSettings(**{k: v for k, v in ns.items() if v is not None})
-    tok, model = load_causal_lm(model_dir, s.trust_remote_code, gguf_file=s.gguf_file)
+    tok, model = load_causal_lm(model_dir, s.trust_remote_code, gguf_file=s.gguf_file, verify=s.verify)
     templated = bool(getattr(tok, "chat_template", None))
     if s.chat == "true" and not templated:
         raise SettingsError(f"--chat true: the tokenizer of {model_dir} has no chat template; use --chat false")
@@ -130,11 +137,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch.dtype | None = None,
-                   gguf_file: str = ""):
+                   gguf_file: str = "", verify: str = "auto"):
     """(tokenizer, model) of a causal LM folder, a LoRA/QLoRA run's adapter folder (its base + the adapter, through
     peft), a GGUF checkpoint (a .gguf file, or a folder/Hub id with ``gguf_file``: its de-quantised copy, as
-    ``finetune.resolve_base`` makes for fine-tuning) or a Hub id; what is not one ends in a one-line ``UserError``."""
+    ``finetune.resolve_base`` makes for fine-tuning) or a Hub id; what is not one ends in a one-line ``UserError``.
+    A folder hf_cgpu wrote passes its manifest first, an adapter's base its record (``verify``)."""
     require_model(model_dir)
+    check_saved(model_dir, verify)
     if gguf_location(model_dir, gguf_file) is not None:
         if not Path(model_dir).expanduser().exists():
             check_hub_model(model_dir, filename=gguf_file)
@@ -147,7 +156,7 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch
             raise SettingsError(f"{model_dir} is a FlowMatchPipeline (model_index.json), not a language model; "
                                 f"use `hf-cgpu sample {model_dir}`")
         if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-            base = adapter_base(path)
+            base = adapter_base(path, verify)
         elif not (path / "config.json").is_file():
             raise MissingPathError(f"{model_dir} holds no config.json; pass a trained run's output_dir (or its "
                                    "best/ or merged/ folder)")
@@ -181,18 +190,21 @@ def load_causal_lm(model_dir: str, trust_remote_code: bool = False, dtype: torch
     return tok, model
 
 
-def adapter_base(path: Path) -> str:
+def adapter_base(path: Path, verify: str = "auto") -> str:
     """The base model of an adapter folder: ``adapter_config.json``'s ``base_model_name_or_path``, checked to exist
     (a local folder) or to answer (a Hub id). A GGUF base whose de-quantised copy was deleted from the cache is
     de-quantised again from the GGUF file the run recorded (``base_model.json``). The adapter is applied to the
-    unquantised base, also for a QLoRA run (trained against its 4-bit copy), as ``PeftModel.from_pretrained`` does."""
+    unquantised base, also for a QLoRA run (trained against its 4-bit copy), as ``PeftModel.from_pretrained`` does.
+    A local base must be the one the adapter was trained on (``finetune.check_base_digest``, by ``verify``: under
+    auto its files are hashed whatever their size, since same-shaped weights written over it keep every size) and
+    pass its own manifest where it is a folder hf_cgpu wrote."""
     import json
 
     try:
         base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise SettingsError(f"{path / 'adapter_config.json'} is not valid JSON: re-save the adapter") from None
-    recorded = path / "base_model.json"
+    recorded = path / BASE_RECORD
     if base and not Path(base).exists() and recorded.is_file():
         gguf = json.loads(recorded.read_text()).get("gguf_file") or ""
         if gguf and Path(gguf).is_file():
@@ -205,4 +217,6 @@ def adapter_base(path: Path) -> str:
             raise MissingPathError(f"the adapter's base model {base} is gone: restore it or set "
                                    f"base_model_name_or_path in {path / 'adapter_config.json'}")
         check_hub_model(base, "base model")
+    check_saved(base, verify, "the adapter's base")
+    check_base_digest(path, base, verify)
     return base

@@ -29,7 +29,9 @@ from .finetune import merged_model
 from .generate import adapter_base
 from .hub.push import GGUF_DIR
 from .integrity import FileEntry, Manifest, atomic_output, read_manifest, sha256_file, write_manifest
+from .options import VERIFY_MODES, check_choice
 from .settings import build_parser
+from .verify import check_saved
 
 OUTTYPES = {"bf16": ("BF16", "MOSTLY_BF16", 0.05), "f16": ("F16", "MOSTLY_F16", 0.02),
             "q8_0": ("Q8_0", "MOSTLY_Q8_0", 0.1)}
@@ -65,25 +67,32 @@ class ExportSettings:
     bit for bit, the config and chat template the same, the logits close; otherwise nothing is written (exit 2)."""
     trust_remote_code: bool = False
     """Allow the base model's own code from its repository."""
+    verify: str = field(default="auto", metadata={"choices": lambda: VERIFY_MODES})
+    """What of MODEL_DIR's manifest.json (and an adapter's record of its base) is checked before it is read: auto
+    (the sizes; the SHA-256 too up to 512 MiB; an adapter's base always), sizes, full, or off (a folder edited by
+    hand); see docs/outputs.md."""
 
     def __post_init__(self) -> None:
+        check_choice("verify", self.verify, VERIFY_MODES)
         if self.outtype not in OUTTYPES:
             raise SettingsError(f"--outtype {self.outtype!r}: choose {', '.join(OUTTYPES)}")
         if self.output and not self.output.endswith(".gguf"):
             raise SettingsError(f"--output {self.output}: name a .gguf file")
 
 
-def load_for_export(folder: Path, trust_remote_code: bool = False):
+def load_for_export(folder: Path, trust_remote_code: bool = False, verify: str = "auto"):
     """(model in fp32, the folder holding its tokenizer) of a model folder, or of an adapter folder merged in fp32
     into its base (a QLoRA adapter into its de-quantised nf4 weights, ``finetune.merge_base``). An architecture
-    outside ``ARCHITECTURES`` is refused before any weight is read."""
+    outside ``ARCHITECTURES`` is refused before any weight is read, and so is a folder (or an adapter's base) that
+    fails its manifest (``verify``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_saved(folder, verify)
     adapter = (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file()
     if not adapter and not (folder / "config.json").is_file():
         raise MissingPathError(f"{folder} holds no config.json or adapter_config.json; pass a fine-tuning run's "
                                "output_dir, its merged/ folder or a model folder")
-    source = adapter_base(folder) if adapter else str(folder)
+    source = adapter_base(folder, verify) if adapter else str(folder)
     check_architecture(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code), folder)
     if not adapter:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
@@ -378,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         import gguf  # noqa: F401
     except ImportError:
         raise SettingsError("GGUF export needs the gguf package: pip install gguf") from None
-    model, tokenizer_dir = load_for_export(folder, s.trust_remote_code)
+    model, tokenizer_dir = load_for_export(folder, s.trust_remote_code, s.verify)
     name = folder.resolve().name
     path = Path(s.output).expanduser() if s.output else folder / GGUF_DIR / f"{name}-{s.outtype}.gguf"
     c = write_gguf(model, tokenizer_dir, path, s.outtype, name, check=s.check)

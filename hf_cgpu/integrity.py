@@ -235,11 +235,31 @@ class Manifest:
         kind, files = data.pop("kind", "checkpoint"), data.pop("files")
         if fmt < MANIFEST_FORMAT or not all(isinstance(v, dict) and "sha256" in v for v in files.values()):
             raise ValueError("no checksums (written before hf_cgpu recorded them)")
+        for rel in files:
+            if not plain_relative(rel):
+                raise ValueError(f"it lists {rel!r}, a path outside the folder (absolute, or through '..')")
         return cls(kind, {k: FileEntry(int(v["size"]), str(v["sha256"])) for k, v in files.items()}, data, fmt)
 
     @property
     def total_bytes(self) -> int:
         return sum(e.size for e in self.files.values())
+
+
+def plain_relative(rel: str) -> bool:
+    """``rel`` names a place inside a folder: relative, posix, without ``..`` or an empty part (what
+    ``regular_files`` gives; a manifest that lists anything else was not written by hf_cgpu)."""
+    return not rel.startswith("/") and "\0" not in rel and not any(part in ("", ".", "..") for part in rel.split("/"))
+
+
+def check_inside(folder: Path, names) -> None:
+    """Every one of ``names`` lies inside ``folder`` once its parent folders are resolved (a linked folder may point
+    anywhere); a file that is itself a link is left to the caller, which treats it as missing or unlinks only it."""
+    root = folder.resolve()
+    for rel in names:
+        if not plain_relative(rel) or not (folder / rel).parent.resolve().is_relative_to(root):
+            raise IntegrityError(f"{folder}: {MANIFEST} lists {rel}, a path outside the folder (through a linked "
+                                 "folder, '..' or an absolute path); hf_cgpu did not write it so: save the folder "
+                                 "again (resume or retrain the run that wrote it)")
 
 
 def regular_files(folder: Path, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -306,16 +326,21 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     if not path.is_file():
         raise IntegrityError(f"{folder}: no {MANIFEST} (the write was cut off, or the folder predates manifests)")
     try:
-        return Manifest.from_json(path.read_text(encoding="utf-8"))
+        manifest = Manifest.from_json(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError, TypeError, KeyError) as err:
-        raise IntegrityError(f"{folder}: unreadable {MANIFEST} ({err})") from None
+        raise IntegrityError(f"{folder}: unreadable {MANIFEST} ({err}); hf_cgpu did not write it so: save the folder "
+                             "again (resume or retrain the run that wrote it)") from None
+    check_inside(folder, manifest.files)
+    return manifest
 
 
-def verify_folder(folder: str | os.PathLike, check_hashes: bool = True) -> Manifest:
-    """Every file the manifest lists is present, a regular file, of its size and (``check_hashes``) its SHA-256;
-    raise ``IntegrityError`` naming the first that is not. Files the manifest does not list are ignored."""
+def verify_folder(folder: str | os.PathLike, check_hashes: bool = True, hash_limit: int | None = None) -> Manifest:
+    """Every file the manifest lists is present, a regular file, of its size and (``check_hashes``, and the files
+    total at most ``hash_limit`` bytes where one is given) its SHA-256; raise ``IntegrityError`` naming the first that
+    is not. Files the manifest does not list are ignored."""
     folder = Path(folder)
     manifest = read_manifest(folder)
+    check_hashes = check_hashes and (hash_limit is None or manifest.total_bytes <= hash_limit)
     for rel, entry in manifest.files.items():
         p = folder / rel
         if p.is_symlink() or not p.is_file():
@@ -352,7 +377,9 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "build_manifest",
+    "check_inside",
     "fsync_dir",
+    "plain_relative",
     "read_manifest",
     "regular_files",
     "remove_stale_temporaries",

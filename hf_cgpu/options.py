@@ -31,6 +31,9 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "flex_attention", "eager")
 """Attention kernels a GPT run may train with (transformers' ``ALL_ATTENTION_FUNCTIONS``)."""
 TIME_SAMPLINGS = ("uniform", "logit_normal")
 """Training-time distributions of flow matching (``hf_cgpu.flow.matching.FlowMatcher``)."""
+VERIFY_MODES = ("auto", "sizes", "full", "off")
+"""What a command that reads a saved folder checks of its manifest first (``hf_cgpu.verify.check_saved``): auto (the
+sizes, and the SHA-256 too for a folder of at most ``verify.HASH_LIMIT`` bytes), sizes, full (every SHA-256) or off."""
 
 
 def check_choice(name: str, value: str, allowed: Sequence[str], hint: str = "") -> None:
@@ -53,5 +56,5 @@ def check_tier(tier: str, train_mode: str = "") -> None:
 
 
 __all__ = ["ADAPTER_TIERS", "ATTN_IMPLEMENTATIONS", "COMPILE_MODES", "CUDA_GRAPH_MODES", "DATA_ORDERS",
-           "MIXED_PRECISIONS", "RECOMPUTE_POLICIES", "TIERS", "TIME_SAMPLINGS", "TRAIN_MODES", "check_choice",
-           "check_tier"]
+           "MIXED_PRECISIONS", "RECOMPUTE_POLICIES", "TIERS", "TIME_SAMPLINGS", "TRAIN_MODES", "VERIFY_MODES",
+           "check_choice", "check_tier"]

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from hf_cgpu import FlowMatchPipeline
 from hf_cgpu.cli import main as cli_main
 from hf_cgpu.flow.scheduling_flow_match import FlowMatchEulerScheduler
+from hf_cgpu.integrity import update_manifest
 from hf_cgpu.train.checkpoint import list_checkpoints
 
 
@@ -90,15 +91,21 @@ def test_resume_from_mid_run_checkpoint_is_bit_identical(runs, synthetic_data, t
 
 
 def test_a_resume_after_the_teacher_changed_is_refused(runs, synthetic_data, tmp_path, capsys):
-    """Same --teacher path, other weights (the folder retrained in place): the fingerprint's teacher hash refuses it."""
+    """Same --teacher path, other weights: written over its sealed file, the teacher's manifest refuses it; retrained
+    in place (sealed again), the fingerprint's teacher hash does."""
     teacher, student = tmp_path / "teacher", tmp_path / "student"
     shutil.copytree(runs / "teacher", teacher)
     common = ["--teacher", str(teacher), "--dataset", str(synthetic_data)]
     _train("flow-distill", student, *common, "--max_steps", "2", "--checkpointing_steps", "2")
     unet = teacher / "unet" / "diffusion_pytorch_model.safetensors"
     save_file({k: v + 1e-3 for k, v in load_file(str(unet)).items()}, str(unet))
-    rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(student), "--progress", "false",
-                   *common, "--max_steps", "4", "--resume_from_checkpoint", "latest"])
+    resume = ["train", "flow-distill", "--preset", "tiny", "--output_dir", str(student), "--progress", "false",
+              *common, "--max_steps", "4", "--resume_from_checkpoint", "latest"]
+    rc = cli_main(resume)
+    err = capsys.readouterr().err
+    assert rc == 2 and "--teacher" in err and "unet/diffusion_pytorch_model.safetensors" in err, err
+    update_manifest(teacher, ["unet/diffusion_pytorch_model.safetensors"])
+    rc = cli_main(resume)
     err = capsys.readouterr().err
     assert rc == 2 and "teacher_weights" in err and len(err.strip().splitlines()) == 1, err
     assert "(--" not in err  # a content hash: no flag sets it, so none is suggested

@@ -37,8 +37,10 @@ from ..integrity import atomic_output, atomic_write_text
 from ..flow.sample import check_guidance_interval, image_grid, load_pipeline_folder, saved_sampling
 from ..flow.samplers import (SAMPLERS, check_sampler, format_interval, parse_interval, sampler_class, sampler_names,
                              steps_within)
+from ..options import VERIFY_MODES, check_choice
 from ..paths import feature_cache, image_cache
 from ..settings import SettingsError, build_parser
+from ..verify import check_saved
 from .classifier import file_hash, load_classifier
 from .images import (class_statistics, feature_statistics, frechet_distance, image_features, inception_fid,
                      kth_neighbour_radii, precision_recall)
@@ -117,8 +119,12 @@ class ImageEvalSettings:
     """Cache of real-image features (default $HF_CGPU_CACHE/features, else ~/.cache/hf_cgpu/features)."""
     progress: bool = True
     """Show a progress bar."""
+    verify: str = field(default="auto", metadata={"choices": lambda: VERIFY_MODES})
+    """What of RUN_DIR's (the classifier's, a guidance model's) manifest.json is checked before it is read: auto (the
+    sizes; the SHA-256 too up to 512 MiB), sizes, full, or off (a folder edited by hand); see docs/outputs.md."""
 
     def __post_init__(self) -> None:
+        check_choice("verify", self.verify, VERIFY_MODES)
         if self.scheduler:
             check_sampler(self.scheduler)
         if self.guidance_interval:
@@ -381,11 +387,13 @@ def weak_judge_warning(classifier_dir: str | Path, measured: float | None) -> st
             f"--dataset DATA --output_dir DIR on a GPU and pass --classifier DIR")
 
 
-def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device, guidance_model: str = ""):
+def load_pipeline(run_dir: Path, raw_weights: Path | None, device: torch.device, guidance_model: str = "",
+                  verify: str = "auto"):
     """The folder's pipeline on ``device``, with ``raw_weights`` in its UNet when given and the autoguidance model
-    ``guidance_model`` (``hf_cgpu.flow.guide``; '' = as saved, none = off)."""
-    pipe = load_pipeline_folder(str(run_dir))
-    set_guidance_model(pipe, guidance_model, run_dir)  # before the raw weights: the guide copies the saved UNet
+    ``guidance_model`` (``hf_cgpu.flow.guide``; '' = as saved, none = off), whose folder passes its manifest
+    (``verify``)."""
+    pipe = load_pipeline_folder(str(run_dir), verify)
+    set_guidance_model(pipe, guidance_model, run_dir, verify)  # before the raw weights: the guide copies the saved UNet
     if raw_weights is not None:
         pipe.unet.load_state_dict(load_weights_file(raw_weights), strict=True)
     pipe.to(device)
@@ -537,6 +545,7 @@ def sampler_settings(pipe, s: ImageEvalSettings) -> list[Setting]:
 
 def _main(argv: list[str] | None) -> int:
     run_dir, s = parse(list(argv or []))
+    check_saved(run_dir, s.verify)
     if not (run_dir / "model_index.json").is_file():
         raise SettingsError(f"{run_dir} holds no model_index.json; pass the output_dir of recipes/train_flow.py")
     if not s.classifier:
@@ -546,10 +555,13 @@ def _main(argv: list[str] | None) -> int:
     if _looks_local(s.dataset) and not Path(s.dataset).expanduser().exists():
         load_real_images(s)  # raises the one-line error before anything slow runs
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_saved(s.classifier, s.verify, "--classifier")
     classifier = load_classifier(s.classifier, device)
     variants, notes = weights_to_score(run_dir, s)
+    for raw in filter(None, variants.values()):  # the raw weights: the last checkpoint's
+        check_saved(raw, s.verify, "the raw weights")
     first = next(iter(variants))
-    pipe = load_pipeline(run_dir, variants[first], device, s.guidance_model)
+    pipe = load_pipeline(run_dir, variants[first], device, s.guidance_model, s.verify)
     grid = sampler_settings(pipe, s)  # checked before the real features are computed
     out_dir = Path(s.output_dir or run_dir / "eval")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -579,7 +591,7 @@ def _main(argv: list[str] | None) -> int:
     rows = []
     for name, raw in variants.items():
         if name != first:
-            pipe = load_pipeline(run_dir, raw, device, s.guidance_model)
+            pipe = load_pipeline(run_dir, raw, device, s.guidance_model, s.verify)
         for sched, steps, scale, interval in grid:
             row = evaluate_pipeline(pipe, classifier, real, s.num_images, sched, steps, scale, s.batch_size, s.seed,
                                     s.nearest_k, s.mixed_precision, s.progress,

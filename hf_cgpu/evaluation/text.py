@@ -27,6 +27,7 @@ from ..data.windows import document_position_ids, eval_windows
 from ..errors import ArgumentParser, about, run_main
 from ..generate import load_causal_lm
 from ..models.causal_lm_loss import causal_lm_loss_from_hidden, unwrap_model
+from ..options import VERIFY_MODES
 from ..settings import SettingsError
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, shifted targets) -> mean loss
@@ -160,6 +161,7 @@ def evaluate_language_model(
     trust_remote_code: bool = False,
     progress: bool = True,
     data_format: str = "auto",
+    verify: str = "auto",
 ) -> dict:
     """Load ``model_dir`` (a folder, an adapter folder or a Hub id) and its tokenizer, score ``split`` of ``dataset``:
     a text stream (``score_stream``), or instruction rows (messages, instruction/output or prompt/response columns,
@@ -176,7 +178,7 @@ def evaluate_language_model(
         raise SettingsError(f"--device {device}: this machine has no CUDA GPU; use --device cpu (or auto)")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    tokenizer, model = load_causal_lm(model_dir, trust_remote_code, dtype)
+    tokenizer, model = load_causal_lm(model_dir, trust_remote_code, dtype, verify=verify)
     model.to(dev).eval()
     context = _context_length(model.config)
     seq_len = seq_len or min(context or 1024, 2048)
@@ -237,13 +239,18 @@ def parser() -> ArgumentParser:
     p.add_argument("--output_json", default=None, help="also write the figures to this JSON file")
     p.add_argument("--data_format", default="auto", help="auto (instruction columns -> the responses, as the "
                    "fine-tuning run scores them; else text), instruct or text")
+    p.add_argument("--verify", default="auto", choices=VERIFY_MODES, help="what of MODEL_DIR's manifest.json (and "
+                   "an adapter's record of its base) is checked before it is read: auto (the sizes; the SHA-256 too up "
+                   "to 512 MiB; an adapter's base always), sizes, full, or off (a folder edited by hand); see "
+                   "docs/outputs.md")
     return p
 
 
 def _main(argv: list[str] | None) -> int:
     a = parser().parse_args(argv)
     out = evaluate_language_model(a.model_dir, a.dataset, a.split, a.text_column, a.seq_len, a.batch_size,
-                                  a.max_windows, a.device, a.cache_dir, a.trust_remote_code, data_format=a.data_format)
+                                  a.max_windows, a.device, a.cache_dir, a.trust_remote_code, data_format=a.data_format,
+                                  verify=a.verify)
     text = json.dumps(out, indent=2)
     if a.output_json:
         Path(a.output_json).write_text(text + "\n")

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from ..errors import CheckpointError, MissingPathError, SettingsError, UserError
 from ..train.checkpoint import list_checkpoints, read_trainer_state
+from ..verify import check_saved
 
 GUIDE_SOURCES = ("raw, a checkpoint folder (RUN/checkpoints/step_N) or one of its .safetensors files, a pipeline "
                  "folder or a UNet folder")
@@ -120,19 +121,22 @@ def copy_with_weights(model: torch.nn.Module, source: str | Path, flag: str = "-
     return weak.eval().requires_grad_(False)
 
 
-def guidance_model(spec: str, run_dir: str | Path, unet) -> tuple[torch.nn.Module, str]:
+def guidance_model(spec: str, run_dir: str | Path, unet, verify: str = "auto") -> tuple[torch.nn.Module, str]:
     """(the weak UNet, its name for ``config.guidance_model``) of ``spec`` (see the module docstring); ``run_dir`` is
-    the pipeline folder ``raw`` refers to, ``unet`` the pipeline's own UNet (the weak one gets its architecture)."""
+    the pipeline folder ``raw`` refers to, ``unet`` the pipeline's own UNet (the weak one gets its architecture).
+    The folder it is read from passes its manifest first (``verify.check_saved`` by ``verify``)."""
     if spec == "raw":
         variants, notes = weight_variants(Path(run_dir))
         if not variants.get("raw"):
             why = (notes[0] if notes else f"{run_dir} saved its live weights, not an EMA: raw is the model itself"
                    if "raw" in variants else f"{run_dir} is no run folder (no all_results.json)")
             raise SettingsError(f"--guidance_model raw: {why}; pass an earlier checkpoint (RUN/checkpoints/step_N)")
+        check_saved(variants["raw"], verify, "--guidance_model raw")
         return copy_with_weights(unet, variants["raw"]), f"raw ({variants['raw'].parent.name})"
     path = Path(spec).expanduser()
     if not path.exists():
         raise MissingPathError(f"--guidance_model {spec} does not exist; pass {GUIDE_SOURCES}")
+    check_saved(path, verify, "--guidance_model")
     folder = path / "unet" if (path / "model_index.json").is_file() else path
     if folder.is_dir() and (folder / "config.json").is_file():
         check_unet_config(folder / "config.json", type(unet).__name__, f"--guidance_model {spec}")
@@ -155,15 +159,15 @@ def check_unet_config(config: Path, class_name: str, what: str) -> None:
         raise SettingsError(f"{what} holds {kind}, not a {class_name}; pass {GUIDE_SOURCES} of a flow run")
 
 
-def set_guidance_model(pipe, spec: str, run_dir: str | Path) -> None:
+def set_guidance_model(pipe, spec: str, run_dir: str | Path, verify: str = "auto") -> None:
     """Autoguidance for ``pipe`` with ``spec`` ('' leaves the pipeline as loaded, 'none' turns a saved guide off);
-    a guide that does not match the UNet is a one-line error."""
+    a guide that does not match the UNet, or whose folder fails its manifest (``verify``), is a one-line error."""
     if not spec:
         return
     if spec == "none":
         pipe.set_guidance_model(None)
         return
-    weak, name = guidance_model(spec, run_dir, pipe.unet)
+    weak, name = guidance_model(spec, run_dir, pipe.unet, verify)
     try:
         pipe.set_guidance_model(weak, name)
     except ValueError as err:

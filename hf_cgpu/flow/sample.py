@@ -17,7 +17,10 @@ from safetensors import SafetensorError
 from ..errors import MissingPathError, SettingsError, UserError, about, require_model
 from ..hub.checks import check_hub_model
 from ..integrity import atomic_dir, atomic_output
+from ..options import VERIFY_MODES
 from ..settings import build_parser
+from ..train.artifacts import STAGING, install_model
+from ..verify import check_saved
 from .guide import check_guide_used, safetensors_only, set_guidance_model, unreadable
 from .pipeline_flow_match import FlowMatchPipeline, save_for_remote_code
 from .samplers import check_sampler, parse_interval, sampler_class, sampler_names
@@ -88,6 +91,9 @@ class SampleSettings:
     """Seed of the starting noise."""
     output_dir: str = ""
     """Where the PNGs go; empty = MODEL_DIR/samples_cli."""
+    verify: str = field(default="auto", metadata={"choices": lambda: VERIFY_MODES})
+    """What of MODEL_DIR's (and a guidance model folder's) manifest.json is checked before it is read: auto (the
+    sizes; the SHA-256 too up to 512 MiB), sizes, full, or off (a folder edited by hand); see docs/outputs.md."""
 
     def __post_init__(self) -> None:
         if self.scheduler:
@@ -133,9 +139,11 @@ def check_guidance_interval(pipe, sampling: dict, flags: tuple[str, str] = ("--g
         raise SettingsError(str(err)) from None
 
 
-def check_pipeline_folder(model_dir: str) -> None:
-    """A saved FlowMatchPipeline folder, or a one-line error naming what it is instead."""
+def check_pipeline_folder(model_dir: str, verify: str = "auto", what: str = "") -> None:
+    """A saved FlowMatchPipeline folder that passes its manifest (``verify.check_saved``), or a one-line error
+    naming what it is instead."""
     require_model(model_dir, "pipeline folder")
+    check_saved(model_dir, verify, what)
     d = Path(model_dir)
     if not d.is_dir():
         check_hub_model(model_dir, "pipeline", filename="model_index.json")
@@ -176,10 +184,13 @@ def check_pipeline_files(folder: Path, what: str) -> None:
         safetensors_only(folder / component, f"{what}/{component}")
 
 
-def load_pipeline_folder(model_dir: str) -> FlowMatchPipeline:
-    """The FlowMatchPipeline saved in ``model_dir`` (a folder or a Hub id), loaded quietly, without running any of
-    the folder's code or unpickling any file; what does not load is one line naming the fix."""
-    check_pipeline_folder(model_dir)
+def load_pipeline_folder(model_dir: str, verify: str = "auto", what: str = "", checked: bool = False
+                         ) -> FlowMatchPipeline:
+    """The FlowMatchPipeline saved in ``model_dir`` (a folder or a Hub id), its manifest checked (``verify``, unless
+    ``checked`` already), loaded quietly, without running any of the folder's code or unpickling any file; what does
+    not load is one line naming the fix (``what`` names the folder there)."""
+    if not checked:
+        check_pipeline_folder(model_dir, verify, what)
     diffusers_logging.disable_progress_bar()  # "Loading pipeline components" would sit above a one-line error
     if Path(model_dir).is_dir():
         folder = Path(model_dir)
@@ -209,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ns.pop("model_dir")
     a = SampleSettings(**{k: v for k, v in ns.items() if v is not None})
     sampler = sampler_class(a.scheduler) if a.scheduler else None
-    check_pipeline_folder(model_dir)  # before the --save_pipeline checks, which name MODEL_DIR
+    check_pipeline_folder(model_dir, a.verify)  # before the --save_pipeline checks, which name MODEL_DIR
     if a.save_pipeline and Path(a.save_pipeline).resolve() == Path(model_dir).resolve():
         raise SettingsError(f"--save_pipeline {a.save_pipeline} is MODEL_DIR itself; name a new folder (the run's "
                             "own stays as it was saved and sealed)")
@@ -221,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             not saved.is_dir() or any(saved.iterdir())):
         raise SettingsError(f"--save_pipeline {a.save_pipeline} holds other files, which the saved pipeline would "
                             "replace; name a new or empty folder (an earlier saved pipeline is replaced whole)")
-    pipe = load_pipeline_folder(model_dir)
-    set_guidance_model(pipe, a.guidance_model, model_dir)
+    pipe = load_pipeline_folder(model_dir, checked=True)
+    set_guidance_model(pipe, a.guidance_model, model_dir, a.verify)
     if sampler is not None:
         pipe.scheduler = sampler.from_config(pipe.scheduler.config)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -257,14 +268,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def save_with_defaults(pipe, sampling: dict, model_dir: str, dest: str) -> None:
     """``pipe`` (its sampler and guide as set) saved to ``dest`` with ``sampling`` as its defaults, like a run's
-    folder: loadable where hf_cgpu is not installed, with the run's class names. Written into a new folder that
-    then replaces ``dest`` whole, so no file of the save goes through a link left in ``dest``."""
+    folder: loadable where hf_cgpu is not installed, with the run's class names, staged and sealed by its manifest
+    as a run's final save is (``artifacts.install_model``: ordinary file modes, ``verify`` and ``push`` check it).
+    Written into a new folder that then replaces ``dest`` whole, so no file of the save goes through a link left in
+    ``dest``."""
     interval = sampling["guidance_interval"]
     pipe.register_to_config(num_inference_steps=sampling["num_inference_steps"],
                             guidance_scale=sampling["guidance_scale"],
                             guidance_interval=list(interval) if interval is not None else None)
     with atomic_dir(dest) as tmp:
-        save_for_remote_code(pipe, tmp)
+        staging = tmp / STAGING
+        save_for_remote_code(pipe, staging)
         names = Path(model_dir) / "class_names.txt"
         if names.is_file():
-            shutil.copyfile(names, tmp / "class_names.txt")
+            shutil.copyfile(names, staging / "class_names.txt")
+        install_model(staging, tmp)

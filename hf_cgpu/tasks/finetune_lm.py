@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,14 @@ from ..data.packing import pack_dataset
 from ..data.tokenizer import no_eos_message, tokenizer_hash
 from ..errors import DataError, SettingsError, require_model
 from ..evaluation.text import score_rows
-from ..finetune import check_base, merge_and_save, resolve_base, save_adapter
+from ..finetune import BASE_RECORD, base_digest, check_base, merge_and_save, resolve_base, save_adapter
 from ..hub.checks import check_dataset, check_hub_model
 from ..models.causal_lm_loss import causal_lm_loss_from_hidden
 from ..options import ADAPTER_TIERS
 from ..settings import TrainSettings
 from ..tiers.load import count_parameters, load_base_model
 from ..train import SampleOrder, TaskPlan
+from ..verify import check_saved
 from .packed import PackedTokensTask
 from .settings import FinetuneSettings
 
@@ -44,12 +46,18 @@ class FinetuneTask(PackedTokensTask):
             accelerator.print(f"note: --merge folds an adapter into its base; tier {settings.tier} trains every "
                               "weight, so the saved model is already whole (no merged/ folder)")
         require_model(cfg.model, "base model")
+        check_saved(cfg.model, cfg.verify, "--model")
         check_base(cfg.model, cfg.gguf_file)
         if not Path(cfg.model).expanduser().exists():
             check_hub_model(cfg.model, "base model", filename=cfg.gguf_file or "config.json")
         check_dataset(cfg.dataset)
         with accelerator.main_process_first():
             self.base, self.base_info = resolve_base(cfg.model, cfg.gguf_file)
+        self.base_digest = None  # what the adapter records of its base, hashed while the base loads
+        if settings.tier in ADAPTER_TIERS and accelerator.is_main_process:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="hf_cgpu-base-digest")
+            self.base_digest = pool.submit(base_digest, self.base)
+            pool.shutdown(wait=False)
         self.tokenizer = AutoTokenizer.from_pretrained(self.base, trust_remote_code=cfg.trust_remote_code)
         if self.tokenizer.eos_token_id is None:  # which file lost it, else that documents could not be separated
             raise DataError(no_eos_message(self.tokenizer, f"tokenizer of {cfg.model}"))
@@ -182,14 +190,16 @@ class FinetuneTask(PackedTokensTask):
     def _record_base(self, folder: Path) -> None:
         """adapter_config.json names the folder the base loads from (the de-quantised GGUF, say), and the card
         reads ``base_model`` (the Hub id given, else --model) from ``base_model.json``, which also records the tier (a
-        QLoRA adapter is merged into the de-quantised nf4 weights it was trained against)."""
+        QLoRA adapter is merged into the de-quantised nf4 weights it was trained against) and the base's digest
+        (``finetune.base_digest``: loading the adapter checks it)."""
         path = folder / "adapter_config.json"
         config = json.loads(path.read_text())
         config["base_model_name_or_path"] = self.base
         path.write_text(json.dumps(config, indent=2))
-        (folder / "base_model.json").write_text(json.dumps(
+        digest = self.base_digest.result() if self.base_digest is not None else base_digest(self.base)
+        (folder / BASE_RECORD).write_text(json.dumps(
             {"base_model": self.cfg.base_model_name or self.cfg.model, "load_from": self.base, **self.base_info,
-             "tier": self.settings.tier},
+             "tier": self.settings.tier, "base_digest": digest},
             indent=2))
 
     def save_best(self, model, folder: Path) -> None:

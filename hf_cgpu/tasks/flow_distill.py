@@ -40,7 +40,7 @@ class FlowDistillTask(FlowMatchingTask):
         cfg = self.cfg
         if not cfg.teacher:
             raise SettingsError("pass --teacher DIR, the output_dir of a flow run (hf-cgpu train flow)")
-        teacher = load_pipeline_folder(cfg.teacher)
+        teacher = load_pipeline_folder(cfg.teacher, cfg.verify, "--teacher")
         unet = teacher.unet
         if getattr(unet.config, "step_size_embedding", False):
             raise SettingsError(f"{cfg.teacher} is already a distilled pipeline; pass the flow run it came from")

@@ -14,7 +14,7 @@ from ..errors import SettingsError
 from ..flow.samplers import check_sampler, parse_interval, sampler_names
 from ..models import cgpt
 from ..models.cgpt.options_cgpt import CgptOptions
-from ..options import ATTN_IMPLEMENTATIONS, DATA_ORDERS, TIME_SAMPLINGS, check_choice
+from ..options import ATTN_IMPLEMENTATIONS, DATA_ORDERS, TIME_SAMPLINGS, VERIFY_MODES, check_choice
 from ..settings import FIXED
 
 
@@ -185,8 +185,12 @@ class FlowDistillSettings:
     """Euler steps of the sample grids and the saved pipeline's default (1 or 2 network evaluations an image)."""
     sample_every_epochs: float = 10.0
     """Write a sample grid (EMA weights) and evaluate every this many epochs (0 = every --eval_steps)."""
+    verify: str = field(default="auto", metadata={"choices": lambda: VERIFY_MODES})
+    """What of the teacher folder's manifest.json is checked before it is read: auto (the sizes; the SHA-256 too up to
+    512 MiB), sizes, full, or off (a folder edited by hand); see docs/outputs.md."""
 
     def __post_init__(self) -> None:
+        check_choice("verify", self.verify, VERIFY_MODES)
         if self.time_sampling not in TIME_SAMPLINGS:
             raise SettingsError(f"time_sampling={self.time_sampling!r}; use uniform or logit_normal")
         if self.levels < 1 or not 0 < self.consistency_fraction < 1:
@@ -238,8 +242,12 @@ class FinetuneSettings:
     """Processes for tokenisation (0 = automatic)."""
     cache_dir: str = ""
     """Where packed token files are cached (empty = default cache)."""
+    verify: str = field(default="auto", metadata={"choices": lambda: VERIFY_MODES})
+    """What of a local --model folder's manifest.json (a run of hf_cgpu) is checked before it is read: auto (the
+    sizes; the SHA-256 too up to 512 MiB), sizes, full, or off (a folder edited by hand); see docs/outputs.md."""
 
     def __post_init__(self) -> None:
+        check_choice("verify", self.verify, VERIFY_MODES)
         if self.merge_dtype not in ("bfloat16", "float32", "float16"):
             raise SettingsError(f"merge_dtype={self.merge_dtype!r}; choose bfloat16, float16 or float32")
         if self.data_format not in ("auto", "instruct", "text"):

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..integrity import MANIFEST, IntegrityError, atomic_output, atomic_write_json, build_manifest, fsync_dir
-from ..integrity import read_manifest, sha256_file, update_manifest, write_manifest
+from ..integrity import check_inside, read_manifest, sha256_file, update_manifest, write_manifest
 from ..hub.cards import render_model_card
 from .ema import EMA, ema_weights
 
@@ -141,8 +141,9 @@ def finish_interrupted_save(output_dir: Path, log=print) -> bool:
     staging = output_dir / STAGING
     if (output_dir / MANIFEST).is_file() or not (staging / MANIFEST).is_file():
         return False
-    manifest = read_manifest(staging)
     try:
+        manifest = read_manifest(staging)
+        check_inside(output_dir, manifest.files)
         _check_split(staging, output_dir, manifest)
     except IntegrityError as err:
         log(f"warning: an interrupted final save in {output_dir} cannot be finished ({err}); it stays unsealed")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OutputDirError
+from ..errors import IntegrityError, OutputDirError
 from ..integrity import MANIFEST, read_manifest
 from .artifacts import finish_interrupted_save
 from .checkpoint import checkpoint_root, list_checkpoints
@@ -126,7 +126,8 @@ def clear_earlier_run(folder: Path, log=print) -> None:
     """Delete what hf_cgpu wrote into ``folder`` (and nothing else)."""
     try:
         names = list(read_manifest(folder).files) if (folder / MANIFEST).is_file() else []
-    except Exception:  # an unreadable manifest: its files are left; the new run overwrites what it writes
+    except (IntegrityError, OSError) as err:  # unreadable or naming files outside: left; the new run writes its own
+        log(f"warning: the files of the earlier model are left: {err}")
         names = []
     for rel in [*names, MANIFEST, *RESULTS]:
         (folder / rel).unlink(missing_ok=True)
