@@ -108,10 +108,9 @@ def predict(path: str) -> None:
         argv = rec["argv"]
         task = argv[1]
         cls = classes[task]
-        flags = [w for w in argv[2:] if w not in ("--teacher",)]
-        teacher = argv[argv.index("--teacher") + 1] if "--teacher" in argv else None
-        if teacher:
-            flags = [w for w in flags if w != teacher]
+        pairs = list(zip(argv[2::2], argv[3::2]))  # flag, value
+        teacher = dict(pairs).get("--teacher")
+        flags = [w for f, v in pairs if f not in ("--teacher", "--cpu") for w in (f, v)]  # no settings of the task
         cfg, train = parse_settings((cls, TrainSettings), flags, family=task, fixed={"train_mode": cls.train_mode})
         extra = {}
         if teacher and Path(teacher).is_dir():
