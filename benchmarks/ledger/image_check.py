@@ -72,8 +72,9 @@ def measure(a: argparse.Namespace) -> None:
             print(f"== {name}: skipped (budget spent)", flush=True)
             continue
         cmd = command(name, cmd, 6 if a.dry_run else steps, data, runs, a.dry_run)
-        args = [sys.executable, str(HERE / "measure_one.py"), "--cap_gib", "16", "--skip", str(2 if a.dry_run else skip),
-                "--active", "2" if a.dry_run else "3", "--out", f"/tmp/image_{name}.json", "--", *cmd]
+        args = [sys.executable, str(HERE / "measure_one.py"), "--cap_gib", "16", "--skip",
+                str(2 if a.dry_run else skip), "--active", "2" if a.dry_run else "3", "--out",
+                f"/tmp/image_{name}.json", "--", *cmd]
         print(f"== {name}: {' '.join(cmd)}", flush=True)
         t0 = time.perf_counter()
         try:
@@ -86,8 +87,9 @@ def measure(a: argparse.Namespace) -> None:
         print(json.dumps({k: rec.get(k) for k in ("name", "exit", "steps", "wall_s_per_step", "peak_alloc_gib",
                                                   "peak_reserved_gib", "seconds")}), flush=True)
         if rec.get("profile"):
-            print(f"   kernels/step {rec['profile']['kernels_per_step']:.0f}, busy {rec['profile']['busy_ms_per_step']:.1f}"
-                  " ms/step", flush=True)
+            prof = rec["profile"]
+            print(f"   kernels/step {prof['kernels_per_step']:.0f}, busy {prof['busy_ms_per_step']:.1f} ms/step",
+                  flush=True)
         records.append(rec)
         out.write_text(json.dumps(records, indent=1, default=str))
 

@@ -10,7 +10,7 @@ Structural (exact, checked against the real modules on the CPU by tests/test_bud
     ``Gemm(m = B H_out W_out, n = C_out, k = C_in kh kw)``: forward, input gradient, weight gradient) and the
     forward FLOPs torch's ``FlopCounterMode`` counts (what the trainer's MFU uses); the tensors a training forward
     saves for its backward under bf16 autocast, per tensor and dtype (``AUTOCAST``: CUDA runs GroupNorm in fp32,
-    the CPU in bf16); the live tensors of a no-grad forward (``inference_peak_bytes``); the network calls of the
+    the CPU in bf16); the live tensors of a no-grad forward (``unet_inference``); the network calls of the
     distillation objective and of a sampler (``sampler_calls``); the data each task keeps on the device.
 Assumptions (named constants below, to be calibrated against GPU measurements): the CUDA-graph pool, the bytes the
 memory-bound kernels move per saved byte (``work.ELEMENTWISE_PASSES``), the cost of an fp32 (TF32) product, the
@@ -22,7 +22,6 @@ counts the eager step's tensors for it as ``memory.ACTIVATION_SCALE`` does for t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +43,6 @@ from .shape import fmt_count
 from .work import (
     COMPILED_KERNEL_SHARE,
     ELEMENTWISE_PASSES,
-    EMA_BYTES_PER_PARAM,
     OPTIMIZER_BYTES_PER_PARAM,
     OPTIMIZER_KERNELS,
     Gemm,
@@ -859,9 +857,10 @@ def image_ledger(task: str, cfg, train, memory_cap: float | None = None,
     ema_temp = grads if ema else 0.0  # the deferred EMA update's fp32 (weight - average) of every parameter
     phases = [("backward start", backward_start), ("optimizer step", fixed + grads + ema_temp)]
     if task == "classifier":
-        phases.append(("evaluation", fixed + classifier_inference(net).peak * b))
+        evaluation = classifier_inference(net).peak * b
     else:
-        phases.append(("evaluation", fixed + unet_inference(net.config, True, True).peak * _eval_rows(task, cfg, net, b)))
+        evaluation = unet_inference(net.config, bf16=True, channels_last=True).peak * _eval_rows(task, cfg, net, b)
+    phases.append(("evaluation", fixed + evaluation))
     around = fixed + sum(r.bytes for r in rows if r.key in ("batch", "targets"))
     phases += [(what, around + peak) for what, peak in calls]
     return _finish(task, net, rows, phases, memory_cap)
@@ -985,7 +984,8 @@ def sample_work(unet: dict[str, Any], num_images: int, steps: int, sampler: str 
         for calls, how in ((len(plan) - guided, "none"), (guided, mode)):
             for who, rows in _guided_calls(size, how) if calls else ():
                 n = calls * batches
-                gemms += net.gemms(rows, n, backward=False, tag="guide call: " if who == "guide" else "", cost=cost)
+                tag = ("guide call" if who == "guide" else "call") + ("" if bf16 else " (fp32)") + ": "
+                gemms += net.gemms(rows, n, backward=False, tag=tag, cost=cost)
                 traffic += n * (INFERENCE_PASSES * per_row * rows + weights)
                 kernels += n * (net.call_kernels + SAMPLER_KERNELS_PER_CALL)
                 evaluations += n * rows
