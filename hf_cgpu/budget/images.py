@@ -12,12 +12,11 @@ Structural (exact, checked against the real modules on the CPU by tests/test_bud
     saves for its backward under bf16 autocast, per tensor and dtype (``AUTOCAST``: CUDA runs GroupNorm in fp32,
     the CPU in bf16); the live tensors of a no-grad forward (``unet_inference``); the network calls of the
     distillation objective and of a sampler (``sampler_calls``); the data each task keeps on the device.
-Assumptions (named constants below, to be calibrated against GPU measurements): the CUDA-graph pool, the bytes the
-memory-bound kernels move per saved byte (``work.ELEMENTWISE_PASSES``), the cost of an fp32 (TF32) product, the
-batch-preparation traffic, and the data set's size where the command line does not say it (CIFAR-10's).
-
-``torch.compile`` chooses what a compiled step saves (its partitioner recomputes cheap elementwise ops); the ledger
-counts the eager step's tensors for it as ``memory.ACTIVATION_SCALE`` does for the language models.
+Fitted or assumed (named constants below, to be calibrated against GPU measurements): what a compiled step keeps
+of the eager tensors (``torch.compile``'s partitioner recomputes elementwise work in the backward), the CUDA-graph
+pool and the eager moments' blocks beside a compiled step (reserved, not allocated), the CUDA rules' extra kernels,
+the bytes the memory-bound kernels move per saved byte (``work.ELEMENTWISE_PASSES``), the cost of an fp32 (TF32)
+product, the batch-preparation traffic, and the data set's size where the command line does not say it (CIFAR-10's).
 """
 
 from __future__ import annotations
@@ -70,11 +69,17 @@ UNET_GROUPS = 8
 GRID_IMAGES_PER_CLASS = 8
 """A flow run's sample grid: 8 images per class (``FlowMatchingTask.on_evaluate``), 64 without classes."""
 
-# ---- assumptions (to calibrate) ----------------------------------------------------------------------------------
-CUDA_GRAPH_POOL_SHARE = 1.0
-"""Under ``--compile_mode reduce-overhead`` (CUDA graphs) the graphs' private memory pool holds the step's
-activations and outputs once more beside the eager allocator's blocks, which the pool cannot reuse: counted as this
-share of the step's activations. An assumption until measured (peak reserved with and without CUDA graphs)."""
+# ---- fitted or assumed (to calibrate) ----------------------------------------------------------------------------
+COMPILED_ACTIVATION_SHARE = {"unet": 0.57, "classifier": 1.0}
+"""What a compiled training step saves, as a share of the eager step's tensors (inductor's partitioner recomputes
+GroupNorm's and SiLU's elementwise work in the backward instead of keeping their fp32 tensors). The UNet's is fitted
+to the flow preset's measured peak allocated (benchmarks/RESULTS.md, the flow throughput entries); the classifier's
+is not measured: 1.0, the eager count, the safe side."""
+CUDA_GRAPH_POOL_SHARE = 0.7
+"""Under CUDA graphs (``--compile_mode reduce-overhead``) the graphs' private pool keeps its segments reserved, so the
+rest of the run (the optimizer step's and the evaluation's tensors) cannot reuse them: reserved grows by this share of
+the step's (compiled) activations; peak allocated does not. Fitted to the flow preset's reserved with and without
+CUDA graphs (benchmarks/RESULTS.md)."""
 FP32_PRODUCT_COST = 2.0
 """A product run in fp32 (a frozen teacher or ``hf-cgpu sample`` outside autocast: cuDNN's convolutions then use
 TF32 tensor cores, whose dense rate is half the bf16 one on Ampere, Ada, Blackwell and Hopper datasheets) costs this
@@ -199,6 +204,8 @@ class ImageNet:
     """One image network as the ledger sees it (build it with ``flow_unet`` or ``cifar_resnet``)."""
 
     name: str
+    kind: str
+    """unet or classifier (``COMPILED_ACTIVATION_SHARE``)."""
     image_size: int
     convs: tuple[Conv, ...]
     linears: tuple[Dense, ...]
@@ -373,7 +380,7 @@ def flow_unet(config: dict[str, Any], device: str = "cuda") -> ImageNet:
     if device == "cuda":
         kernels += CUDA_KERNELS_PER_GROUPNORM * (2 * len(blocks) + 1)
     name = f"FlowUNet2DModel base {c1}" + (" (step-size embedding)" if step else "")
-    return ImageNet(name, s, tuple(convs), tuple(linears), tuple(others), tuple(saved), float(kernels),
+    return ImageNet(name, "unet", s, tuple(convs), tuple(linears), tuple(others), tuple(saved), float(kernels),
                     float(KERNELS_UNET_CALL[key]), cfg)
 
 
@@ -546,7 +553,8 @@ def cifar_resnet(widths: list[int] | tuple[int, ...], num_classes: int = DEFAULT
     # BatchNorm buffers (running mean, variance, batches tracked) are no parameters: optimizer and EMA skip them
     linears = (Dense("head", c3, num_classes, bias=False, kind="head"),)
     kernels = KERNELS_CONV_BN * 8 + KERNELS_CLASSIFIER_OUTSIDE
-    return ImageNet(f"CifarResNet {c0},{c1},{c2},{c3}", s, tuple(convs), linears, tuple(others), tuple(saved),
+    return ImageNet(f"CifarResNet {c0},{c1},{c2},{c3}", "classifier", s, tuple(convs), linears, tuple(others),
+                    tuple(saved),
                     float(kernels), 0.0, {"widths": [c0, c1, c2, c3], "num_classes": num_classes,
                                           "image_size": s})
 
@@ -726,9 +734,11 @@ class ImageLedger:
 
 
 def _finish(task: str, net: ImageNet, rows: list[Row], phases: list[tuple[str, float]],
-            memory_cap: float | None) -> ImageLedger:
+            memory_cap: float | None, kept_apart: float = 0.0) -> ImageLedger:
+    """The peak moment, and reserved = allocated + ``FRAGMENTATION_FRACTION`` + ``kept_apart`` (segments the peak's
+    tensors cannot reuse: the CUDA-graph pool, a compiled step's blocks beside eager ones)."""
     phase, allocated = max(phases, key=lambda p: p[1])
-    fragmentation = FRAGMENTATION_FRACTION * allocated
+    fragmentation = FRAGMENTATION_FRACTION * allocated + kept_apart
     reserved = allocated + fragmentation
     return ImageLedger(task, net, tuple(rows), allocated, fragmentation, reserved, CUDA_CONTEXT_BYTES,
                        reserved + CUDA_CONTEXT_BYTES, phase, tuple(phases), memory_cap)
@@ -795,11 +805,13 @@ def image_ledger(task: str, cfg, train, memory_cap: float | None = None,
     """Memory of one training step of ``train TASK`` (flow, flow-distill or classifier) with the task's settings
     ``cfg`` and the run's ``train`` (TrainSettings), on one CUDA card.
 
-    Moments compared (the peak is the largest): the start of the backward (weights, optimizer state, EMA, bf16
-    weight copies, the micro-batch's saved activations, the batch, the data set, the gradients too with
-    accumulation > 1, the CUDA-graph pool), the optimizer step (every gradient, the EMA update's fp32 differences),
-    the evaluation (a no-grad forward of a micro-batch or of the sample grid's rows) and, for flow-distill, the
-    largest no-grad call of the objective (the frozen teacher runs in fp32: it is not under the trainer's autocast).
+    Moments compared (the peak allocated is the largest): the start of the backward (weights, optimizer state, EMA,
+    bf16 weight copies, the micro-batch's saved activations, the batch, the data set, the gradients too with
+    accumulation > 1), the optimizer step (every gradient, the EMA update's fp32 differences), the evaluation (an
+    eager no-grad forward of a micro-batch or of the sample grid's rows) and, for flow-distill, each no-grad call of
+    the objective (the frozen teacher runs in fp32: it is not under the trainer's autocast). Reserved adds to the
+    allocator's fragmentation what the peak's tensors cannot reuse: the CUDA-graph pool, and beside a compiled step
+    the blocks of the eager moments (evaluation, teacher calls), which have other sizes.
     flow-distill: ``teacher_config`` is the teacher's unet/config.json (None: the flow preset's UNet), ``guide``
     whether the teacher folder saved an autoguidance guide (a second fp32 UNet), ``guidance_scale`` its saved scale
     (used where ``cfg.guidance_scale`` is 0)."""
@@ -813,9 +825,10 @@ def image_ledger(task: str, cfg, train, memory_cap: float | None = None,
     grads = float(FP32 * n)
     ema = FP32 * n if train.ema_decay > 0 else 0.0
     accumulate = train.gradient_accumulation_steps > 1
-    act = float(net.saved_bytes * b)
+    compiled = bool(train.compile)
+    share = COMPILED_ACTIVATION_SHARE[net.kind] if compiled else 1.0
+    act = float(net.saved_bytes * b * share)
     top = sorted(net.saved_by_kind().items(), key=lambda kv: -kv[1])[:3]
-    graphs = bool(train.compile) and train.compile_mode in CUDA_GRAPH_MODES
     rows = [
         Row("weights", "weights", float(FP32 * n), f"{fmt_count(n)} parameters, fp32"),
         Row("gradients", "gradients", grads if accumulate else 0.0,
@@ -827,18 +840,15 @@ def image_ledger(task: str, cfg, train, memory_cap: float | None = None,
         Row("autocast_copies", "autocast weight copies", float(BF16 * net.product_params),
             "bf16 casts of the convolution and linear weights, saved for the backward"),
         Row("activations", "activations", act,
-            f"{net.saved_bytes / 1024:,.0f} KiB per image x {b} (eager bf16 autocast; "
-            + ", ".join(f"{k} {v / net.saved_bytes:.0%}" for k, v in top) + ")"),
-        Row("cuda_graph_pool", "CUDA-graph pool", CUDA_GRAPH_POOL_SHARE * act if graphs else 0.0,
-            f"{CUDA_GRAPH_POOL_SHARE:g} x the activations under --compile_mode {train.compile_mode} (an assumption)"
-            if graphs else "none (no CUDA graphs)"),
+            f"{net.saved_bytes / 1024:,.0f} KiB per image x {b}" + (f" x {share:g} compiled" if compiled else "")
+            + " (eager bf16 autocast: " + ", ".join(f"{k} {v / net.saved_bytes:.0%}" for k, v in top) + ")"),
         Row("batch", "batch", float(b * (3 * s * s * FP32 + (INT64 if labels else 0))),
             f"{b} fp32 images{' and labels' if labels else ''}"),
         _dataset_row(task, cfg, s, labels),
         Row("workspace", "workspace (cuDNN, cuBLAS)", float(WORKSPACE_BYTES), "cuDNN/cuBLAS workspaces"),
     ]
-    keep = {"weights", "optimizer", "ema", "cuda_graph_pool", "dataset", "workspace", "teacher"}
-    calls: list[tuple[str, float]] = []
+    keep = {"weights", "optimizer", "ema", "dataset", "workspace", "teacher"}
+    eager: list[tuple[str, float]] = []  # (moment, live bytes beyond the fixed ones) of the eager no-grad moments
     if task == "flow-distill":
         teacher, mode = _teacher(cfg, teacher_config, guide, guidance_scale)
         r = distill_rows(b, cfg.levels, cfg.consistency_fraction, mode)
@@ -846,24 +856,33 @@ def image_ledger(task: str, cfg, train, memory_cap: float | None = None,
         rows.insert(4, Row("teacher", "teacher weights (frozen)", float(FP32 * teacher.params * copies),
                            f"fp32 {fmt_count(teacher.params)}" + (" + its autoguidance guide" if copies > 1 else "")))
         rows.append(Row("targets", "targets", float(FP32 * 3 * s * s * b), f"{b} fp32 target velocities"))
+        around = sum(r.bytes for r in rows if r.key in ("batch", "targets"))
         for who, k in r.calls:
-            if who == "student":
-                calls.append((f"student target call ({k} rows)",
-                              unet_inference(net.config, bf16=True, channels_last=True).peak * k))
-            else:
-                calls.append((f"{who} call ({k} rows)", unet_inference(teacher.config, bf16=False).peak * k))
-    fixed = sum(r.bytes for r in rows if r.key in keep)
-    backward_start = sum(r.bytes for r in rows)
-    ema_temp = grads if ema else 0.0  # the deferred EMA update's fp32 (weight - average) of every parameter
-    phases = [("backward start", backward_start), ("optimizer step", fixed + grads + ema_temp)]
+            one = unet_inference(net.config, bf16=True, channels_last=True) if who == "student" else \
+                unet_inference(teacher.config, bf16=False)
+            eager.append((f"{who} call ({k} rows)", around + one.peak * k))
     if task == "classifier":
         evaluation = classifier_inference(net).peak * b
     else:
         evaluation = unet_inference(net.config, bf16=True, channels_last=True).peak * _eval_rows(task, cfg, net, b)
-    phases.append(("evaluation", fixed + evaluation))
-    around = fixed + sum(r.bytes for r in rows if r.key in ("batch", "targets"))
-    phases += [(what, around + peak) for what, peak in calls]
-    return _finish(task, net, rows, phases, memory_cap)
+    eager.append(("evaluation", evaluation))
+    fixed = sum(r.bytes for r in rows if r.key in keep)
+    step = sum(r.bytes for r in rows) - fixed
+    ema_temp = grads if ema else 0.0  # the deferred EMA update's fp32 (weight - average) of every parameter
+    phases = [("backward start", fixed + step), ("optimizer step", fixed + grads + ema_temp),
+              *((what, fixed + live) for what, live in eager)]
+    largest_eager = max(live for _, live in eager)
+    apart = min(step, largest_eager) if compiled else 0.0
+    pool = CUDA_GRAPH_POOL_SHARE * act if compiled and train.compile_mode in CUDA_GRAPH_MODES else 0.0
+    rows += [
+        Row("eager_blocks", "eager moments' blocks (reserved)", apart,
+            "a compiled step's blocks and the eager no-grad moments' do not share segments" if compiled else
+            "none: the eager step's blocks are reused"),
+        Row("cuda_graph_pool", "CUDA-graph pool (reserved)", pool,
+            f"{CUDA_GRAPH_POOL_SHARE:g} x the activations under --compile_mode {train.compile_mode}" if pool else
+            "none (no CUDA graphs)"),
+    ]
+    return _finish(task, net, rows, phases, memory_cap, kept_apart=apart + pool)
 
 
 def _eval_rows(task: str, cfg, net: ImageNet, micro_batch: int) -> int:
