@@ -442,8 +442,11 @@ def test_sampling_scales_with_the_calls():
     assert one.model_flops == 11 * 64 * I.flow_unet(unet).forward_flops()  # heun 6 steps: 11 calls
     assert guided.model_flops == 2 * one.model_flops
     assert I.sample_work(unet, 64, 6, "heun", 2.5, (0.25, 0.8)).model_flops == 17 / 11 * one.model_flops
-    mem = I.sample_memory(unet, 64, guidance="cfg")
-    assert mem.row("activations") == 2 * I.sample_memory(unet, 64).row("activations")
+    mem = I.sample_memory(unet, 64, 6, "heun", 2.5)
+    assert mem.row("activations") == 2 * I.sample_memory(unet, 64, 6, "heun").row("activations")
+    outside = I.sample_memory(unet, 64, 2, "euler", 2.5, (0.6, 1.0))  # Euler at t = 0 and 0.5: none guided
+    assert outside.row("activations") == I.sample_memory(unet, 64, 2, "euler").row("activations")
+    assert I.sample_memory(unet, 64, 6, "heun", 2.5, batch_size=16).allocated < mem.allocated
 
 
 GiB = 2**30

@@ -894,18 +894,23 @@ def _eval_rows(task: str, cfg, net: ImageNet, micro_batch: int) -> int:
     return max(micro_batch, 2 * grid if guided else grid)
 
 
-def sample_memory(unet: dict[str, Any], num_images: int, batch_size: int | None = None, guidance: str = "none",
-                  bf16: bool = False, memory_cap: float | None = None) -> ImageLedger:
-    """Memory of sampling ``num_images`` from a UNet of config ``unet`` in batches of ``batch_size`` (None: all at
-    once, as ``hf-cgpu sample`` draws them; ``hf-cgpu eval``'s --batch_size): the fp32 weights (and a guide's),
-    the sampler's fp32 state and the largest call's live tensors (``guidance``: ``guidance_mode``; under cfg a call
-    has twice the rows). ``bf16``: under autocast (``hf-cgpu eval``); ``hf-cgpu sample`` runs fp32."""
+def sample_memory(unet: dict[str, Any], num_images: int, steps: int, sampler: str = "heun",
+                  guidance_scale: float = 1.0, guidance_interval: tuple[float, float] | None = None,
+                  batch_size: int | None = None, guide: bool = False, bf16: bool = False,
+                  memory_cap: float | None = None) -> ImageLedger:
+    """Memory of sampling ``num_images`` from a UNet of config ``unet``, arguments as ``sample_work``'s: the fp32
+    weights (and an autoguidance guide's), the sampler's fp32 state of a batch and the largest call's live tensors
+    (a call guided by classifier-free guidance has twice the rows). ``bf16``: under autocast (``hf-cgpu eval``'s
+    default on a GPU); ``hf-cgpu sample`` runs fp32 and draws all its images in one batch."""
     net = flow_unet(unet)
+    mode = guidance_mode(guidance_scale, net.config.get("num_classes") is not None, guide)
+    if not any(g for _, g in sampler_calls(sampler, steps, guidance_interval)):
+        mode = "none"
     b = min(batch_size or num_images, num_images)
     s = net.image_size
     call = unet_inference(net.config, bf16=bf16)
-    rows_per_call = 2 * b if guidance == "cfg" else b
-    copies = 2 if guidance == "guide" else 1
+    rows_per_call = 2 * b if mode == "cfg" else b
+    copies = 2 if mode == "guide" else 1
     rows = [
         Row("weights", "weights", float(FP32 * net.params * copies),
             f"{fmt_count(net.params)} parameters, fp32" + (" + the autoguidance guide" if copies > 1 else "")),
