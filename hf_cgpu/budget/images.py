@@ -108,10 +108,11 @@ KERNELS_CLASSIFIER_OUTSIDE = 47
 """The rest of a classifier training micro-batch: max pools, residual adds, the global max, the head, the loss."""
 CUDA_KERNELS_PER_GROUPNORM = 4
 """What CUDA adds per GroupNorm to the CPU count: autocast's fp32 cast of its input and the contiguous copy of a
-channels_last input (``group_norm`` runs on NCHW on CUDA), and their gradients' copies in the backward."""
+channels_last input (``group_norm`` runs on NCHW on CUDA), and their gradients' copies in the backward. An
+assumption until counted on a GPU (``benchmarks/ledger/image_check.py`` prints the profiled kernels per step)."""
 SAMPLER_KERNELS_PER_CALL = 6
 """Kernels of the sampler's own step per network call (the scheduler's update, guidance's combination, the time
-expansion)."""
+expansion). An assumption."""
 
 
 # ===================================================================================================================
@@ -523,7 +524,7 @@ def cifar_resnet(widths: list[int] | tuple[int, ...], num_classes: int = DEFAULT
         add("BatchNorm inputs", b * size * size, BF16)
         add("GELU inputs", b * size * size, BF16)
 
-    def pooled(name: str, b: int, size: int) -> None:
+    def pooled(b: int, size: int) -> None:
         add("max-pool inputs (GELU outputs)", b * size * size, BF16)
         add("max-pool indices", b * (size // 2) ** 2, INT64)
 
@@ -537,14 +538,14 @@ def cifar_resnet(widths: list[int] | tuple[int, ...], num_classes: int = DEFAULT
     conv_bn("prep", 3, c0, s)
     add("convolution inputs", c0 * s * s, BF16)  # prep's GELU output
     conv_bn("layer1.0", c0, c1, s)
-    pooled("layer1.1", c1, s)
+    pooled(c1, s)
     residual("layer1.2", c1, s // 2)
     add("convolution inputs", c1 * (s // 2) ** 2, BF16)  # the residual sum
     conv_bn("layer2.0", c1, c2, s // 2)
-    pooled("layer2.1", c2, s // 2)
+    pooled(c2, s // 2)
     add("convolution inputs", c2 * (s // 4) ** 2, BF16)  # the pool's output
     conv_bn("layer3.0", c2, c3, s // 4)
-    pooled("layer3.1", c3, s // 4)
+    pooled(c3, s // 4)
     residual("layer3.2", c3, s // 8)
     add("global max (input and result)", c3 * (s // 8) ** 2 + c3, BF16)  # the result is also the head's input
     add("loss (fp32 log-softmax, labels, label smoothing's ignore mask)", num_classes, FP32)
