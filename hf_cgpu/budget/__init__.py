@@ -31,6 +31,7 @@ from .memory import (
     parse_memory,
     regime,
 )
+from .images import ImageLedger, image_ledger, image_step_work, sample_memory, sample_work
 from .shape import ModelShape, RunShape, TrainSetup
 from .time import chinchilla_tokens, flops_per_token, peak_tflops, training_hours
 
