@@ -20,14 +20,24 @@ from hf_cgpu.budget.card import card_from_bench  # noqa: E402
 from hf_cgpu.budget.memory import GiB  # noqa: E402
 
 DROP = {"--dataset", "--output_dir", "--overwrite_output_dir", "--prompts", "--max_new_tokens", "--save_best",
-        "--progress", "--log_steps", "--sample_every_epochs",
-        "--teacher", "--cpu"}
+        "--progress", "--log_steps", "--sample_every_epochs", "--cpu"}
 """Training flags the ledger does not take (they change no memory or step time)."""
 
 
 def base_configs(root: Path) -> dict[str, str]:
-    """config.json folders of the random bases (no weights: the ledger reads the config only)."""
-    out = {}
+    """config.json folders of the random bases and of set B's flow-distill teacher (the base-192 flow run: its
+    pipeline's model_index.json and unet/config.json as the flow task saves them; no weights: the ledger reads the
+    configs only)."""
+    from hf_cgpu.budget.images import unet_config
+
+    teacher = root / "teacher"
+    (teacher / "unet").mkdir(parents=True, exist_ok=True)
+    (teacher / "unet" / "config.json").write_text(json.dumps(unet_config(base_channels=192)))
+    (teacher / "model_index.json").write_text(json.dumps({
+        "_class_name": "FlowMatchPipeline", "unet": ["hf_cgpu", "FlowUNet2DModel"],
+        "scheduler": ["hf_cgpu", "FlowMatchHeunScheduler"], "num_inference_steps": 6, "guidance_scale": 2.5,
+        "guidance_interval": [0.25, 0.8]}))
+    out = {"teacher": str(teacher)}
     for name, shape, model_type in (("pythia", PYTHIA, "gpt_neox"), ("smol", SMOL, "llama")):
         d = root / name
         d.mkdir(parents=True, exist_ok=True)
@@ -48,6 +58,8 @@ def budget_argv(command: list[str], bases: dict[str, str]) -> tuple[str, list[st
             continue
         if flag == "--model":
             value = bases["pythia" if "pythia" in value else "smol"]
+        if flag == "--teacher":
+            value = bases["teacher"]
         out += [flag, value]
         i += 2
     return task, out

@@ -981,9 +981,9 @@ def image_step_work(task: str, cfg, train, teacher_config: dict[str, Any] | None
         notes["calls"] = (f"per micro-batch: {r.flow} rows matched to the teacher, {r.consistency} self-consistency "
                           f"rows ({r.smallest} at the smallest step); no-grad calls "
                           + ", ".join(f"{w} {k}" for w, k in r.calls) + f"; guidance {mode}")
-    kernels += OPTIMIZER_KERNELS
     model_flops = 3.0 * net.forward_flops(b * micro)
-    return StepWork(tuple(gemms), 0.0, tuple(memory), kernels, model_flops, float(b * micro), notes)
+    return StepWork(tuple(gemms), 0.0, tuple(memory), kernels, model_flops, float(b * micro), notes=notes,
+                    compiled=compiled, optimizer_kernels=OPTIMIZER_KERNELS.get(opt_kind, OPTIMIZER_KERNELS["adamw"]))
 
 
 def sample_work(unet: dict[str, Any], num_images: int, steps: int, sampler: str = "heun", guidance_scale: float = 1.0,
@@ -1018,7 +1018,7 @@ def sample_work(unet: dict[str, Any], num_images: int, steps: int, sampler: str 
              "calls": f"{len(plan)} calls per batch ({sampler}, {steps} steps, {guided} guided: {mode}), "
                       f"{evaluations / num_images:g} network evaluations per image, batches of up to {b}"}
     return StepWork(tuple(gemms), 0.0, (("network calls' tensors and weights", traffic),), kernels,
-                    net.forward_flops(evaluations), float(num_images), notes)
+                    net.forward_flops(evaluations), float(num_images), notes=notes)
 
 
 __all__ = ["AUTOCAST", "CUDA_GRAPH_POOL_SHARE", "Conv", "Dense", "DistillRows", "FP32_PRODUCT_COST", "ImageLedger",

@@ -275,7 +275,8 @@ def format_ledger(led: Ledger) -> str:
              else "peak at the optimizer step: weights + all gradients + optimizer state")
     lines.append(f"  {'= allocated':<{label_w}}{led.allocated / GiB:>8.2f}   {phase}; compare max_memory_allocated()")
     lines.append(f"  {'fragmentation':<{label_w}}{led.fragmentation / GiB:>8.2f}   "
-                 f"{FRAGMENTATION_FRACTION:.0%} of allocated (allocator reserve)")
+                 f"reserved beyond the allocated peak ({led.fragmentation / led.allocated:.0%}): the allocator's "
+                 "blocks that the peak's tensors cannot reuse")
     lines.append(f"  {'CUDA context':<{label_w}}{led.cuda_context / GiB:>8.2f}   outside the allocator")
     lines.append(f"  {'= total on the card':<{label_w}}{led.total / GiB:>8.2f}")
     if led.memory_cap is not None:
@@ -306,7 +307,7 @@ def lm_run_time(shape: ModelShape, setup: TrainSetup, train, card: Card, eval_mi
                     checkpoint_bytes=st.weights + st.optimizer + (st.trainable_params * 4 if setup.ema else 0))
 
 
-def format_time(rt: RunTime, setup: TrainSetup, unit: str = "tokens", fitted: bool = True) -> str:
+def format_time(rt: RunTime, per_step: int, processes: int = 1, unit: str = "tokens", fitted: bool = True) -> str:
     """The time ledger: one row per kind of work in a step, the step, then the run's rows and its minutes."""
     step, card = rt.step, rt.step.card
     label_w = max(len(r.label) for r in (*step.rows, *rt.rows)) + 2
@@ -314,7 +315,7 @@ def format_time(rt: RunTime, setup: TrainSetup, unit: str = "tokens", fitted: bo
              f"{card.source}):", f"  {'':<{label_w}}{'s/step':>8}   how"]
     lines += [f"  {r.label:<{label_w}}{r.seconds:>8.3f}   {r.note}" for r in step.rows]
     lines.append(f"  {'-' * (label_w + 8)}")
-    gpus = setup.processes
+    gpus = processes
     per_s = step.samples_per_second
     total = f"; {per_s * gpus:,.0f} in all on {gpus} GPUs" if gpus > 1 else ""
     lines.append(f"  {'= step':<{label_w}}{step.seconds:>8.3f}   {step.bound}; {per_s:,.0f} {unit}/s per GPU{total}, "
@@ -325,7 +326,7 @@ def format_time(rt: RunTime, setup: TrainSetup, unit: str = "tokens", fitted: bo
         steps = (f"--max_minutes {rt.minutes:g} holds ~{rt.steps:,} of the {rt.max_steps:,} steps")
     elif rt.minutes > 0:
         steps += f", inside --max_minutes {rt.minutes:g}"
-    lines.append(f"  this run         {steps} x {setup.tokens_per_step * gpus:,} {unit} -> {fmt_duration(rt.seconds)}")
+    lines.append(f"  this run         {steps} x {per_step * gpus:,} {unit} -> {fmt_duration(rt.seconds)}")
     if rt.limited_by_minutes and not fitted:
         lines.append("  the cosine is still high when the minutes end: add --fit_schedule_to_time true")
     return "\n".join(lines)
@@ -352,8 +353,83 @@ def fmt_duration(seconds: float) -> str:
 # ---------------------------------------------------------------------------------------------------- the report
 
 
+IMAGE_TASKS = ("flow", "flow-distill", "classifier")
+"""``hf-cgpu train`` tasks the image ledger (``budget.images``) prices."""
+TASKS = ("gpt", "lora", *IMAGE_TASKS)
+
+
+def split_task(argv: Sequence[str]) -> tuple[str, list[str]]:
+    """(the task of ``--task NAME``, the other flags); no --task: gpt, or lora where the flags name a fine-tuning
+    preset, a --model or a --config (``_describe`` tells them apart)."""
+    args, task = list(argv), ""
+    for i, arg in enumerate(args):
+        if arg == "--task" and i + 1 < len(args):
+            task = args[i + 1]
+            del args[i:i + 2]
+            break
+        if arg.startswith("--task="):
+            task = arg.split("=", 1)[1]
+            del args[i]
+            break
+    if task and task not in TASKS:
+        raise SettingsError(f"--task {task!r}: the ledger prices {', '.join(TASKS)} (hf-cgpu train NAME's flags)")
+    if task == "lora" and not any(a.split("=", 1)[0] in ("--preset", "--model", "--config") for a in args):
+        args = ["--preset", "lora", *args]
+    return task or "gpt", args
+
+
+def image_run(task: str, argv: Sequence[str]):
+    """(the task's settings, TrainSettings, BudgetSettings, the image ledger's keyword arguments) of ``hf-cgpu budget
+    --task TASK ARGV``: the flags of ``hf-cgpu train TASK``; flow-distill's teacher read from its folder."""
+    from ..budget.images import read_pipeline
+    from ..recipes import RECIPES
+
+    recipe = RECIPES[task]
+    cfg, train, opts = parse_settings((recipe.settings, TrainSettings, BudgetSettings), list(argv),
+                                      family=recipe.presets or None, description=DESCRIPTION,
+                                      prog=f"hf-cgpu budget --task {task}", default_preset=recipe.default_preset,
+                                      fixed={"train_mode": getattr(recipe.settings, "train_mode", "pretrain")})
+    extra: dict[str, Any] = {}
+    teacher = getattr(cfg, "teacher", "")
+    if teacher and Path(teacher).is_dir():
+        info = read_pipeline(teacher)
+        extra = {"teacher_config": info.unet, "guide": info.guide, "guidance_scale": info.guidance_scale}
+    return cfg, train, opts, extra
+
+
+def image_run_time(task: str, cfg, train, card: Card, extra: dict[str, Any]) -> RunTime:
+    from ..budget.images import image_step_work
+    from ..options import CUDA_GRAPH_MODES
+
+    work = image_step_work(task, cfg, train, **extra)
+    step = step_time(work, card, cuda_graphs=bool(train.compile) and train.compile_mode in CUDA_GRAPH_MODES)
+    return run_time(step, train, compile_seconds(IMAGE_COMPILE_BLOCKS, bool(train.compile)))
+
+
+IMAGE_COMPILE_BLOCKS = 5
+"""Blocks a compiled image step unrolls, for the compile row (the UNet's five residual blocks)."""
+
+
+def image_report(task: str, argv: Sequence[str]) -> str:
+    from ..budget.images import image_ledger
+
+    cfg, train, opts, extra = image_run(task, argv)
+    cap = parse_memory(train.memory_cap or DEFAULT_MEMORY_CAP)
+    led = image_ledger(task, cfg, train, cap, **extra)
+    rt = image_run_time(task, cfg, train, budget_card(opts, train), extra)
+    per_step = train.micro_batch_size * train.gradient_accumulation_steps
+    out = [f"hf-cgpu budget: train {task}: {led.net.describe()}",
+           f"  micro-batch {train.micro_batch_size} x accumulation {train.gradient_accumulation_steps} = {per_step} "
+           f"images/step; {'compiled (' + train.compile_mode + ')' if train.compile else 'eager'}", "",
+           format_ledger(led), "", format_time(rt, per_step, unit="images", fitted=train.fit_schedule_to_time)]
+    return "\n".join(out)
+
+
 def run(argv: Sequence[str] | None = None) -> str:
     """Parse ``argv`` (a training command line plus ``BudgetSettings``) and return the report text."""
+    task, argv = split_task(argv or [])
+    if task in IMAGE_TASKS:
+        return image_report(task, argv)
     run_shape, train, opts, notes = _describe(argv)
     shape = run_shape.model
     positions = shape.positions_note(run_shape.seq_len)  # refused as training refuses it
@@ -397,7 +473,7 @@ def run(argv: Sequence[str] | None = None) -> str:
     out.append("")
     card = budget_card(opts, train)
     rt = lm_run_time(shape, setup, train, card, opts.eval_micro_batches)
-    out.append(format_time(rt, setup, fitted=train.fit_schedule_to_time))
+    out.append(format_time(rt, setup.tokens_per_step, setup.processes, fitted=train.fit_schedule_to_time))
     if not setup.adapters:
         out.append(format_chinchilla(shape, setup, rt.step))
     return "\n".join(out)
@@ -416,8 +492,15 @@ def price_card(run_shape: RunShape, setup: TrainSetup, train, card: Card) -> dic
 def price(task: str, argv: Sequence[str], card: Card) -> dict[str, Any]:
     """The ledger's figures for ``hf-cgpu train TASK ARGV`` on ``card``, as numbers (a benchmark puts them beside its
     measurements): allocated / reserved / total GiB, step seconds and its rows, steps the run does."""
-    if task not in ("gpt", "lora"):
-        raise SettingsError(f"the ledger prices gpt and lora runs; not {task!r} yet")
+    if task in IMAGE_TASKS:
+        from ..budget.images import image_ledger
+
+        cfg, train, opts, extra = image_run(task, argv)
+        led = image_ledger(task, cfg, train, card.memory_gib * GiB if card.memory_gib else None, **extra)
+        rt = image_run_time(task, cfg, train, card, extra)
+        return {"allocated_gib": led.allocated / GiB, "reserved_gib": led.reserved / GiB,
+                "total_gib": led.total / GiB, "fits": led.fits, "step_s": rt.step.seconds, "bound": rt.step.bound,
+                "steps": rt.steps, "parts": "/".join(f"{r.seconds * 1e3:.1f}" for r in rt.step.rows)}
     run_shape, train, opts, _ = _describe(list(argv))
     return price_card(run_shape, run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp), train, card)
 
