@@ -68,13 +68,20 @@ def test_rows_pad_cut_and_count(tmp_path):
     tok = byte_tok(CHAT)
     ds = datasets.Dataset.from_dict({"prompt": ["a", "b" * 40], "response": ["xyz", "w" * 40]})
     rows = build_rows(ds, tok, seq_len=48, fmt="prompt")
-    assert rows.ids.shape == rows.targets.shape == (2, 49) and rows.n_truncated == 1
+    # the long prompt leaves no room for its answer: cut, and left out (it would train on nothing), both counted
+    assert rows.ids.shape == rows.targets.shape == (1, 49) and rows.n_truncated == 1 and rows.n_cut_to_prompt == 1
+    assert rows.n_examples == 1 and rows.row_tokens.tolist() == [rows.n_tokens] == [len(tok.decode(rows.ids[0, :39]))]
+    assert tok.decode(rows.ids[0, :39]) == "<|user|>a<|end|><|assistant|>xyz<|end|>"  # one token a character
     first = rows.targets[0]
     assert tok.decode(first[first != IGNORE].tolist()) == "xyz<|end|>"  # padding and prompt never scored
-    assert (rows.targets[1] == IGNORE).all()  # the long prompt leaves no room for its answer
     assert rows.n_chars == 3
-    with pytest.raises(ValueError, match="raise --seq_len"):
+    first = len("<|user|>" + "b" * 40 + "<|end|><|assistant|>")  # where its first response token is
+    with pytest.raises(DataError, match=r"every example of the data is cut at --seq_len 48 before its first response "
+                                        rf"token, so nothing is left to train on; raise --seq_len to {first} or more$"):
         build_rows(ds.select([1]), tok, seq_len=48, fmt="prompt")
+    assert build_rows(ds.select([1]), tok, seq_len=first, fmt="prompt").n_cut_to_prompt == 0
+    with pytest.raises(DataError, match="cut at --seq_len"):
+        build_rows(ds.select([1]), tok, seq_len=first - 1, fmt="prompt")
 
 
 def test_validation_is_carved_when_missing(tmp_path):

@@ -225,7 +225,9 @@ class FinetuneSettings:
     packing: bool = field(default=True, metadata=FIXED)
     """Instruction data: several whole examples per training row (best-fit decreasing, little padding), positions
     restarting at each example so attention and the loss stay within it; false: one example per row, padded to
-    --seq_len. An example longer than a row is cut either way (counted). Validation rows are never packed."""
+    --seq_len. An example longer than a row is cut either way (counted). Validation rows are never packed. A check
+    at start-up (a packed row against its examples alone) turns packing off, saying why, on a base whose positions
+    do not restart (OPT, BLOOM); a --packing true given on the command line is refused there instead."""
     loss_chunk_size: int = 1024
     """Tokens per chunk of the fp32 loss (the full logits are never materialised)."""
     merge: bool = False
@@ -238,6 +240,9 @@ class FinetuneSettings:
     """Processes for tokenisation (0 = automatic)."""
     cache_dir: str = ""
     """Where packed token files are cached (empty = default cache)."""
+    given_flags: str = field(default="", metadata={"cli": False, "given_flags": True})
+    """The flags given on the command line, comma-separated (set by the parser): a --packing true given there is
+    refused on a base that packing does not suit, where the default falls back to one example per row."""
 
     def __post_init__(self) -> None:
         if self.merge_dtype not in ("bfloat16", "float32", "float16"):
