@@ -107,8 +107,8 @@ def packing_leak(model: nn.Module, autocast: Callable[[], Any] = contextlib.null
 
 def packing_tolerance(model: nn.Module, mixed_precision: str = "no") -> float:
     """The most ``packing_leak`` may find where nothing leaks: 1e-4 for fp32 arithmetic, 0.05 for bf16/fp16 (weights
-    or autocast) and 4-bit weights. Rounding alone stays several times below (the example at another offset of a
-    row of the same shape); a model that leaks moves more than 0.1 of its probability."""
+    or autocast) and 4-bit weights. Rounding alone (the same example at another offset of a row of one shape) stays
+    several times below it, and a base that leaks moves several times more."""
     low = (mixed_precision in ("bf16", "fp16") or getattr(model, "dtype", torch.float32) != torch.float32
            or is_4bit(model))
     return 0.05 if low else 1e-4

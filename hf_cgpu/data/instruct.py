@@ -139,13 +139,15 @@ def answers(tokenizer, role: str) -> bool:
         return False
     key = (template, role)
     if key not in _AS_ANSWER:
+        from jinja2 import TemplateError
+
         def text(who):
             return tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": who, "content": "Yes"}],
                                                  tokenize=False)
 
         try:
             _AS_ANSWER[key] = text(role) == text(ANSWER_ROLE)
-        except Exception:  # a template that refuses the role (jinja's raise_exception) renders no answer with it
+        except TemplateError:  # a template that refuses the role (its raise_exception) renders no answer with it
             _AS_ANSWER[key] = False
     return _AS_ANSWER[key]
 
