@@ -9,6 +9,7 @@ around). A merge that rounds away part of the update (into bf16 weights) says so
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import Callable
@@ -22,11 +23,12 @@ from .errors import IntegrityError, SettingsError
 from .gguf import gguf_location
 from .integrity import sha256_file, usual_modes
 from .paths import gguf_cache
-from .tiers.load import load_base_model
+from .tiers.load import is_4bit, load_base_model
 from .tiers.lora import peft_quiet
 
 __all__ = ["BASE_RECORD", "base_digest", "base_files", "check_base", "check_base_digest", "load_adapter",
-           "merge_and_save", "merge_base", "merge_rounding", "merged_model", "resolve_base", "save_adapter"]
+           "merge_and_save", "merge_base", "merge_rounding", "merged_model", "packing_leak", "packing_tolerance",
+           "resolve_base", "save_adapter"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -110,6 +112,49 @@ def check_base(model: str, gguf_file: str = "") -> None:
     if not any(name in names for name in TOKENIZER_FILES):
         raise SettingsError(f"--model {model} has weights but no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}); "
                             "save the base's tokenizer beside them (tokenizer.save_pretrained(folder))")
+
+
+PACKING_PROBE = (7, 9)
+"""Tokens of the two examples of the packing check's rows (``packing_leak``)."""
+
+
+def packing_leak(model: nn.Module, autocast: Callable[[], Any] = contextlib.nullcontext) -> float:
+    """How far an example in a packed row is from itself alone: the largest total variation distance (the share of
+    probability that moves, 0 to 1) between the next-token distributions of example B, position by position, in the
+    row A + B and in the rows B + A (B first: a causal model reads it as B alone) and A' + B (another A of the same
+    length). Positions restart at each example, as training packs rows; the three rows are one batch of one shape.
+    0 where positions and masks keep examples apart (up to rounding); more where a model ignores the restarted
+    positions (OPT's learned positions, BLOOM's ALiBi distances) or attends across examples.
+
+    Milliseconds on the model's device: eval mode (no dropout), no gradients, ``autocast`` as training has it.
+    """
+    a_len, b_len = PACKING_PROBE
+    vocab = model.get_input_embeddings().num_embeddings
+    tokens = torch.randint(0, vocab, (2 * a_len + b_len,), generator=torch.Generator().manual_seed(0))
+    a, other, b = tokens[:a_len], tokens[a_len : 2 * a_len], tokens[2 * a_len :]
+    ids = torch.stack([torch.cat([a, b]), torch.cat([other, b]), torch.cat([b, a])])
+    restart = torch.cat([torch.arange(a_len), torch.arange(b_len)])
+    positions = torch.stack([restart, restart, torch.cat([torch.arange(b_len), torch.arange(a_len)])])
+    device = model.get_input_embeddings().weight.device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), autocast():
+            logits = model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False).logits
+    finally:
+        model.train(was_training)
+    probs = torch.softmax(logits.float(), dim=-1)
+    packed, crossed, alone = probs[0, a_len:], probs[1, a_len:], probs[2, :b_len]
+    return max(0.5 * (packed - other_row).abs().sum(-1).max().item() for other_row in (alone, crossed))
+
+
+def packing_tolerance(model: nn.Module, mixed_precision: str = "no") -> float:
+    """The most ``packing_leak`` may find where nothing leaks: 1e-4 for fp32 arithmetic, 0.05 for bf16/fp16 (weights
+    or autocast) and 4-bit weights. Rounding alone (the same example at another offset of a row of one shape) stays
+    several times below it, and a base that leaks moves several times more."""
+    low = (mixed_precision in ("bf16", "fp16") or getattr(model, "dtype", torch.float32) != torch.float32
+           or is_4bit(model))
+    return 0.05 if low else 1e-4
 
 
 def save_adapter(model: nn.Module, output_dir: str | Path) -> Path:

@@ -46,6 +46,33 @@ def test_a_non_string_text_row_is_named_by_file_row_and_line(tmp_path, capsys, m
     assert "'text' is a number (5), not a string" in line
 
 
+@pytest.mark.parametrize("bad, why", [
+    ('"text": "one", "text": "two"', "key 'text' appears twice in one object; keep one"),
+    ('"text": "half a pair \\ud800 here"', "a string holds an unpaired UTF-16 surrogate escape"),
+    ('"text": "x", "meta": {"k\\udc00": 1}', "a string holds an unpaired UTF-16 surrogate escape"),
+], ids=["duplicate-key", "lone-surrogate", "surrogate-in-a-nested-key"])
+@pytest.mark.parametrize("instruct", [False, True], ids=["text", "instructions"])
+def test_a_jsonl_line_pyarrow_refuses_is_named_by_its_line(bad, why, instruct, tmp_path):
+    """pyarrow refuses a key given twice and an unpaired surrogate escape, which Python's json reads: the error names
+    that line (5), for a text corpus and for instruction rows (text + output); a surrogate pair is text and loads."""
+    from hf_cgpu.data.instruct import instruction_splits
+
+    column, extra = ("instruction", ', "output": "ok"') if instruct else ("text", "")
+    lines = ["{" + json.dumps({column: d})[1:-1] + extra + "}" for d in DOCS[:8]]
+    path = tmp_path / "data" / "train.jsonl"
+    path.parent.mkdir()
+
+    def load(line: str):
+        line = "{" + line.replace('"text"', f'"{column}"') + extra + "}"
+        path.write_text("\n".join([*lines[:4], line, *lines[5:]]) + "\n")
+        return instruction_splits(str(path.parent), "instruct") if instruct else load_text_dataset(str(path.parent))
+
+    with pytest.raises(DataError) as err:
+        load(bad)
+    assert str(err.value).startswith(f"{path} line 5: {why.replace('text', column)}"), str(err.value)
+    load('"text": "a pair \\ud83d\\ude00 is text"')
+
+
 def test_a_too_short_validation_split_is_named_with_its_tokens(tmp_path, capsys, monkeypatch):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.txt").write_text("\n\n".join(DOCS))

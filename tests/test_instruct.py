@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -68,13 +69,20 @@ def test_rows_pad_cut_and_count(tmp_path):
     tok = byte_tok(CHAT)
     ds = datasets.Dataset.from_dict({"prompt": ["a", "b" * 40], "response": ["xyz", "w" * 40]})
     rows = build_rows(ds, tok, seq_len=48, fmt="prompt")
-    assert rows.ids.shape == rows.targets.shape == (2, 49) and rows.n_truncated == 1
+    # the long prompt leaves no room for its answer: cut, and left out (it would train on nothing), both counted
+    assert rows.ids.shape == rows.targets.shape == (1, 49) and rows.n_truncated == 1 and rows.n_cut_to_prompt == 1
+    assert rows.n_examples == 1 and rows.row_tokens.tolist() == [rows.n_tokens] == [len(tok.decode(rows.ids[0, :39]))]
+    assert tok.decode(rows.ids[0, :39]) == "<|user|>a<|end|><|assistant|>xyz<|end|>"  # one token a character
     first = rows.targets[0]
     assert tok.decode(first[first != IGNORE].tolist()) == "xyz<|end|>"  # padding and prompt never scored
-    assert (rows.targets[1] == IGNORE).all()  # the long prompt leaves no room for its answer
     assert rows.n_chars == 3
-    with pytest.raises(ValueError, match="raise --seq_len"):
+    first = len("<|user|>" + "b" * 40 + "<|end|><|assistant|>")  # where its first response token is
+    with pytest.raises(DataError, match=r"every example of the data is cut at --seq_len 48 before its first response "
+                                        rf"token, so nothing is left to train on; raise --seq_len to {first} or more$"):
         build_rows(ds.select([1]), tok, seq_len=48, fmt="prompt")
+    assert build_rows(ds.select([1]), tok, seq_len=first, fmt="prompt").n_cut_to_prompt == 0
+    with pytest.raises(DataError, match="cut at --seq_len"):
+        build_rows(ds.select([1]), tok, seq_len=first - 1, fmt="prompt")
 
 
 def test_validation_is_carved_when_missing(tmp_path):
@@ -368,3 +376,135 @@ def test_rows_are_scored_padded_to_their_batch_not_to_seq_len():
     longest = sorted(rows.lengths().tolist(), reverse=True)
     assert shapes == [(3, longest[0] - 1), (3, longest[3] - 1), (2, longest[6] - 1)]
     assert longest[0] < 100  # nothing near seq_len
+
+
+# ---- rows that would train on nothing -----------------------------------------------------------------------------
+GEMMA = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% set role = 'model' %}{% else %}"
+         "{% set role = m['role'] %}{% endif %}<start_of_turn>{{ role }}\n{{ m['content'] }}<end_of_turn>\n"
+         "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+"""Gemma's layout: the assistant's turns are written with the role name ``model``."""
+
+
+def chats(n: int, answer_role: dict[int, str | None] | None = None) -> list[dict]:
+    """``n`` two-turn chats; ``answer_role[i]`` renames row i's answer role (None: the row has no answer turn)."""
+    rows = []
+    for i in range(n):
+        role = (answer_role or {}).get(i, "assistant")
+        turns = [{"role": "user", "content": f"hi {i}"}] + ([{"role": role, "content": f"yo {i}"}] if role else [])
+        rows.append({"messages": turns})
+    return rows
+
+
+def test_a_row_without_an_assistant_turn_is_refused_naming_file_line_and_roles(tmp_path):
+    """A row whose answer is role 'model' under a template that prints 'model' as such, and a user-only row, would
+    train on nothing: refused naming file, row, line and the fix, or skipped and counted with --skip_bad_rows."""
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", chats(20, {5: "model", 9: None}))
+    with pytest.raises(DataError) as e:
+        instruction_splits(str(data), "auto", tokenizer=byte_tok(CHAT))
+    assert str(e.value) == (f"row 5 of {data / 'train.jsonl'}, line 6: 'messages' has no assistant turn (roles: user, "
+                            "model), so nothing of it would be trained on: the loss covers the turns whose role is "
+                            "assistant; give the answers that role; fix or remove that row, or pass --skip_bad_rows "
+                            "true to leave such rows out")
+    lines = []
+    splits, _ = instruction_splits(str(data), "auto", skip_bad_rows=True, log=lines.append, tokenizer=byte_tok(CHAT))
+    assert lines[0] == f"skipped 2 rows without an assistant turn (first: row 5 of {data / 'train.jsonl'}, line 6)"
+    assert len(splits["train"]) + len(splits["validation"]) == 18
+    write_jsonl(data / "train.jsonl", chats(20))
+    write_jsonl(data / "validation.jsonl", chats(3, {2: None}))  # the held-out split is checked the same way
+    with pytest.raises(DataError, match=f"row 2 of {data / 'validation.jsonl'}, line 3: 'messages' has no assistant "
+                                        r"turn \(roles: user\)"):
+        instruction_splits(str(data), "auto", tokenizer=byte_tok(CHAT))
+    with pytest.raises(DataError, match=r"row 1 of the train split: 'messages' has no assistant turn \(roles: user\)"):
+        build_rows(datasets.Dataset.from_list(chats(3, {1: None})), byte_tok(CHAT), 64, "messages", "the train split")
+
+
+def test_model_is_the_assistant_only_where_the_chat_template_writes_it_so():
+    """Under Gemma's layout a 'model' turn renders exactly as an assistant turn: it is scored as one. Under another
+    template (or none) 'model' is a prompt turn like any other role, so a chat answered by 'model' is refused."""
+    from hf_cgpu.data.instruct import answers
+
+    gemma, chatml = byte_tok(GEMMA), byte_tok(CHAT)
+    assert answers(gemma, "model") and not answers(chatml, "model") and not answers(byte_tok(None), "model")
+    assert not answers(gemma, "user") and answers(chatml, "assistant")
+    as_model = [{"role": "user", "content": "hi"}, {"role": "model", "content": "yo"}]
+    ids, flags, chars = encode(gemma, as_model)
+    assert scored_text(gemma, ids, flags) == "yo<end_of_turn>\n" and chars == 2
+    assert (ids, flags) == encode(gemma, [as_model[0], {"role": "assistant", "content": "yo"}])[:2]
+    ds = datasets.Dataset.from_list([{"messages": as_model}] * 2)
+    assert build_rows(ds, gemma, 64, "messages").n_examples == 2
+    with pytest.raises(DataError, match="has no assistant turn"):
+        build_rows(ds, chatml, 64, "messages")
+
+
+def test_lora_refuses_rows_that_would_train_on_nothing(tiny_base, tmp_path, capsys, monkeypatch):
+    """8 chats, half answered by 'model' or not at all: refused in one line naming the first, not trained as '8
+    instruction examples' with half of them scoring nothing."""
+    write_jsonl(tmp_path / "data" / "train.jsonl", chats(8, {1: "model", 3: None, 5: "model", 7: None}))
+    argv = ["train", "lora", "--preset", "lora", "--model", str(tiny_base), "--dataset", str(tmp_path / "data"),
+            "--max_steps", "1", "--seq_len", "32", "--compile", "false", "--micro_batch_size", "2",
+            "--gradient_accumulation_steps", "1", "--eval_steps", "1", "--eval_batches", "1",
+            "--output_dir", str(tmp_path / "run")]
+    line = error_line(argv, capsys, monkeypatch)
+    assert line.startswith(f"error: row 1 of {tmp_path / 'data' / 'train.jsonl'}, line 2: 'messages' has no assistant "
+                           "turn (roles: user, model)"), line
+
+
+def test_examples_cut_before_their_response_are_left_out_and_counted(tiny_base, tmp_path, capsys, monkeypatch):
+    """An example whose prompt fills the row trains on nothing: left out and counted in the run's line with the
+    advice to raise --seq_len; a held-out split cut entirely is refused with that advice."""
+    long = "word " * 60
+    rows = [{"instruction": long if i % 4 == 0 else f"say {i}", "output": f"{i} it is"} for i in range(40)]
+    write_jsonl(tmp_path / "data" / "train.jsonl", rows)
+    write_jsonl(tmp_path / "data" / "validation.jsonl", rows[:4])
+    argv = ["train", "lora", "--preset", "lora", "--model", str(tiny_base), "--dataset", str(tmp_path / "data"),
+            "--max_steps", "1", "--seq_len", "32", "--compile", "false", "--micro_batch_size", "2",
+            "--gradient_accumulation_steps", "1", "--eval_steps", "1", "--eval_batches", "1", "--packing", "false"]
+    assert cli_main([*argv, "--output_dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"train 30 instruction examples \(instruction rows, chat template: yes\), \d+ longer than 33 "
+                     r"tokens cut \(10 of them before their first response token: left out, raise --seq_len to train "
+                     r"on them\); one example per row", out), out
+    write_jsonl(tmp_path / "data" / "validation.jsonl", rows[:1])
+    line = error_line([*argv, "--output_dir", str(tmp_path / "cut")], capsys, monkeypatch)
+    assert line.startswith("error: every example of the validation split is cut at --seq_len 32 before its first "
+                           "response token, so nothing is left to train on; raise --seq_len to "), line
+
+
+# ---- tokens counted: the examples', not the padding's ---------------------------------------------------------------
+def test_tokens_seen_and_their_rate_count_the_examples_not_the_padding(tiny_base, tmp_path):
+    """toks_seen (and tok/s: the loop's one count of each step, over its time) are the examples' input tokens: 2
+    steps of 4 identical examples of L tokens are 8 L, not the 8 x 63 slots of their padded rows."""
+    from transformers import AutoTokenizer
+
+    write_jsonl(tmp_path / "data" / "train.jsonl", [{"instruction": "count to 3", "output": "0 1 2 3"}] * 20)
+    out = tmp_path / "run"
+    assert cli_main(["train", "lora", "--preset", "lora", "--model", str(tiny_base), "--dataset",
+                     str(tmp_path / "data"), "--max_steps", "2", "--seq_len", "63", "--compile", "false",
+                     "--micro_batch_size", "4", "--gradient_accumulation_steps", "1", "--eval_steps", "0",
+                     "--eval_batches", "1", "--packing", "false", "--progress", "false",
+                     "--output_dir", str(out)]) == 0
+    rows = build_rows(datasets.Dataset.from_list([{"instruction": "count to 3", "output": "0 1 2 3"}]),
+                      AutoTokenizer.from_pretrained(out), 63, "instruction")  # the saved chat template
+    assert 8 < rows.n_tokens < 63
+    assert json.loads((out / "all_results.json").read_text())["toks_seen"] == 8 * rows.n_tokens
+
+
+def test_a_batch_counts_the_tokens_of_its_examples():
+    """FinetuneTask.units: padded or packed rows, the input tokens of the examples they hold (at most seq_len a row:
+    its last slot is only a target); text windows count every input token."""
+    from hf_cgpu.tasks.finetune_lm import FinetuneSettings, FinetuneTask
+
+    tok = byte_tok(CHAT)
+    prompts, answers = ["hi", "a longer question", "x", "what is 2 + 2"], ["hello", "sure", "why not", "four"]
+    ds = datasets.Dataset.from_dict({"prompt": prompts, "response": answers})
+    sizes = [len(encode(tok, to_messages({"prompt": p, "response": a}, "prompt"))[0]) for p, a in zip(prompts, answers)]
+    task = FinetuneTask(FinetuneSettings())
+    task.instruct = True
+    for packing in (False, True):
+        task.train_rows = rows = build_rows(ds, tok, 63, "prompt", packing=packing)
+        everything = torch.arange(len(rows))
+        assert task.units(task.train_batch(everything, "cpu", None)) == sum(sizes) < rows.ids[:, :-1].numel()
+    task.train_rows = rows = build_rows(ds, tok, 32, "prompt")  # every example cut; two of them before their answer
+    assert min(sizes) > 33 and len(rows) == 2 and rows.n_cut_to_prompt == 2
+    assert task.units(task.train_batch(torch.arange(2), "cpu", None)) == 2 * 32

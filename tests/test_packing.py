@@ -236,3 +236,138 @@ def test_a_tiny_long_sequence_lora_run_with_recompute_and_a_chunked_loss(tiny_ba
 
     results = json.loads((out / "all_results.json").read_text())
     assert math.isfinite(results["val_loss"]) and results["toks_seen"] == 2 * 256
+
+
+# ---- bases whose positions do not restart: the check at start-up --------------------------------------------------
+def _tiny(kind: str, vocab: int = 257, dtype=torch.float32, **ids):
+    """A random 2-layer base of ``kind``, initialised wide (std 0.3) so that what leaks across a packed row shows
+    in its outputs at any precision."""
+    from transformers import (BloomConfig, BloomForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, OPTConfig, OPTForCausalLM)
+
+    torch.manual_seed(0)
+    if kind == "opt":  # learned positions read from the attention mask, offset by 2: restarted positions are ignored
+        return OPTForCausalLM(OPTConfig(vocab_size=vocab, hidden_size=32, word_embed_proj_dim=32, ffn_dim=64,
+                                        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64,
+                                        init_std=0.3, **ids)).to(dtype)
+    if kind == "bloom":  # ALiBi: distances over the whole row
+        return BloomForCausalLM(BloomConfig(vocab_size=vocab, hidden_size=32, n_layer=2, n_head=2,
+                                            initializer_range=0.3, **ids)).to(dtype)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=2, initializer_range=0.3,
+                                            **ids)).to(dtype)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, max_position_embeddings=64, initializer_range=0.3,
+                                            **ids)).to(dtype)
+
+
+LEAKY = {"opt": True, "bloom": True, "llama": False, "neox": False}
+
+
+def _second_example_losses(model, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Per-token losses of ``second`` packed after ``first`` (positions restarting), as training scores them."""
+    ids = torch.cat([first, second])[None]
+    positions = torch.cat([torch.arange(len(first)), torch.arange(len(second))])[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, len(first):-1].float()
+    return torch.nn.functional.cross_entropy(logits, second[1:], reduction="none")
+
+
+@pytest.mark.parametrize("kind", list(LEAKY))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_packing_check_finds_the_bases_whose_packed_examples_leak(kind, dtype):
+    """OPT and BLOOM read a packed row as one sequence: the second example's losses depend on the first example's
+    tokens (measured here without the check) and on where it sits; the check says so beyond its tolerance. A Llama
+    and a GPT-NeoX keep the examples apart to the last bit."""
+    from hf_cgpu.finetune import packing_leak, packing_tolerance
+
+    model = _tiny(kind, dtype=dtype).eval()
+    g = torch.Generator().manual_seed(1)
+    first, other, second = (torch.randint(0, 257, (n,), generator=g) for n in (6, 6, 10))
+    packed = _second_example_losses(model, first, second)
+    with torch.no_grad():
+        alone = torch.nn.functional.cross_entropy(model(second[None]).logits[0, :-1].float(), second[1:],
+                                                  reduction="none")
+    crossed = (packed - _second_example_losses(model, other, second)).abs().max().item()
+    moved = (packed - alone).abs().max().item()
+    leak, tolerance = packing_leak(model), packing_tolerance(model)
+    assert tolerance == (1e-4 if dtype == torch.float32 else 0.05)
+    if LEAKY[kind]:
+        assert crossed > 0.05 and moved > 0.05, (crossed, moved)  # the leak is real
+        assert leak > 2 * tolerance, leak
+    else:
+        assert crossed == 0 and leak == 0, (crossed, leak)
+        assert moved < 1e-5 if dtype == torch.float32 else moved < 0.1
+    assert model.training is False
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    """A tiny saved base of each kind with a tokenizer trained on the built-in corpus (a run's --model)."""
+    from hf_cgpu.data.corpus import builtin_corpus
+    from hf_cgpu.data.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(builtin_corpus()[:20], vocab_size=400, show_progress=False)
+    out = {}
+    for kind in ("opt", "bloom"):
+        d = tmp_path_factory.mktemp(kind)
+        _tiny(kind, len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id or tok.eos_token_id).save_pretrained(d)
+        tok.save_pretrained(d)
+        out[kind] = d
+    return out
+
+
+def _instruction_data(folder):
+    import json
+
+    folder.mkdir()
+    rows = [{"instruction": f"count to {i % 7}", "output": " ".join(str(k) for k in range(i % 7 + 1))}
+            for i in range(40)]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def _lora_args(base, data, out, *extra):
+    return ["train", "lora", "--preset", "lora", "--model", str(base), "--dataset", str(data), "--seq_len", "63",
+            "--micro_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_steps", "2", "--warmup_steps",
+            "1", "--eval_steps", "0", "--eval_batches", "1", "--checkpointing_steps", "0", "--progress", "false",
+            "--compile", "false", "--recompute", "false", "--lora_r", "4", "--output_dir", str(out), *extra]
+
+
+@pytest.mark.parametrize("kind", ["opt", "bloom"])
+def test_a_base_that_leaks_trains_one_example_per_row_and_says_why(kind, bases, tmp_path, capsys, monkeypatch):
+    """Packing is on by default; on an OPT or BLOOM base the start-up check turns it off in one line naming the
+    model type, the run trains one example per row and records packing false; --packing true given on the command
+    line is refused instead."""
+    import json
+
+    from hf_cgpu.cli import main as cli_main
+    from test_data_errors import error_line
+
+    data = _instruction_data(tmp_path / "data")
+    out = tmp_path / "run"
+    assert cli_main(_lora_args(bases[kind], data, out)) == 0
+    printed = capsys.readouterr().out
+    note = next(line for line in printed.splitlines() if line.startswith("note: packing off"))
+    assert f"this {kind} base does not keep packed examples apart" in note and "one example per row" in note, note
+    assert "; one example per row; loss on the responses only" in printed, printed
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["settings"]["packing"] is False
+    line = error_line(_lora_args(bases[kind], data, tmp_path / "forced", "--packing", "true"), capsys, monkeypatch)
+    assert line.startswith(f"error: --packing true: in a packed row") and f"this {kind} base" in line, line
+    assert line.endswith("pass --packing false (one example per row)"), line
+
+
+def test_a_base_that_keeps_examples_apart_stays_packed(tiny_base, tmp_path, capsys):
+    """The GPT-NeoX base passes the check: packed rows, no note, packing true recorded."""
+    import json
+
+    from hf_cgpu.cli import main as cli_main
+
+    data = _instruction_data(tmp_path / "data")
+    assert cli_main(_lora_args(tiny_base, data, tmp_path / "run", "--packing", "true")) == 0
+    printed = capsys.readouterr().out
+    assert "packing off" not in printed and "; packed into " in printed, printed
+    assert json.loads((tmp_path / "run" / "all_results.json").read_text())["settings"]["packing"] is True

@@ -45,9 +45,20 @@ def check_files(files: Sequence[str | Path], split: str | None = None) -> int:
     return rows
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """An object's fields (``json.loads``' ``object_pairs_hook``), refusing a key given twice as pyarrow does."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice in one object; keep one")
+        seen.add(key)
+    return dict(pairs)
+
+
 def bad_json_line(path: Path) -> str | None:
-    """'<file> line N: ...' for the first line of a JSON-lines file that does not parse (None: every line does;
-    a file holding one JSON document is checked as a whole)."""
+    """'<file> line N: ...' for the first line of a JSON-lines file that does not parse as ``datasets`` (pyarrow)
+    reads it: no valid JSON, a key twice in one object, a string with an unpaired UTF-16 surrogate escape
+    (``"\\ud800"``). None: every line parses; a file holding one JSON document is checked as a whole."""
     text = path.read_text(encoding="utf-8", errors="replace")
     if text.lstrip().startswith("["):
         try:
@@ -60,9 +71,16 @@ def bad_json_line(path: Path) -> str | None:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as err:
             return f"{path} line {n}: not valid JSON ({err.msg}); fix or remove that line"
+        except ValueError as err:
+            return f"{path} line {n}: {err}"
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return (f"{path} line {n}: a string holds an unpaired UTF-16 surrogate escape (\\ud800 to \\udfff), "
+                    "which is no text; fix or remove that line")
         if not isinstance(obj, dict):
             return f"{path} line {n}: a JSON {type(obj).__name__}, not an object with named fields; fix that line"
         rows += 1

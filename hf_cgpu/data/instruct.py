@@ -123,6 +123,45 @@ PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
 
+ANSWER_ROLE = "assistant"
+"""The role of the turns the loss covers (the answers a fine-tuned model learns to give)."""
+_AS_ANSWER: dict[tuple[str, str], bool] = {}
+
+
+def answers(tokenizer, role: str) -> bool:
+    """Whether the loss covers a turn of ``role``: ``assistant``, or a role the tokenizer's chat template renders
+    exactly as an assistant turn (Gemma's templates write the assistant's turns as ``model``, so there ``model`` is
+    the same turn). Other roles (user, system, a ``model`` that ChatML would print as such) are prompts."""
+    if role == ANSWER_ROLE:
+        return True
+    template = getattr(tokenizer, "chat_template", None)
+    if role in ("user", "system") or not isinstance(template, str):
+        return False
+    key = (template, role)
+    if key not in _AS_ANSWER:
+        from jinja2 import TemplateError
+
+        def text(who):
+            return tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": who, "content": "Yes"}],
+                                                 tokenize=False)
+
+        try:
+            _AS_ANSWER[key] = text(role) == text(ANSWER_ROLE)
+        except TemplateError:  # a template that refuses the role (its raise_exception) renders no answer with it
+            _AS_ANSWER[key] = False
+    return _AS_ANSWER[key]
+
+
+def no_answer(tokenizer, messages: list[dict[str, str]]) -> RowError | None:
+    """The ``RowError`` of a conversation without a turn the loss covers (``answers``): it would train on nothing."""
+    if any(answers(tokenizer, m["role"]) for m in messages):
+        return None
+    roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
+    return RowError("messages", f"has no assistant turn (roles: {roles}), so nothing of it would be trained on: the "
+                    "loss covers the turns whose role is assistant; give the answers that role",
+                    "without an assistant turn")
+
+
 def render(tokenizer, messages: list[dict[str, str]], append_eos: bool = False) -> tuple[str, list[tuple[int, int]]]:
     """The conversation's text and the character spans the loss covers (the assistant turns); ``append_eos``: the
     EOS follows each assistant turn, inside its span (for a template that ends a turn with no special token)."""
@@ -137,7 +176,7 @@ def render(tokenizer, messages: list[dict[str, str]], append_eos: bool = False) 
 
         full, spans = text(messages, False), []
         for i, m in enumerate(messages):
-            if m["role"] != "assistant":
+            if not answers(tokenizer, m["role"]):
                 continue
             before, upto = text(messages[:i], True) if i else "", text(messages[: i + 1], False)
             if not (full.startswith(upto) and upto.startswith(before)):
@@ -145,8 +184,9 @@ def render(tokenizer, messages: list[dict[str, str]], append_eos: bool = False) 
                                  "pass plain text (--text_column) or a tokenizer with another template")
             spans.append((len(before), len(upto)))
         return full, spans
-    prompt = "".join(PROMPT_TEMPLATE.format(instruction=m["content"]) for m in messages if m["role"] != "assistant")
-    answer = "\n\n".join(m["content"] for m in messages if m["role"] == "assistant")
+    prompt = "".join(PROMPT_TEMPLATE.format(instruction=m["content"]) for m in messages
+                     if not answers(tokenizer, m["role"]))
+    answer = "\n\n".join(m["content"] for m in messages if answers(tokenizer, m["role"]))
     eos = tokenizer.eos_token or ""
     return prompt + answer + eos, [(len(prompt), len(prompt) + len(answer) + len(eos))]
 
@@ -157,7 +197,7 @@ def encode(tokenizer, messages: list[dict[str, str]], append_eos: bool = False) 
     full, spans = render(tokenizer, messages, append_eos)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     flags = [any(a <= start < b for a, b in spans) and end > start for start, end in enc["offset_mapping"]]
-    return enc["input_ids"], flags, sum(len(m["content"]) for m in messages if m["role"] == "assistant")
+    return enc["input_ids"], flags, sum(len(m["content"]) for m in messages if answers(tokenizer, m["role"]))
 
 
 @dataclass
@@ -174,6 +214,8 @@ class InstructionRows:
     position_ids: torch.Tensor | None = None
     n_examples: int = 0
     n_tokens: int = 0  # slots holding an example's token (the rest is padding)
+    n_cut_to_prompt: int = 0  # examples cut before their first response token: left out (nothing to train on)
+    row_tokens: torch.Tensor | None = None  # (N,) slots of each row holding an example's token (the rest is padding)
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -197,6 +239,8 @@ def _encode_all(ds: datasets.Dataset, tokenizer, fmt: str, where: str, append_eo
     for i, row in enumerate(ds):
         try:
             messages = to_messages(row, fmt)
+            if err := no_answer(tokenizer, messages):
+                raise err
         except RowError as err:
             raise DataError(f"row {i} of {where}: {err}; fix or remove that row") from None
         out.append(_Example(*encode(tokenizer, messages, append_eos)))
@@ -207,49 +251,61 @@ def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str, where: s
                append_eos: bool = False, packing: bool = False) -> InstructionRows:
     """The rows of ``ds`` (``fmt``) as fixed-length rows of ``seq_len + 1`` tokens: one example each, padded, or with
     ``packing`` several whole examples each (``best_fit_decreasing``). An example longer than a row is cut (counted in
-    ``n_truncated``), never continued in another row. A row that is no chat is refused naming its index in ``where``
-    (``instruction_splits`` has refused or skipped those already, naming their files). ``append_eos``: see ``render``
-    (``data.chat.prepare_chat`` decides)."""
+    ``n_truncated``), never continued in another row; one cut before its first response token would train on nothing
+    and is left out (counted in ``n_cut_to_prompt``). A row that is no chat, or has no assistant turn, is refused
+    naming its index in ``where`` (``instruction_splits`` has refused or skipped those already, naming their files).
+    ``append_eos``: see ``render`` (``data.chat.prepare_chat`` decides)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = seq_len + 1
-    examples = _encode_all(ds, tokenizer, fmt, where, append_eos)
+    encoded = _encode_all(ds, tokenizer, fmt, where, append_eos)
+    # an example's first token is never predicted (in a packed row: not from the one before), so a target counts from 1
+    examples = [e for e in encoded if any(e.flags[1:width])]
+    if not examples:
+        if not encoded:
+            raise DataError(f"{where} holds no example; add rows to it")
+        starts = [e.flags.index(True, 1) for e in encoded if any(e.flags[1:])]
+        if not starts:
+            raise DataError(f"no example of {where} has a response token to predict; check its assistant turns")
+        raise DataError(f"every example of {where} is cut at --seq_len {seq_len} before its first response token, "
+                        f"so nothing is left to train on; raise --seq_len to {min(starts)} or more")
     lengths = [len(e.tokens) for e in examples]
     bins = best_fit_decreasing(lengths, width) if packing else [[i] for i in range(len(examples))]
     ids = np.full((len(bins), width), pad, dtype=np.int64)
     targets = np.full((len(bins), width), IGNORE, dtype=np.int64)
     positions = np.zeros((len(bins), width), dtype=np.int64)
+    filled = np.zeros(len(bins), dtype=np.int64)
     chars = 0.0
     for r, members in enumerate(bins):
         at = 0
         for i in members:
             e = examples[i]
             tok, flags = e.tokens[:width], np.asarray(e.flags[:width], dtype=bool)
-            flags[:1] = False  # an example's first token is never predicted (in a packed row: not from the one before)
+            flags[:1] = False
             ids[r, at : at + len(tok)] = tok
             targets[r, at : at + len(tok)][flags] = np.asarray(tok)[flags]
             positions[r, at : at + len(tok)] = np.arange(len(tok))
             chars += e.n_chars * flags.sum() / max(1, sum(e.flags))  # the characters of the target tokens kept
             at += len(tok)
         positions[r, at:] = np.arange(width - at)  # the padding is a sequence of its own
-    if not (targets[:, 1:] != IGNORE).any():
-        raise DataError("no response token is left to train on; raise --seq_len or check the data's columns")
+        filled[r] = at
     return InstructionRows(torch.from_numpy(ids), torch.from_numpy(targets), round(chars),
-                           sum(n > width for n in lengths), seq_len,
-                           torch.from_numpy(positions) if packing else None, len(examples),
-                           sum(min(n, width) for n in lengths))
+                           sum(len(e.tokens) > width for e in encoded), seq_len,
+                           torch.from_numpy(positions) if packing else None, len(examples), int(filled.sum()),
+                           len(encoded) - len(examples), torch.from_numpy(filled))
 
 
 def instruction_splits(source: str | None, data_format: str = "auto", text_column: str = "text",
                        validation_fraction: float = 0.05, seed: int = 0, skip_bad_rows: bool = False,
-                       log: Callable[[str], None] | None = None) -> tuple[dict, str] | None:
+                       log: Callable[[str], None] | None = None, tokenizer=None) -> tuple[dict, str] | None:
     """``({"train": ds, "validation": ds}, format)`` of ``source`` when its columns hold instructions
     (``detect_format``) under ``--data_format`` auto or instruct, loaded once; ``None`` for plain text (``builtin``
     is text, and so is anything under ``text``). A validation split is carved from train when it has none:
     ``validation_fraction`` of the rows, at least 1. ``instruct`` on columns that hold none is a one-line error.
 
     Every row is checked before any is used: a row whose fields are not text (a null or missing ``output``, a message
-    without ``content``) is refused in one line naming its file, row and field; with ``skip_bad_rows`` such rows are
-    left out instead and counted in one line per split to ``log`` (default: stderr)."""
+    without ``content``) or that has no assistant turn (``answers``: by the chat template of ``tokenizer``, where
+    given) is refused in one line naming its file, row and field; with ``skip_bad_rows`` such rows are left out
+    instead and counted in one line per split to ``log`` (default: stderr)."""
     if data_format not in ("auto", "instruct", "text"):
         raise DataError(f"--data_format {data_format!r}: choose auto, instruct or text")
     if data_format == "text" or source is None or source == "builtin":
@@ -266,7 +322,8 @@ def instruction_splits(source: str | None, data_format: str = "auto", text_colum
     if named_as_train(source):
         (log or _stderr)(named_as_train(source))
     files = split_files(source)
-    splits = {split: _usable_rows(ds, fmt, split, files.get(split, []), source, skip_bad_rows, log or _stderr)
+    splits = {split: _usable_rows(ds, fmt, split, files.get(split, []), source, skip_bad_rows, log or _stderr,
+                                  tokenizer)
               for split, ds in splits.items()}
     if "validation" not in splits:
         n = len(splits["train"])
@@ -284,8 +341,9 @@ def _stderr(line: str) -> None:
 
 
 def _usable_rows(ds: datasets.Dataset, fmt: str, split: str, files: list, source: str, skip: bool,
-                 log: Callable[[str], None]) -> datasets.Dataset:
-    """``ds`` without the rows ``fmt`` cannot turn into a chat: refused, naming the first, unless ``skip``."""
+                 log: Callable[[str], None], tokenizer=None) -> datasets.Dataset:
+    """``ds`` without the rows ``fmt`` cannot turn into a chat with an assistant turn: refused, naming the first,
+    unless ``skip``."""
 
     def where(i: int) -> str:
         return locate_row(files, i) or f"row {i} of the {split} split of {source}"
@@ -294,7 +352,8 @@ def _usable_rows(ds: datasets.Dataset, fmt: str, split: str, files: list, source
     bad: dict[int, RowError] = {}
     for i, row in enumerate(ds):
         try:
-            convert(row)
+            if err := no_answer(tokenizer, convert(row)):
+                raise err
         except RowError as err:
             if not skip:
                 raise DataError(f"{where(i)}: {err}; fix or remove that row, or pass --skip_bad_rows true to leave "

@@ -185,7 +185,7 @@ def evaluate_language_model(
     if context and seq_len > context:
         raise SettingsError(f"--seq_len {seq_len} exceeds the model's {context} positions; use --seq_len {context}")
     source = None if dataset == BUILTIN else dataset
-    found = instruction_splits(source, data_format, text_column)
+    found = instruction_splits(source, data_format, text_column, tokenizer=tokenizer)
     if found is not None:  # as the fine-tuning run scores it: the responses only, one example per row
         splits, fmt = found
         rows_split = splits[split]
@@ -195,7 +195,8 @@ def evaluate_language_model(
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             scores = score_rows(causal_lm_target_loss(model), rows, batch_size, dev, progress=progress)
         return {"model": model_dir, "dataset": dataset, "split": split, "seq_len": seq_len, "format": fmt,
-                "examples": n, "cut_at_seq_len": rows.n_truncated, "characters": rows.n_chars, **scores,
+                "examples": n, "cut_at_seq_len": rows.n_truncated, "cut_before_response": rows.n_cut_to_prompt,
+                "characters": rows.n_chars, **scores,
                 "whole_split": n == len(rows_split)}
     whole = bool(named_as_train(source))  # files named one by one, none train* by name: scored whole, as named
     ds = load_text_dataset(source, text_column=text_column, carve=not whole)

@@ -6,6 +6,7 @@ goes through ``causal_lm_loss_from_hidden`` so the (B, T, vocab) fp32 logits are
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -23,13 +24,15 @@ from ..data.packing import pack_dataset
 from ..data.tokenizer import no_eos_message, tokenizer_hash
 from ..errors import DataError, SettingsError, require_model
 from ..evaluation.text import score_rows
-from ..finetune import BASE_RECORD, base_digest, check_base, merge_and_save, resolve_base, save_adapter
+from ..finetune import (BASE_RECORD, base_digest, check_base, merge_and_save, packing_leak, packing_tolerance,
+                        resolve_base, save_adapter)
 from ..hub.checks import check_dataset, check_hub_model
 from ..models.causal_lm_loss import causal_lm_loss_from_hidden
 from ..options import ADAPTER_TIERS
 from ..settings import TrainSettings
-from ..tiers.load import count_parameters, load_base_model
+from ..tiers.load import count_parameters, is_4bit, load_base_model
 from ..train import SampleOrder, TaskPlan
+from ..train.parallel import is_sharded
 from ..verify import check_saved
 from .packed import PackedTokensTask
 from .settings import FinetuneSettings
@@ -74,12 +77,15 @@ class FinetuneTask(PackedTokensTask):
             raise SettingsError(f"--seq_len {cfg.seq_len} exceeds the model's {limit} positions; use --seq_len {limit}")
         if shape is not None and (note := shape.positions_note(cfg.seq_len)):  # a position table refuses
             accelerator.print(note)
-        self.instruct = self._load_data(accelerator)
+        self.instruct = self._load_data(accelerator, model)
         _, total = count_parameters(model)
         if self.instruct:
-            data = (f"{self.train_rows.n_examples:,} instruction examples ({self.fmt} rows, chat template: "
+            rows = self.train_rows
+            dropped = (f" ({rows.n_cut_to_prompt} of them before their first response token: left out, raise "
+                       "--seq_len to train on them)" if rows.n_cut_to_prompt else "")
+            data = (f"{rows.n_examples:,} instruction examples ({self.fmt} rows, chat template: "
                     f"{'yes' if getattr(self.tokenizer, 'chat_template', None) else 'no'}), "
-                    f"{self.train_rows.n_truncated} longer than {cfg.seq_len + 1} tokens cut; {self._layout()}; "
+                    f"{rows.n_truncated} longer than {cfg.seq_len + 1} tokens cut{dropped}; {self._layout()}; "
                     "loss on the responses only")
         else:
             data = f"{self.train_data.n_tokens:,} tokens of text, windows of {cfg.seq_len}"
@@ -87,15 +93,17 @@ class FinetuneTask(PackedTokensTask):
         # a pretrained base starts well below ln(vocab): no label-leak check
         return TaskPlan(model, shape=self._run_shape(shape))
 
-    def _load_data(self, accelerator) -> bool:
+    def _load_data(self, accelerator, model) -> bool:
         """Instruction rows (True) or a packed text stream (False), by ``data_format`` and the columns."""
         cfg = self.cfg
         source = None if cfg.dataset == "builtin" else cfg.dataset
         found = instruction_splits(source, cfg.data_format, cfg.text_column, skip_bad_rows=cfg.skip_bad_rows,
-                                   log=accelerator.print)
+                                   log=accelerator.print, tokenizer=self.tokenizer)
         if found is not None:
             splits, self.fmt = found
             self.end_of_turn, append = prepare_chat(self.tokenizer, cfg.model, accelerator.print)
+            if cfg.packing and not self._packing_holds(model, accelerator):
+                self.cfg = cfg = dataclasses.replace(cfg, packing=False)  # what the run records and resumes with
             self.train_rows = build_rows(splits["train"], self.tokenizer, cfg.seq_len, self.fmt, "the train split",
                                          append, packing=cfg.packing)
             self.val_rows = build_rows(splits["validation"], self.tokenizer, cfg.seq_len, self.fmt,
@@ -107,6 +115,25 @@ class FinetuneTask(PackedTokensTask):
                       text_column=cfg.text_column, log=accelerator.print)
             self.train_data = pack_dataset(ds["train"], self.tokenizer, split="train", **kw)
             self.val_data = pack_dataset(ds["validation"], self.tokenizer, split="validation", **kw)
+        return False
+
+    def _packing_holds(self, model, accelerator) -> bool:
+        """Whether packed rows keep this base's examples apart: ``packing_leak`` within ``packing_tolerance``, on the
+        device the run trains on (the base goes there now; ``prepare`` would put it there). Otherwise one line says
+        why and the run falls back to one example per row, or, for --packing true given on the command line,
+        refuses."""
+        if not is_sharded(accelerator) and not is_4bit(model) and not getattr(model, "hf_device_map", None):
+            model.to(accelerator.device)
+        leak = packing_leak(model, accelerator.autocast)
+        tolerance = packing_tolerance(model, getattr(accelerator, "mixed_precision", "no"))
+        if leak <= tolerance:
+            return True
+        why = (f"in a packed row the second example's next-token probabilities move by up to {leak:.2g} (total "
+               f"variation; rounding alone stays under {tolerance:g}) from what it gets alone: this "
+               f"{model.config.model_type} base does not keep packed examples apart by restarting positions")
+        if "packing" in self.cfg.given_flags.split(","):
+            raise SettingsError(f"--packing true: {why}; pass --packing false (one example per row)")
+        accelerator.print(f"note: packing off: {why}; one example per row instead (--packing false)")
         return False
 
     def _layout(self) -> str:
@@ -128,7 +155,14 @@ class FinetuneTask(PackedTokensTask):
         batch = {"input_ids": rows.ids[indices], "targets": rows.targets[indices]}
         if rows.position_ids is not None:
             batch["position_ids"] = rows.position_ids[indices]
-        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        # the examples' tokens among the inputs (a row's last slot is a target only), counted on the host
+        batch["tokens"] = int(rows.row_tokens[indices].clamp(max=rows.seq_len).sum())
+        return batch
+
+    def units(self, batch) -> int:
+        """Tokens of the examples, not the padding after them (instruction rows); every input token of text."""
+        return batch["tokens"] if "tokens" in batch else super().units(batch)
 
     def evaluate(self, model, settings, device) -> dict[str, float]:
         if not self.instruct:

@@ -229,7 +229,9 @@ class FinetuneSettings:
     packing: bool = field(default=True, metadata=FIXED)
     """Instruction data: several whole examples per training row (best-fit decreasing, little padding), positions
     restarting at each example so attention and the loss stay within it; false: one example per row, padded to
-    --seq_len. An example longer than a row is cut either way (counted). Validation rows are never packed."""
+    --seq_len. An example longer than a row is cut either way (counted). Validation rows are never packed. A check
+    at start-up (a packed row against its examples alone) turns packing off, saying why, on a base whose positions
+    do not restart (OPT, BLOOM); a --packing true given on the command line is refused there instead."""
     loss_chunk_size: int = 1024
     """Tokens per chunk of the fp32 loss (the full logits are never materialised)."""
     merge: bool = False
@@ -245,6 +247,9 @@ class FinetuneSettings:
     verify: str = field(default="auto", metadata={"choices": lambda: VERIFY_MODES})
     """What of a local --model folder's manifest.json (a run of hf_cgpu) is checked before it is read: auto (the
     sizes; the SHA-256 too up to 512 MiB), sizes, full, or off (a folder edited by hand); see docs/outputs.md."""
+    given_flags: str = field(default="", metadata={"cli": False, "given_flags": True})
+    """The flags given on the command line, comma-separated (set by the parser): a --packing true given there is
+    refused on a base that packing does not suit, where the default falls back to one example per row."""
 
     def __post_init__(self) -> None:
         check_choice("verify", self.verify, VERIFY_MODES)
