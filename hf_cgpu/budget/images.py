@@ -36,6 +36,7 @@ from .memory import (
     FRAGMENTATION_FRACTION,
     WORKSPACE_BYTES,
     Row,
+    Totals,
     fmt_gib,
 )
 from .shape import fmt_count
@@ -701,7 +702,7 @@ def _sampler_name(entry: Any) -> str:
 
 
 @dataclass(frozen=True)
-class ImageLedger:
+class ImageLedger(Totals):
     """Predicted memory of one training step (or one sampling job) of an image task, in bytes; the same totals as
     ``memory.Ledger``: ``allocated`` compares with max_memory_allocated(), ``total`` with what the card holds."""
 
@@ -718,20 +719,8 @@ class ImageLedger:
     """(moment, allocated bytes) of every moment compared; the peak is the largest."""
     memory_cap: float | None = None
 
-    @property
-    def fits(self) -> bool:
-        return self.memory_cap is None or self.total <= self.memory_cap
-
-    def row(self, key: str) -> float:
-        return next(r.bytes for r in self.rows if r.key == key)
-
-    def as_dict(self) -> dict[str, float]:
-        """Bytes per row, per moment and the totals, for a benchmark to print beside its measurement."""
-        out = {r.key: r.bytes for r in self.rows}
-        out.update({f"phase {p}": b for p, b in self.phases})
-        out.update(allocated=self.allocated, fragmentation=self.fragmentation, reserved=self.reserved,
-                   cuda_context=self.cuda_context, total=self.total)
-        return out
+    def extra_figures(self) -> dict[str, float]:
+        return {f"phase {p}": b for p, b in self.phases}
 
 
 def _finish(task: str, net: ImageNet, rows: list[Row], phases: list[tuple[str, float]],

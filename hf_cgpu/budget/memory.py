@@ -411,8 +411,38 @@ class Row:
     note: str = ""
 
 
+class Totals:
+    """What every ledger (language models' ``Ledger``, the image tasks' ``ImageLedger``) answers from its rows and
+    totals: the verdict against the cap, one row's bytes, and the figures a benchmark prints beside its
+    measurement."""
+
+    rows: tuple[Row, ...]
+    allocated: float
+    fragmentation: float
+    reserved: float
+    cuda_context: float
+    total: float
+    memory_cap: float | None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_cap is None or self.total <= self.memory_cap
+
+    def row(self, key: str) -> float:
+        return next(r.bytes for r in self.rows if r.key == key)
+
+    def as_dict(self) -> dict[str, float]:
+        """Bytes per row plus the totals (and the ledger's ``extra_figures``)."""
+        return {**{r.key: r.bytes for r in self.rows}, **self.extra_figures(), "allocated": self.allocated,
+                "fragmentation": self.fragmentation, "reserved": self.reserved, "cuda_context": self.cuda_context,
+                "total": self.total}
+
+    def extra_figures(self) -> dict[str, float]:
+        return {}
+
+
 @dataclass(frozen=True)
-class Ledger:
+class Ledger(Totals):
     """Predicted memory of one training step, in bytes. ``allocated`` compares with max_memory_allocated()."""
 
     shape: ModelShape
@@ -429,22 +459,9 @@ class Ledger:
     activations_recompute: float
     memory_cap: float | None = None
 
-    @property
-    def fits(self) -> bool:
-        return self.memory_cap is None or self.total <= self.memory_cap
-
-    def row(self, key: str) -> float:
-        return next(r.bytes for r in self.rows if r.key == key)
-
-    def as_dict(self) -> dict[str, float]:
-        """Bytes per row plus the totals, for a benchmark to print beside its measurement."""
-        out = {r.key: r.bytes for r in self.rows}
-        out.update(
-            allocated=self.allocated, fragmentation=self.fragmentation, reserved=self.reserved,
-            cuda_context=self.cuda_context, total=self.total,
-            activations_no_recompute=self.activations_no_recompute, activations_recompute=self.activations_recompute,
-        )
-        return out
+    def extra_figures(self) -> dict[str, float]:
+        return {"activations_no_recompute": self.activations_no_recompute,
+                "activations_recompute": self.activations_recompute}
 
 
 def parallel_rows(shape: ModelShape, setup: TrainSetup, rows: list[Row], st: StateBytes) -> list[Row]:
