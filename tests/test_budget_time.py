@@ -136,3 +136,23 @@ def test_the_image_tasks_have_a_budget_answer():
         assert "images/s per GPU" in run(["--task", task, "--preset", "cifar10"])
     with pytest.raises(SettingsError, match="^--task 'dpo': the ledger prices gpt, lora, flow"):
         run(["--task", "dpo"])
+
+
+def test_a_cpu_run_that_cannot_fit_the_machines_memory_is_refused_before_its_first_step():
+    """The README's pretraining preset on a CPU: its fp32 tensors (the host ledger, with the per-document mask's T x T
+    scores) do not fit 16 GiB free, and the run says so in one line instead of being killed mid-step; the tiny preset
+    passes; a run whose minutes hold few CPU steps is told so."""
+    from hf_cgpu.train.prepare import check_cpu_run
+
+    GiB = 2**30
+    shape, train, _ = describe_run(["--preset", "zh-poetry-modern"])
+    with pytest.raises(SettingsError, match=r"^on the CPU this run holds about 20\.2 GiB .* 16\.0 GiB are free: train "
+                                            r"--preset tiny"):
+        check_cpu_run(shape.setup(train), shape.model, train, available=16 * GiB)
+    said = []
+    check_cpu_run(shape.setup(train), shape.model, train, said.append, available=64 * GiB)
+    assert said and "--max_minutes 7 holds about 0 of them; --preset tiny is the CPU-sized run" in said[0]
+    tiny, train, _ = describe_run(["--preset", "tiny"])
+    said = []
+    check_cpu_run(tiny.setup(train), tiny.model, train, said.append, available=4 * GiB)
+    assert said == []

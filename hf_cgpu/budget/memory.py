@@ -257,6 +257,22 @@ def regime(setup: TrainSetup) -> Regime:
                   resid=FP32, base_trainable=False, adapter_copy=BF16, logits=BF16)
 
 
+FP32_REGIME = Regime(autocast=False, norm_save=FP32, norm_shared=True, norm_out=FP32, proj_out=FP32, attn=FP32,
+                     resid=FP32, base_trainable=True, adapter_copy=0, logits=FP32)
+"""A run without autocast (the CPU's fp32): every saved tensor 4 bytes, no bf16 weight copies."""
+
+
+def host_ledger(shape: ModelShape, setup: TrainSetup) -> Ledger:
+    """The memory a CPU run of a full-tier model holds, counted as on a GPU with fp32 tensors: a per-document mask
+    (packed rows) sends the CPU's attention to its math kernel, which saves the T x T scores like eager attention."""
+    if setup.packed:
+        shape = dataclasses.replace(shape, attention="eager")
+    led = ledger(shape, setup, regime=FP32_REGIME)
+    cast = next(r.bytes for r in led.rows if r.key == "autocast_copies")  # fp32 weights are used as they are
+    return dataclasses.replace(led, allocated=led.allocated - cast, total=led.allocated - cast, fragmentation=0.0,
+                               reserved=led.allocated - cast, cuda_context=0.0)
+
+
 def _group_input_bytes(shape: ModelShape, setup: TrainSetup, r: Regime) -> float:
     """Linear inputs a block saves for the weight gradients (trainable base) or for the adapters (LoRA)."""
     adapted = {lin.name for lin in adapted_linears(shape, setup.lora_targets)} if setup.adapters else set()

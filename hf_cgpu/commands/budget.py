@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..budget.ladder import GRAPHS_RECOMPUTE_NOTE, RUNGS, autofit, next_rung
-from ..budget.memory import FRAGMENTATION_FRACTION, GiB, Ledger, fmt_gib, ledger, model_state_bytes, parse_memory
+from ..budget.memory import (FRAGMENTATION_FRACTION, GiB, Ledger, fmt_gib, host_ledger, ledger, model_state_bytes,
+                             parse_memory)
 from ..budget.shape import REFERENCE_CONFIGS, ModelShape, RunShape, TrainSetup, fmt_count
-from ..budget.card import CARDS, Card, find_card, resolve_card, with_peak
+from ..budget.card import CARDS, CPU, Card, find_card, resolve_card, with_peak
 from ..budget.time import RunTime, chinchilla_tokens, compile_seconds, run_time, step_time
 from ..budget.work import lm_step_work
 from ..errors import MissingPathError, SettingsError, about
@@ -303,7 +304,7 @@ def lm_run_time(shape: ModelShape, setup: TrainSetup, train, card: Card, eval_mi
                      cuda_graphs=setup.compile and setup.compile_mode in ("reduce-overhead", "max-autotune"))
     evals = train.eval_batches or eval_micro_batches
     st = model_state_bytes(shape, setup)
-    return run_time(step, train, compile_seconds(shape.depth, setup.compile), evals,
+    return run_time(step, train, compile_seconds(shape.depth, setup.compile and card is not CPU), evals,
                     checkpoint_bytes=st.weights + st.optimizer + (st.trainable_params * 4 if setup.ema else 0))
 
 
@@ -456,6 +457,9 @@ def run(argv: Sequence[str] | None = None) -> str:
         out += [f"  {i}. {r}" for i, r in enumerate(plan.reasons, 1)]
         out += ["", f"  plan: {plan.setup.describe()}", ""]
         setup, led = plan.setup, plan.ledger
+    elif opts.card and find_card(opts.card) is CPU and setup.tier == "full":  # host memory: fp32 tensors
+        led = dataclasses.replace(host_ledger(shape, setup), memory_cap=cap)
+        out.append("host memory of a CPU run (fp32 tensors, no autocast copies; the process adds about 2 GiB):")
     else:
         led = ledger(shape, setup, cap)
     out.append(format_ledger(led))

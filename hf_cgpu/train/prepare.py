@@ -7,6 +7,7 @@ run trains with, its lock is held until ``fit`` returns."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from accelerate.utils import set_seed
 
 from ..budget import autofit_settings, flops_per_token
 from ..budget.ladder import GRAPHS_RECOMPUTE_NOTE
+from ..errors import SettingsError
 from ..optim import build_optimizer
 from ..options import CUDA_GRAPH_MODES
 from ..paths import cache_dir
@@ -108,6 +110,42 @@ def _is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+PROCESS_HOST_BYTES = 2 * 2**30
+"""Host memory of the process besides the step's tensors (torch, transformers, the data and its tokenizer)."""
+
+
+def available_host_memory() -> int | None:
+    """Bytes the kernel says a new allocation can take (MemAvailable), or None where /proc/meminfo has no figure."""
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^MemAvailable:\s+(\d+) kB", text, re.M)
+    return int(match.group(1)) * 1024 if match else None
+
+
+def check_cpu_run(setup, shape, s: TrainSettings, log=print, available: int | None = None, processes: int = 1) -> None:
+    """Before a CPU run builds anything large: refuse, in one line, a run whose fp32 tensors (``host_ledger``) do not
+    fit this machine's free memory (the kernel would kill it mid-step, saying nothing), and say how long a step
+    takes on a CPU where the minutes would hold few steps."""
+    from ..budget.card import CPU
+    from ..budget.memory import GiB, host_ledger
+    from ..budget.time import step_time
+    from ..budget.work import lm_step_work
+
+    need = (host_ledger(shape, setup).allocated + PROCESS_HOST_BYTES) * processes
+    free = available_host_memory() if available is None else available
+    if free is not None and need > free:
+        raise SettingsError(f"on the CPU this run holds about {need / GiB:.1f} GiB (its fp32 tensors, the ledger: "
+                            f"hf-cgpu budget --card cpu ...) and {free / GiB:.1f} GiB are free: train --preset tiny "
+                            "here, lower --micro_batch_size, or run it on a GPU")
+    step = step_time(lm_step_work(shape, setup), CPU).seconds
+    if s.max_minutes > 0 and step * 10 > s.max_minutes * 60:
+        log(f"note: on a CPU a step of this run takes about {step:,.0f} s (the ledger's assumed CPU): "
+            f"--max_minutes {s.max_minutes:g} holds about {int(s.max_minutes * 60 / step)} of them; --preset tiny "
+            "is the CPU-sized run")
+
+
 def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Path, lock: RunLock | None) -> Run:
     device = accelerator.device
     if accelerator.num_processes > 1:
@@ -118,6 +156,8 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     set_seed(s.seed)
     plan = task.setup(s, accelerator)
     s = plan.settings or s  # chosen from the data (--auto) before anything reads them
+    if device.type == "cpu" and plan.shape is not None and s.tier == "full":
+        check_cpu_run(plan.shape.setup(s), plan.shape.model, s, accelerator.print, processes=accelerator.num_processes)
     model_config = saved_config(plan.model)
     if s.autofit:
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
