@@ -43,6 +43,11 @@ class CgptConfig(PretrainedConfig):
         zero_init_head: the untied LM head starts at zero (needs ``tie_word_embeddings=False``).
         layer_loops: the block stack runs this many times with shared weights; ``num_hidden_layers`` (what caches and
             the recorded hidden states and attentions count) is the depth as run, ``n_layer * layer_loops``.
+        document_masking: the model was trained with attention within each document (documents joined by
+            ``eos_token_id``), and is run so wherever no ``position_ids`` are given: positions restart after each EOS
+            and a token attends only to its own document, in a forward over a stream, in ``generate`` (a prompt's or
+            a continuation's EOS starts a new document) and with padding. Given ``position_ids`` mark the documents
+            by restarting: a token at position p attends to itself and the p tokens before it.
     """
 
     model_type = "cgpt"
@@ -90,6 +95,7 @@ class CgptConfig(PretrainedConfig):
         unet_skips: bool = False,
         zero_init_head: bool = False,
         layer_loops: int = 1,
+        document_masking: bool = False,
         **kwargs,
     ):
         check_options(n_embd, n_head, position_embedding, activation, norm, rope_theta, dropout, n_layer=n_layer,
@@ -117,6 +123,7 @@ class CgptConfig(PretrainedConfig):
         self.unet_skips = unet_skips
         self.zero_init_head = zero_init_head
         self.layer_loops = layer_loops
+        self.document_masking = document_masking
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
