@@ -653,20 +653,21 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
             return None
         return super()._prepare_position_ids_for_generation(inputs_tensor, model_kwargs)
 
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *, attention_mask=None, inputs_embeds=None,
+                                      **kwargs):
         """``document_masking`` without given position ids: the positions of the whole sequence so far counted from
         each document's start (the prompt's and the continuation's EOS start new ones), sliced to this step's tokens
-        by transformers; a prompt given as ``inputs_embeds`` counts as one document."""
+        by transformers; a prompt given as ``inputs_embeds`` counts as one document (its EOS cannot be seen)."""
         if self.config.document_masking and kwargs.get("position_ids") is None:
-            attention_mask, embeds = kwargs.get("attention_mask"), kwargs.get("inputs_embeds")
-            prompt = embeds.shape[1] if embeds is not None else 0  # embeddings come before the generated ids
+            prompt = inputs_embeds.shape[1] if inputs_embeds is not None else 0  # embeddings before generated ids
             width = attention_mask.shape[-1] if attention_mask is not None else prompt + input_ids.shape[1]
-            if embeds is None and input_ids.shape[1] < width:
+            if inputs_embeds is None and input_ids.shape[1] < width:
                 raise ValueError("document_masking: generate() got part of the sequence (prefill_chunk_size?); "
                                  "the positions need all of it: generate without prefill_chunk_size")
             is_eos = F.pad(input_ids == self.config.eos_token_id, (width - input_ids.shape[1], 0), value=False)
             kwargs["position_ids"] = document_position_ids(is_eos, attention_mask)
-        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        return super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask,
+                                                     inputs_embeds=inputs_embeds, **kwargs)
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache=None, position_ids=None,
                                   **kwargs):
