@@ -51,6 +51,7 @@ class CgptConfig(PretrainedConfig):
     """
 
     model_type = "cgpt"
+    document_masking = False  # a class default: a config.json without the key means off, and off writes no key
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
     attribute_map = {
         "hidden_size": "n_embd",
@@ -95,7 +96,6 @@ class CgptConfig(PretrainedConfig):
         unet_skips: bool = False,
         zero_init_head: bool = False,
         layer_loops: int = 1,
-        document_masking: bool = False,
         **kwargs,
     ):
         check_options(n_embd, n_head, position_embedding, activation, norm, rope_theta, dropout, n_layer=n_layer,
@@ -123,7 +123,6 @@ class CgptConfig(PretrainedConfig):
         self.unet_skips = unet_skips
         self.zero_init_head = zero_init_head
         self.layer_loops = layer_loops
-        self.document_masking = document_masking
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,

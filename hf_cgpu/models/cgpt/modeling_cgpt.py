@@ -213,24 +213,28 @@ def document_position_ids(is_eos: torch.Tensor, attention_mask: torch.Tensor | N
     return (count - 1 - before).clamp(min=0)
 
 
-def document_mask_function(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, past) -> Callable:
+def document_mask_function(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, past,
+                           kv_length: int) -> Callable:
     """A transformers mask function (and-ed with the causal one) keeping each query within its document, as its
     position counts it: the query at position p sees itself and the p real tokens before it. ``position_ids``
     (B, T) of this call's queries, ``attention_mask`` the 2D (B, past + T) padding mask or None, ``past`` the tokens
-    already cached (the mask functions get absolute query indices)."""
-    T = position_ids.shape[-1]
+    already cached, ``kv_length`` the keys the mask spans. Both sides are looked up by index (mask functions get
+    absolute indices), as transformers' own mask functions do, with no arithmetic on the indices."""
+    B, T = position_ids.shape
+    device = position_ids.device
     if attention_mask is None:
-        start = torch.arange(T, device=position_ids.device) + past - position_ids  # key index of each document start
-
-        def inner(batch_idx, head_idx, q_idx, kv_idx):
-            return kv_idx >= start[batch_idx, q_idx - past]
+        count = torch.arange(1, kv_length + 1, device=device).repeat(B, 1)  # real tokens up to each key
     else:
-        count = attention_mask.long().cumsum(-1)  # (B, past + T) real tokens up to each key
-        first = count[:, -T:] - position_ids  # the count at the first token of each query's document
-        last = count.shape[-1] - 1
+        count = F.pad(attention_mask.long().cumsum(-1), (0, kv_length - attention_mask.shape[-1]))
+    queries = (torch.arange(T, device=device) + past).expand(B, -1)  # the queries' key indices
+    # the count at the first token of each query's document, at the query's own index
+    first = torch.zeros_like(count).scatter(1, queries, count.gather(1, queries) - position_ids)
+    # one tensor for both: inductor's CPU FlexAttention kernel does not compile a mask that reads two captured
+    # tensors once the shapes turn dynamic
+    table = torch.stack((count, first))
 
-        def inner(batch_idx, head_idx, q_idx, kv_idx):
-            return count[batch_idx, kv_idx.clamp(max=last)] >= first[batch_idx, q_idx - past]
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        return table[0, batch_idx, kv_idx] >= table[1, batch_idx, q_idx]
 
     return inner
 
@@ -248,9 +252,10 @@ def cgpt_causal_mask(config: CgptConfig, inputs_embeds: torch.Tensor, attention_
         if config._attn_implementation.startswith("flash"):
             logger.warning_once("document_masking: flash attention keeps no document mask beside a cache or padding "
                                 "(attention crosses documents there); use attn_implementation='sdpa'")
+        T = inputs_embeds.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
-        position_ids = position_ids.expand(inputs_embeds.shape[0], -1)
-        documents = document_mask_function(position_ids, padding, past)
+        kv_length = cache.get_mask_sizes(T, 0)[0] if cache is not None else (T if padding is None else padding.shape[-1])
+        documents = document_mask_function(position_ids.expand(inputs_embeds.shape[0], -1), padding, past, kv_length)
     return build(config, inputs_embeds, attention_mask, cache, position_ids, and_mask_function=documents, **kwargs)
 
 
