@@ -248,14 +248,15 @@ def generate_across_an_eos(model, ids, mask, **kwargs):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_generate_starts_a_new_document_after_each_eos(attn):
-    """Left-padded prompts with an EOS inside, and an EOS forced into the continuation: with and without a cache,
-    every step's logits are those of the step's own document run alone (the prompt's second document, then the new
+    """Left-padded prompts with an EOS inside, and an EOS forced into the continuation: with a dynamic cache, a static
+    one (the mask built ahead) and none, every step's logits are those of the step's own document run alone (the prompt's second document, then the new
     document after the generated EOS), so nothing before the EOS is seen and positions restart there."""
     model = _model("rotary", attn, document_masking=True, pad_token_id=PAD)
     ids = torch.tensor([[5, 9, 3, EOS, 7, 7, 8], [PAD, 11, 12, 13, EOS, 4, 6]])
     mask = (torch.arange(7) >= torch.tensor([[0], [1]])).long()
-    runs = [generate_across_an_eos(model, ids, mask, use_cache=use_cache) for use_cache in (True, False)]
-    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    caches = ({"use_cache": True}, {"use_cache": False}, {"cache_implementation": "static"})  # static: a 4D mask
+    runs = [generate_across_an_eos(model, ids, mask, **kwargs) for kwargs in caches]
+    assert all(torch.equal(run.sequences, runs[0].sequences) for run in runs)
     for run in runs:
         for row in range(2):
             seq = run.sequences[row, int((mask[row] == 0).sum()) :]  # the row without its padding
