@@ -192,6 +192,8 @@ class CgptDocumentModelTest(CgptModelTest):
         check(self)
 
     def test_inputs_embeds_matches_input_ids(self):
+        if UPSTREAM_MISSING:
+            self.skipTest(UPSTREAM_MISSING)
         self._one_document_from_embeddings(CgptModelTest.test_inputs_embeds_matches_input_ids)
 
     def test_generate_from_inputs_embeds(self):
