@@ -205,11 +205,13 @@ def value_table_of(layer_idx: int, n_layer: int, tables: int) -> int | None:
 def document_position_ids(is_eos: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Positions counted from each document's start, (B, S): a document starts at the first token and after each EOS
     (``is_eos`` (B, S) bool; an EOS ends its own document and keeps its position). Only real tokens count
-    (``attention_mask`` (B, S), 0 for padding; padding gets position 0). Cumulative sums: no host sync."""
+    (``attention_mask`` (B, S), 0 for padding; left padding gets position 0). Cumulative sums: no host sync."""
     real = torch.ones_like(is_eos) if attention_mask is None else attention_mask.bool()
     count = real.long().cumsum(-1)  # real tokens up to and including each token
     ends = torch.where(is_eos & real, count, 0).cummax(-1).values  # real tokens up to the latest EOS so far
-    before = F.pad(ends[:, :-1], (1, 0))  # the real tokens of earlier documents
+    # the real tokens of earlier documents: the latest EOS strictly before each token (a roll, not a slice, so that
+    # torch.export puts no guard on a dynamic length)
+    before = torch.roll(ends, 1, -1).masked_fill(torch.arange(ends.shape[-1], device=ends.device) == 0, 0)
     return (count - 1 - before).clamp(min=0)
 
 
