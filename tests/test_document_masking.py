@@ -27,6 +27,7 @@ from hf_cgpu.data.windows import document_position_ids, eval_windows
 from hf_cgpu.errors import CheckpointError
 from hf_cgpu.evaluation.text import cgpt_target_loss, evaluate_language_model
 from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
+from hf_cgpu.models.cgpt.modeling_cgpt import document_position_ids as model_positions
 from hf_cgpu.settings import TrainSettings
 from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
 from hf_cgpu.train import fit
@@ -42,6 +43,10 @@ WINDOW = [token for doc in DOCS for token in doc]
 def test_positions_restart_after_each_eos():
     ids = torch.tensor([[5, 6, EOS, 7, 8, 9, EOS, EOS, 3], [EOS, 1, 2, 3, 4, EOS, 1, 2, 3]])
     assert document_position_ids(ids, EOS).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0], [0, 0, 1, 2, 3, 4, 0, 1, 2]]
+    # the model's own count: padding (an EOS among it too) takes no position, and a document runs on across it
+    ids = torch.tensor([[EOS, PAD, 5, EOS, 7, 8], [5, 6, EOS, 7, PAD, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 1]])
+    assert model_positions(ids == EOS, mask).tolist() == [[0, 0, 0, 1, 0, 1], [0, 1, 2, 0, 0, 1]]
 
 
 def _model(pe: str, attn: str, **config) -> CgptForCausalLM:
@@ -249,8 +254,9 @@ def generate_across_an_eos(model, ids, mask, **kwargs):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_generate_starts_a_new_document_after_each_eos(attn):
     """Left-padded prompts with an EOS inside, and an EOS forced into the continuation: with a dynamic cache, a static
-    one (the mask built ahead) and none, every step's logits are those of the step's own document run alone (the prompt's second document, then the new
-    document after the generated EOS), so nothing before the EOS is seen and positions restart there."""
+    one (the mask built ahead) and none, every step's logits are those of the step's own document run alone (the
+    prompt's second document, then the new document after the generated EOS), so nothing before the EOS is seen and
+    positions restart there."""
     model = _model("rotary", attn, document_masking=True, pad_token_id=PAD)
     ids = torch.tensor([[5, 9, 3, EOS, 7, 7, 8], [PAD, 11, 12, 13, EOS, 4, 6]])
     mask = (torch.arange(7) >= torch.tensor([[0], [1]])).long()
@@ -312,6 +318,8 @@ def test_documents_longer_together_than_the_positions_fit():
         torch.testing.assert_close(logits[28:34], model(torch.tensor([DOCS[1]])).logits[0], atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="n_positions=32"):
         _model("learned", "sdpa")(stream)
+    with pytest.raises(ValueError, match=r"^the documents' positions reach 32, beyond n_positions=32; shorten"):
+        model(torch.tensor([[5] * 33]))  # one document longer than the positions
 
 
 def test_without_the_setting_the_model_is_the_plain_one_bit_for_bit():

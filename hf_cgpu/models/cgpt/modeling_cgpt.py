@@ -255,8 +255,10 @@ def cgpt_causal_mask(config: CgptConfig, inputs_embeds: torch.Tensor, attention_
             logger.warning_once("document_masking: flash attention keeps no document mask beside a cache or padding "
                                 "(attention crosses documents there); use attn_implementation='sdpa'")
         T = inputs_embeds.shape[1]
-        past = cache.get_seq_length() if cache is not None else 0
-        kv_length = cache.get_mask_sizes(T, 0)[0] if cache is not None else (T if padding is None else padding.shape[-1])
+        if cache is not None:  # the keys the mask spans: the cache's (all of a static cache's slots)
+            past, kv_length = cache.get_seq_length(), cache.get_mask_sizes(T, 0)[0]
+        else:
+            past, kv_length = 0, T if padding is None else padding.shape[-1]
         documents = document_mask_function(position_ids.expand(inputs_embeds.shape[0], -1), padding, past, kv_length)
     return build(config, inputs_embeds, attention_mask, cache, position_ids, and_mask_function=documents, **kwargs)
 
@@ -476,15 +478,15 @@ class CgptModel(CgptPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.wte = value
 
-    def _check_positions(self, past, T: int, position_ids: torch.Tensor | None) -> None:
+    def _check_positions(self, past, T: int, position_ids: torch.Tensor | None, name: str = "position_ids") -> None:
         """Every position must be below ``n_positions``: the length is what counts without ``position_ids``; with
         them (packed sequences restart at 0, so a row may be longer than any position) their largest value, read
-        outside compilation only (a branch on a tensor's value would break the graph)."""
+        outside compilation only (a branch on a tensor's value would break the graph). ``name`` says whose."""
         if position_ids is not None:
             if torch.compiler.is_compiling():
                 return
             top = int(position_ids.max()) + 1 if position_ids.numel() else 0
-            what = f"position_ids reach {top - 1}, beyond"
+            what = f"{name} reach {top - 1}, beyond"
         elif isinstance(past, int):
             top, what = past + T, f"sequence of {past + T} tokens is longer than"
         else:
@@ -583,9 +585,10 @@ class CgptModel(CgptPreTrainedModel):
         if not use_cache:
             cache = None
         past = cache.get_seq_length() if cache is not None else 0  # an int, or a tensor for a static cache
+        name = "position_ids"
         if position_ids is None and self.config.document_masking and input_ids is not None:
-            position_ids = self._document_positions(input_ids, attention_mask, past)
-        self._check_positions(past, T, position_ids)
+            position_ids, name = self._document_positions(input_ids, attention_mask, past), "the documents' positions"
+        self._check_positions(past, T, position_ids, name)
 
         output_attentions = kwargs.pop("output_attentions", None)
         if output_attentions is None:
