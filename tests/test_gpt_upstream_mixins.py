@@ -149,3 +149,52 @@ class CgptSpeedrunModelTest(CgptModelTest):
 
     test_inputs_embeds = test_inputs_embeds_matches_input_ids = _refuses_inputs_embeds_alone
     test_generate_from_inputs_embeds = _refuses_inputs_embeds_alone
+
+
+class CgptDocumentModelTester(CgptModelTester):
+    """The same tiny shapes with ``document_masking`` on and an EOS inside every row, so that each check also runs
+    across a document boundary (positions restart there, attention stays within each document)."""
+
+    def get_config(self) -> CgptConfig:
+        config = super().get_config()
+        config.document_masking = True
+        return config
+
+    eos_inside = True
+
+    def prepare_config_and_inputs_for_common(self):
+        config, inputs = super().prepare_config_and_inputs_for_common()
+        ids = inputs["input_ids"]
+        if self.eos_inside:
+            ids[:, self.seq_length // 2] = config.eos_token_id
+        else:
+            ids[ids == config.eos_token_id] += 1
+        return config, inputs
+
+
+class CgptDocumentModelTest(CgptModelTest):
+    eos_in_prompts = True
+
+    def setUp(self):
+        self.model_tester = CgptDocumentModelTester(self)
+
+    def _inputs(self, batch_size: int = 2):
+        """The generation checks' left-padded prompts, each with an EOS inside (after the padding)."""
+        config, input_ids, mask = super()._inputs(batch_size)
+        if self.eos_in_prompts:
+            input_ids[:, -3] = config.eos_token_id
+        return config, input_ids, mask
+
+    def _one_document_from_embeddings(self, check):
+        """Embeddings do not show which token is an EOS: inputs_embeds are one document, and on inputs without an
+        EOS the model gives what it gives from their ids (the mixin's check)."""
+        self.eos_in_prompts = self.model_tester.eos_inside = False
+        check(self)
+
+    def test_inputs_embeds_matches_input_ids(self):
+        if UPSTREAM_MISSING:
+            self.skipTest(UPSTREAM_MISSING)
+        self._one_document_from_embeddings(CgptModelTest.test_inputs_embeds_matches_input_ids)
+
+    def test_generate_from_inputs_embeds(self):
+        self._one_document_from_embeddings(CgptModelTest.test_generate_from_inputs_embeds)

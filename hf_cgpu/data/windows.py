@@ -80,12 +80,11 @@ def eval_windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
 def document_position_ids(ids: torch.Tensor, eos: int) -> torch.Tensor:
     """Positions of the windows ``ids`` (B, T) counted from each document's start: they restart after every ``eos``
     (an EOS ends its document and keeps its position), so the mask transformers builds from restarting positions keeps
-    attention within each document. Fixed shapes and no host sync: a compiled model sees one input signature."""
-    t = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
-    after_eos = torch.zeros_like(ids, dtype=torch.bool)
-    after_eos[:, 1:] = ids[:, :-1] == eos
-    starts = torch.where(after_eos, t, torch.zeros_like(t)).cummax(dim=-1).values
-    return t - starts
+    attention within each document. The GPT's own rule (it applies it by itself when given no positions). Fixed
+    shapes and no host sync: a compiled model sees one input signature."""
+    from ..models.cgpt.modeling_cgpt import document_position_ids as positions  # imports transformers: on first use
+
+    return positions(ids == eos)
 
 
 __all__ = ["WindowOrder", "document_position_ids", "eval_windows"]

@@ -35,7 +35,8 @@ class GPTSettings(CgptOptions):
     """Attention within each document: the positions of every training and validation window restart after each EOS,
     so a token attends only to its own document and its position counts from the document's start (a T x T mask per
     row). EOS ends its document; its target, the next document's first token, stays scored, so loss and bits/char
-    compare with a run without it. Recorded in config.json, so hf-cgpu eval scores the same way."""
+    compare with a run without it. Recorded in config.json: hf-cgpu eval scores the same way, and the saved model
+    applies it by itself wherever it is called without position_ids (a forward over a stream, generate)."""
     attn_implementation: str = "sdpa"
     """Attention kernel, through transformers' attention interface: sdpa, or flex_attention (its block mask skips
     the tiles between documents under --document_masking, where sdpa reads a dense T x T mask; compiled with the

@@ -43,9 +43,15 @@ class CgptConfig(PretrainedConfig):
         zero_init_head: the untied LM head starts at zero (needs ``tie_word_embeddings=False``).
         layer_loops: the block stack runs this many times with shared weights; ``num_hidden_layers`` (what caches and
             the recorded hidden states and attentions count) is the depth as run, ``n_layer * layer_loops``.
+        document_masking: the model was trained with attention within each document (documents joined by
+            ``eos_token_id``), and is run so wherever no ``position_ids`` are given: positions restart after each EOS
+            and a token attends only to its own document, in a forward over a stream, in ``generate`` (a prompt's or
+            a continuation's EOS starts a new document) and with padding. Given ``position_ids`` mark the documents
+            by restarting: a token at position p attends to itself and the p tokens before it.
     """
 
     model_type = "cgpt"
+    document_masking = False  # a class default: a config.json without the key means off, and off writes no key
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
     attribute_map = {
         "hidden_size": "n_embd",

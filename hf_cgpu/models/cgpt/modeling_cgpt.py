@@ -24,6 +24,11 @@ RMSNorm of queries and keys per head (``qk_norm``), ReLU squared (``activation="
 pass its own layers in the cache). Each creates its parameters only when on, so with all off the model, its
 state_dict and its initialisation's random stream are the plain one.
 
+A model trained with attention within each document (``document_masking``, recorded in its config) runs so by
+itself: without ``position_ids`` its positions restart after each EOS and each token attends only to its own document,
+in a plain forward over a stream of documents, in ``generate`` (with a cache, across an EOS of the prompt or of the
+continuation) and with padding; ``position_ids`` given by the caller mark the documents instead.
+
 Beyond upstream: the chunked fp32 loss (``loss_chunk_size``) that never builds all the logits.
 In eval mode a call with labels returns logits too (Trainer's evaluation reads them); training builds none.
 
@@ -41,7 +46,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_masks_for_generate
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -195,6 +200,67 @@ def value_table_of(layer_idx: int, n_layer: int, tables: int) -> int | None:
     if layer_idx >= n_layer - tables:
         return layer_idx - (n_layer - tables)
     return None
+
+
+def document_position_ids(is_eos: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions counted from each document's start, (B, S): a document starts at the first token and after each EOS
+    (``is_eos`` (B, S) bool; an EOS ends its own document and keeps its position). Only real tokens count
+    (``attention_mask`` (B, S), 0 for padding; left padding gets position 0). Cumulative sums: no host sync."""
+    real = torch.ones_like(is_eos) if attention_mask is None else attention_mask.bool()
+    count = real.long().cumsum(-1)  # real tokens up to and including each token
+    ends = torch.where(is_eos & real, count, 0).cummax(-1).values  # real tokens up to the latest EOS so far
+    # the real tokens of earlier documents: the latest EOS strictly before each token (a roll, not a slice, so that
+    # torch.export puts no guard on a dynamic length)
+    before = torch.roll(ends, 1, -1).masked_fill(torch.arange(ends.shape[-1], device=ends.device) == 0, 0)
+    return (count - 1 - before).clamp(min=0)
+
+
+def document_mask_function(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, past,
+                           kv_length: int) -> Callable:
+    """A transformers mask function (and-ed with the causal one) keeping each query within its document, as its
+    position counts it: the query at position p sees itself and the p real tokens before it. ``position_ids``
+    (B, T) of this call's queries, ``attention_mask`` the 2D (B, past + T) padding mask or None, ``past`` the tokens
+    already cached, ``kv_length`` the keys the mask spans. Both sides are looked up by index (mask functions get
+    absolute indices), as transformers' own mask functions do, with no arithmetic on the indices."""
+    B, T = position_ids.shape
+    device = position_ids.device
+    if attention_mask is None:
+        count = torch.arange(1, kv_length + 1, device=device).repeat(B, 1)  # real tokens up to each key
+    else:
+        count = F.pad(attention_mask.long().cumsum(-1), (0, kv_length - attention_mask.shape[-1]))
+    queries = (torch.arange(T, device=device) + past).expand(B, -1)  # the queries' key indices
+    # the count at the first token of each query's document, at the query's own index
+    first = torch.zeros_like(count).scatter(1, queries, count.gather(1, queries) - position_ids)
+    # one tensor for both: inductor's CPU FlexAttention kernel does not compile a mask that reads two captured
+    # tensors once the shapes turn dynamic
+    table = torch.stack((count, first))
+
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        return table[0, batch_idx, kv_idx] >= table[1, batch_idx, q_idx]
+
+    return inner
+
+
+def cgpt_causal_mask(config: CgptConfig, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+                     cache: Cache | None, position_ids: torch.Tensor | None, build: Callable = create_causal_mask,
+                     **kwargs):
+    """transformers' causal mask (``build``: ``create_causal_mask``, or ``create_masks_for_generate``), with
+    ``document_masking`` kept within the documents that ``position_ids`` mark by restarting. Without a cache and a
+    padding mask transformers reads restarting positions as packed sequences already; with either it does not, so
+    the document rule is added (``document_mask_function``)."""
+    documents = None
+    padding = attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None
+    if config.document_masking and position_ids is not None and (cache is not None or padding is not None):
+        if config._attn_implementation.startswith("flash"):
+            logger.warning_once("document_masking: flash attention keeps no document mask beside a cache or padding "
+                                "(attention crosses documents there); use attn_implementation='sdpa'")
+        T = inputs_embeds.shape[1]
+        if cache is not None:  # the keys the mask spans: the cache's (all of a static cache's slots)
+            past, kv_length = cache.get_seq_length(), cache.get_mask_sizes(T, 0)[0]
+        else:
+            past, kv_length = 0, T if padding is None else padding.shape[-1]
+        documents = document_mask_function(position_ids.expand(inputs_embeds.shape[0], -1), padding, past, kv_length)
+    return build(config, inputs_embeds, attention_mask, cache, position_ids, and_mask_function=documents, **kwargs)
 
 
 def eager_attention_forward(
@@ -412,15 +478,15 @@ class CgptModel(CgptPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.wte = value
 
-    def _check_positions(self, past, T: int, position_ids: torch.Tensor | None) -> None:
+    def _check_positions(self, past, T: int, position_ids: torch.Tensor | None, name: str = "position_ids") -> None:
         """Every position must be below ``n_positions``: the length is what counts without ``position_ids``; with
         them (packed sequences restart at 0, so a row may be longer than any position) their largest value, read
-        outside compilation only (a branch on a tensor's value would break the graph)."""
+        outside compilation only (a branch on a tensor's value would break the graph). ``name`` says whose."""
         if position_ids is not None:
             if torch.compiler.is_compiling():
                 return
             top = int(position_ids.max()) + 1 if position_ids.numel() else 0
-            what = f"position_ids reach {top - 1}, beyond"
+            what = f"{name} reach {top - 1}, beyond"
         elif isinstance(past, int):
             top, what = past + T, f"sequence of {past + T} tokens is longer than"
         else:
@@ -430,6 +496,56 @@ class CgptModel(CgptPreTrainedModel):
                 f"{what} n_positions={self.config.n_positions}; shorten the input (seq_len / "
                 "max_new_tokens) or train a model with larger n_positions"
             )
+
+    def _document_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, past) -> torch.Tensor:
+        """``document_masking`` without ``position_ids``: positions counted from each document's start (restarting
+        after each EOS), over the real tokens of a 2D ``attention_mask``. Only from the first token: what came before
+        a cache's tokens is not known here (``generate`` passes the positions of the whole sequence)."""
+        known = not torch.is_tensor(past) or not torch.compiler.is_compiling()  # a static cache's length: a tensor
+        if known and int(past):
+            raise ValueError(
+                "document_masking: a cache that holds earlier tokens and no position_ids; the document the new tokens "
+                "continue is unknown here: pass position_ids (restarting after each EOS) or use generate()"
+            )
+        padding = attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None
+        return document_position_ids(input_ids == self.config.eos_token_id, padding)
+
+    def _attention_mask(self, inputs_embeds, attention_mask, cache, position_ids, output_attentions: bool):
+        """The mask each layer gets: None for plain causal SDPA (its ``is_causal=True`` flash kernel), else
+        transformers' mask for the backend that runs (eager when attentions are asked for)."""
+        mask_config = self.config
+        if output_attentions and self.config._attn_implementation != "eager":
+            # Only eager attention returns weights: this call runs it, with the mask eager expects.
+            logger.warning_once(f"{self.config._attn_implementation} attention returns no weights; "
+                                "output_attentions=True runs eager attention")
+            mask_config = copy.copy(self.config)
+            mask_config._attn_implementation = "eager"
+        plain_causal = attention_mask is None and cache is None and position_ids is None
+        if plain_causal and mask_config._attn_implementation == "sdpa":
+            # Plain causal attention: SDPA's is_causal=True (flash kernel). create_causal_mask would give the same under
+            # eager execution but, while compiling, transformers 5.17 materialises the full mask.
+            return None
+        return cgpt_causal_mask(mask_config, inputs_embeds, attention_mask, cache, position_ids)
+
+    def _blocks(self, hidden_states, causal_mask, input_ids, cache, output_attentions, position_embeddings, **kwargs):
+        """The block stack, ``layer_loops`` times (each pass its own layers in the cache), with the U-net skips and
+        the value embeddings where configured."""
+        values = [table(input_ids) for table in self.value_embeds] if self.value_embeds is not None else []
+        n = len(self.h)
+        for loop in range(self.config.layer_loops):
+            skips = []
+            for i, block in enumerate(self.h):
+                if self.skip_weights is not None and i >= n - n // 2:  # U-net: the mirrored early block's output
+                    hidden_states = hidden_states + self.skip_weights[n - 1 - i] * skips[n - 1 - i]
+                table = self.value_tables[i]
+                hidden_states = block(
+                    hidden_states, causal_mask, None if table is None else values[table], cache=cache,
+                    cache_index=loop * n + i, output_attentions=output_attentions,
+                    position_embeddings=position_embeddings, **kwargs
+                )
+                if self.skip_weights is not None and i < n // 2:
+                    skips.append(hidden_states)
+        return hidden_states
 
     @_past_key_values_is_deprecated
     @merge_with_config_defaults
@@ -448,7 +564,9 @@ class CgptModel(CgptPreTrainedModel):
         r"""
         attention_mask: (B, past + T) with 1 for tokens and 0 for padding, or a prepared 4D mask.
         position_ids: (B|1, T). Default: positions counted over the real tokens of ``attention_mask`` (left padding),
-            else ``past .. past + T - 1``. Given explicitly without a mask, restarts mark packed sequences.
+            else ``past .. past + T - 1``; with ``config.document_masking`` and ``input_ids``, counted from each
+            document's start instead (``document_position_ids``). Given explicitly without a mask, restarts mark
+            packed sequences; with ``document_masking``, restarts mark documents whatever else is given.
         cache / past_key_values: a transformers ``Cache`` (both names accepted; 5.24 renamed the argument).
         output_hidden_states / output_attentions / return_dict: as in every transformers model.
         """
@@ -467,25 +585,15 @@ class CgptModel(CgptPreTrainedModel):
         if not use_cache:
             cache = None
         past = cache.get_seq_length() if cache is not None else 0  # an int, or a tensor for a static cache
-        self._check_positions(past, T, position_ids)
+        name = "position_ids"
+        if position_ids is None and self.config.document_masking and input_ids is not None:
+            position_ids, name = self._document_positions(input_ids, attention_mask, past), "the documents' positions"
+        self._check_positions(past, T, position_ids, name)
 
         output_attentions = kwargs.pop("output_attentions", None)
         if output_attentions is None:
             output_attentions = self.config.output_attentions
-        mask_config = self.config
-        if output_attentions and self.config._attn_implementation != "eager":
-            # Only eager attention returns weights: this call runs it, with the mask eager expects.
-            logger.warning_once(f"{self.config._attn_implementation} attention returns no weights; "
-                                "output_attentions=True runs eager attention")
-            mask_config = copy.copy(self.config)
-            mask_config._attn_implementation = "eager"
-        plain_causal = attention_mask is None and cache is None and position_ids is None
-        if plain_causal and mask_config._attn_implementation == "sdpa":
-            # Plain causal attention: SDPA's is_causal=True (flash kernel). create_causal_mask would give the same under
-            # eager execution but, while compiling, transformers 5.17 materialises the full mask.
-            causal_mask = None
-        else:
-            causal_mask = create_causal_mask(mask_config, inputs_embeds, attention_mask, cache, position_ids)
+        causal_mask = self._attention_mask(inputs_embeds, attention_mask, cache, position_ids, output_attentions)
         if position_ids is None:
             if attention_mask is not None and attention_mask.ndim == 2:  # left padding: count real tokens only
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
@@ -499,21 +607,8 @@ class CgptModel(CgptPreTrainedModel):
         else:
             hidden_states = self.drop(inputs_embeds)
             position_embeddings = self.rotary(position_ids)
-        values = [table(input_ids) for table in self.value_embeds] if self.value_embeds is not None else []
-        n = len(self.h)
-        for loop in range(self.config.layer_loops):  # the same blocks again (layer_loops), each pass its own cache
-            skips = []
-            for i, block in enumerate(self.h):
-                if self.skip_weights is not None and i >= n - n // 2:  # U-net: the mirrored early block's output
-                    hidden_states = hidden_states + self.skip_weights[n - 1 - i] * skips[n - 1 - i]
-                table = self.value_tables[i]
-                hidden_states = block(
-                    hidden_states, causal_mask, None if table is None else values[table], cache=cache,
-                    cache_index=loop * n + i, output_attentions=output_attentions,
-                    position_embeddings=position_embeddings, **kwargs
-                )
-                if self.skip_weights is not None and i < n // 2:
-                    skips.append(hidden_states)
+        hidden_states = self._blocks(hidden_states, causal_mask, input_ids, cache, output_attentions,
+                                     position_embeddings, **kwargs)
         hidden_states = self.ln_f(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache})
 
@@ -534,6 +629,63 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
+
+    def _loss_and_logits(self, hidden_states, shift_labels, keep, num_items_in_batch, return_logits: bool):
+        """(loss or None, logits or None) from the last hidden states (B, T, C); ``keep`` selects the positions
+        that get logits."""
+        chunk, cap = self.config.loss_chunk_size, self.config.logit_softcap
+        if shift_labels is None:
+            return None, soft_cap(self.lm_head(hidden_states[:, keep]), cap)  # (B, T', V)
+        if chunk > 0:
+            loss = chunked_cross_entropy(
+                hidden_states.reshape(-1, hidden_states.shape[-1]),
+                self.lm_head.weight,
+                shift_labels.reshape(-1),
+                chunk,
+                denominator=num_items_in_batch,
+                softcap=cap,
+            )
+            return loss, soft_cap(self.lm_head(hidden_states[:, keep]), cap) if return_logits else None
+        logits = soft_cap(self.lm_head(hidden_states), cap)  # loss_chunk_size = 0: the standard transformers loss
+        loss = self.loss_function(
+            logits=logits,
+            labels=None,
+            vocab_size=self.config.vocab_size,
+            shift_labels=shift_labels.contiguous(),  # it views them flat; a packer's [:, 1:] slice is strided
+            num_items_in_batch=num_items_in_batch,
+        )
+        return loss, logits[:, keep]
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        """``document_masking``: none here, so that ``prepare_inputs_for_generation`` counts them at every step over
+        the whole sequence (generate's own would run on across an EOS). Position ids given to ``generate`` win."""
+        if self.config.document_masking:
+            return None
+        return super()._prepare_position_ids_for_generation(inputs_tensor, model_kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *, attention_mask=None, inputs_embeds=None,
+                                      **kwargs):
+        """``document_masking`` without given position ids: the positions of the whole sequence so far counted from
+        each document's start (the prompt's and the continuation's EOS start new ones), sliced to this step's tokens
+        by transformers; a prompt given as ``inputs_embeds`` counts as one document (its EOS cannot be seen)."""
+        if self.config.document_masking and kwargs.get("position_ids") is None:
+            prompt = inputs_embeds.shape[1] if inputs_embeds is not None else 0  # embeddings before generated ids
+            width = attention_mask.shape[-1] if attention_mask is not None else prompt + input_ids.shape[1]
+            if inputs_embeds is None and input_ids.shape[1] < width:
+                raise ValueError("document_masking: generate() got part of the sequence (prefill_chunk_size?); "
+                                 "the positions need all of it: generate without prefill_chunk_size")
+            is_eos = F.pad(input_ids == self.config.eos_token_id, (width - input_ids.shape[1], 0), value=False)
+            kwargs["position_ids"] = document_position_ids(is_eos, attention_mask)
+        return super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask,
+                                                     inputs_embeds=inputs_embeds, **kwargs)
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache=None, position_ids=None,
+                                  **kwargs):
+        """The 4D mask ``generate`` builds ahead for compiled static caches: transformers' own, kept within each
+        document under ``document_masking`` (``cgpt_causal_mask``)."""
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)  # transformers < 5.24: that name
+        return cgpt_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids,
+                                build=create_masks_for_generate, **kwargs)
 
     @_past_key_values_is_deprecated
     @can_return_tuple
@@ -578,39 +730,13 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
             return_dict=True,  # even with config.return_dict=False: can_return_tuple makes the tuple at the end
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state  # (B, T, C)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         if labels is not None and shift_labels is None:
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         if return_logits is None:
             return_logits = not self.training
-
-        loss, logits = None, None
-        chunk, cap = self.config.loss_chunk_size, self.config.logit_softcap
-        if shift_labels is not None and chunk > 0:
-            loss = chunked_cross_entropy(
-                hidden_states.reshape(-1, hidden_states.shape[-1]),
-                self.lm_head.weight,
-                shift_labels.reshape(-1),
-                chunk,
-                denominator=num_items_in_batch,
-                softcap=cap,
-            )
-            if return_logits:
-                logits = soft_cap(self.lm_head(hidden_states[:, keep]), cap)
-        elif shift_labels is not None:  # loss_chunk_size = 0: the full logits, the standard transformers loss
-            logits = soft_cap(self.lm_head(hidden_states), cap)  # (B, T, V)
-            loss = self.loss_function(
-                logits=logits,
-                labels=None,
-                vocab_size=self.config.vocab_size,
-                shift_labels=shift_labels.contiguous(),  # it views them flat; a packer's [:, 1:] slice is strided
-                num_items_in_batch=num_items_in_batch,
-            )
-            logits = logits[:, keep]
-        else:
-            logits = soft_cap(self.lm_head(hidden_states[:, keep]), cap)  # (B, T', V)
-
+        loss, logits = self._loss_and_logits(outputs.last_hidden_state, shift_labels, keep, num_items_in_batch,
+                                             return_logits)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
@@ -623,4 +749,5 @@ class CgptForCausalLM(CgptPreTrainedModel, GenerationMixin):
 CgptForCausalLM.register_for_auto_class("AutoModelForCausalLM")  # saved folders load with trust_remote_code
 
 __all__ = ["CgptForCausalLM", "CgptModel", "CgptPreTrainedModel", "CgptRotaryTable", "apply_rotary",
-           "chunked_cross_entropy", "rotary_cos_sin", "soft_cap", "value_table_of"]
+           "cgpt_causal_mask", "chunked_cross_entropy", "document_mask_function", "document_position_ids",
+           "rotary_cos_sin", "soft_cap", "value_table_of"]
