@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import re
@@ -175,6 +176,88 @@ def test_cpu_blocks_run(page, doc_env, workdirs):
         pytest.skip("; ".join(skipped))
     if skipped:
         warnings.warn(f"not run: {'; '.join(skipped)}", stacklevel=1)
+
+
+# ---------------------------------------------------------------------------------------------------- quoted figures
+@dataclass(frozen=True)
+class Quote:
+    """A sentence of a page that quotes ``hf-cgpu budget``: ``text`` as on the page (line breaks as spaces) with
+    ``{}`` where each figure stands, and per figure the command's arguments and a pattern of its output whose group
+    is the figure. ``needs``: as a block's ``needs=`` (the argument ``{smollm2}`` is the offline GGUF file)."""
+
+    page: str
+    text: str
+    figures: tuple[tuple[tuple[str, ...], str], ...]
+    needs: str = ""
+
+
+TOTAL, ALLOCATED = r"= total on the card\s+([\d.]+)", r"= allocated\s+([\d.]+)"
+MINUTES, HOURS = r"this run .* -> ([\d.]+) min", r"this run .* -> ([\d.]+) h$"
+ZH = ("--preset", "zh-poetry-modern", "--memory_cap", "16GB")
+ZH_FIGURES = ((ZH, TOTAL), (ZH, r"holds ~([\d,]+) of them"))
+PYTHIA = ("--preset", "pythia-1.4b", "--micro_batch_size", "4", "--gradient_accumulation_steps", "8", "--max_steps",
+          "1000")
+SMOL_LORA = ("--model", "{smollm2}", "--tier", "lora", "--seq_len", "256", "--micro_batch_size", "4",
+             "--gradient_accumulation_steps", "2", "--max_steps", "30")  # the README's fine-tuning command
+QUOTES = (
+    Quote("README.md", "estimates the run at {} GiB and about {} steps in the 7 minutes", ZH_FIGURES),
+    Quote("docs/pretrain.md", "estimates the run at {} GiB and about {} steps in the 7 minutes", ZH_FIGURES),
+    Quote("docs/pretrain.md", "`hf-cgpu budget --preset 124m` says {} h for its 20,000 steps",
+          ((("--preset", "124m"), HOURS),)),
+    Quote("docs/finetune.md", "The ledger puts LoRA at {} GiB and QLoRA at {} GiB on the card, and the presets' 1,000 "
+          "steps of 32,768 tokens at about {} minutes",
+          (((*PYTHIA, "--tier", "lora"), TOTAL), ((*PYTHIA, "--tier", "qlora"), TOTAL), (PYTHIA, MINUTES))),
+    Quote("docs/presets.md", "ledger {} GiB on the card ({} allocated); with `--recompute true",
+          ((("--preset", "lora"), TOTAL), (("--preset", "lora"), ALLOCATED))),
+    Quote("docs/presets.md", "ledger {} GiB on the card ({} allocated); `--recompute true` (eager)",
+          ((("--preset", "qlora"), TOTAL), (("--preset", "qlora"), ALLOCATED))),
+    Quote("README.md", "The ledger puts this run at {} GiB and {} tokens/s on a 16 GB card",
+          ((SMOL_LORA, TOTAL), (SMOL_LORA, r"throughput\s+([\d,]+) tokens/s")), needs="smollm2"),
+)
+
+
+@functools.cache
+def budget_output(argv: tuple[str, ...]) -> str:
+    """What ``hf-cgpu budget ARGV`` prints (in this process: the ledger is arithmetic, no framework is imported)."""
+    from hf_cgpu.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["budget", *argv])
+    assert code == 0, f"hf-cgpu budget {' '.join(argv)} exited {code}"
+    return buf.getvalue()
+
+
+def rounds_to(quoted: str, printed: str) -> bool:
+    """Whether the command's figure ``printed`` is ``quoted`` at the precision the page gives it (``106k``: in
+    thousands)."""
+    value = float(printed.replace(",", ""))
+    if quoted.endswith("k"):
+        value, quoted = value / 1000, quoted[:-1]
+    return f"{value:,.{len(quoted.partition('.')[2])}f}" == quoted
+
+
+@pytest.mark.parametrize("quote", QUOTES, ids=[f"{q.page}:{i}" for i, q in enumerate(QUOTES)])
+def test_quoted_ledger_figures_are_what_the_command_prints(quote):
+    """A figure the docs quote from `hf-cgpu budget` is the one the command prints now, at the page's precision."""
+    if quote.needs and (why := _missing(quote.needs)):
+        pytest.skip(why)
+    text = " ".join((ROOT / quote.page).read_text(encoding="utf-8").split())
+    pattern = re.escape(quote.text).replace(re.escape("{}"), r"([\d,.]+k?)")
+    found = re.search(pattern, text)
+    assert found, f"{quote.page} no longer says {quote.text!r}: update QUOTES in tests/test_docs.py"
+    if quote.needs == "smollm2":
+        from hf_cgpu.gguf import smollm2_gguf
+
+        gguf = str(smollm2_gguf())
+    wrong = []
+    for quoted, (argv, output) in zip(found.groups(), quote.figures):
+        argv = tuple(gguf if a == "{smollm2}" else a for a in argv)
+        printed = re.search(output, budget_output(argv), flags=re.MULTILINE)
+        assert printed, f"`hf-cgpu budget {' '.join(argv)}` prints nothing like {output!r}"
+        if not rounds_to(quoted, printed[1]):
+            wrong.append(f"{quoted} where `hf-cgpu budget {' '.join(argv)}` prints {printed[1]}")
+    assert not wrong, f"{quote.page}: {quote.text!r}: " + "; ".join(wrong)
 
 
 # ---------------------------------------------------------------------------------------------------- every block
