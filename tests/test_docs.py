@@ -351,6 +351,32 @@ def test_shell_block_is_well_formed(block):
         assert not unknown, f"{block.name}: `hf-cgpu {' '.join(key)}` has no {', '.join(unknown)} (in: {' '.join(words)})"
 
 
+WRITES = ("--output_dir", "--output")
+"""Flags whose value is a path a command writes."""
+
+
+def written_paths(text: str) -> list[str]:
+    """The paths a shell block's commands write: the values of ``WRITES`` and the folders ``mkdir`` makes."""
+    out = []
+    for words in commands(text):
+        if words[0] == "mkdir":
+            out += [w for w in words[1:] if not w.startswith("-")]
+        out += [words[i + 1] for i, w in enumerate(words[:-1]) if w in WRITES]
+        out += [w.split("=", 1)[1] for w in words if w.split("=", 1)[0] in WRITES and "=" in w]
+    return [p for p in out if not p.startswith(("$", "/", "~"))]
+
+
+@pytest.mark.parametrize("block", [b for b in SHELL_BLOCKS if written_paths(b.text)], ids=lambda b: b.name)
+def test_what_a_documented_command_writes_is_ignored_by_git(block):
+    """Run in a checkout, a documented command writes only where .gitignore keeps it out of `git status` (runs/)."""
+    for path in written_paths(block.text):
+        found = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT, capture_output=True,
+                               check=False)
+        if found.returncode == 128:
+            pytest.skip(f"not a git checkout: {found.stderr.decode(errors='replace').strip()}")
+        assert found.returncode == 0, f"{block.name}: {path} is not ignored by .gitignore: write it under runs/"
+
+
 # ---------------------------------------------------------------------------------------------------- links
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
