@@ -32,9 +32,11 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHARED = ROOT.parent / "shared"
 REGENERATE = "python docs/make_settings.py > docs/settings.md"
 BLOCK_TIMEOUT = 600  # seconds for one block; a loaded 2-core machine is slow
-FIRST_LINES = (('pip install -e ".[test]" && accelerate launch --cpu recipes/train_gpt.py --preset tiny '
-                "--output_dir runs/tiny"), "python -m pytest -q")
-"""The README's first two commands, which CI and a hook check word for word."""
+FIRST_COMMANDS = (('pip install -e ".[test]" && accelerate launch --config_file accelerate_config.yaml --cpu '
+                   "recipes/train_gpt.py --preset tiny --output_dir runs/tiny"), "python -m pytest -q")
+"""The README's first two commands (line continuations joined), which CI and a hook check word for word."""
+SLOW_TIER = "python -m pytest -q -m slow"
+"""The slow tier's command, which the README names and CI runs after the README's."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,19 @@ def test_settings_reference_is_current():
 def test_readme_starts_with_the_two_commands_and_stays_short():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     first = next(b for b in blocks(ROOT / "README.md") if b.lang == "bash")
-    assert first.text.splitlines() == list(FIRST_LINES)
+    assert [" ".join(line.split()) for line in first.text.replace("\\\n", " ").splitlines()] == list(FIRST_COMMANDS)
+    assert f"`{SLOW_TIER}`" in " ".join(readme.split()), "the README names the slow tier's command"
     assert len(readme.encode()) <= 10 * 1024, "README.md is the front door: keep it under 10 kB, details go to docs/"
+
+
+def test_ci_runs_the_readme_commands_word_for_word():
+    """.ci/run: the torch pin, the README's install and test commands as typed, then the slow tier; nothing is
+    installed beyond the README's install (an optional package a test needs is in the test extra, or the test
+    skips), so a newcomer's run is CI's."""
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    runs = [line for line in lines if line.startswith(("pip ", "python ", "python3 ", "accelerate "))]
+    install = FIRST_COMMANDS[0].split(" && ")[0]
+    assert runs[0].startswith("pip install \"torch==") and runs[1:] == [install, FIRST_COMMANDS[1], SLOW_TIER], runs
 
 
 def test_there_are_cpu_blocks_to_run():
