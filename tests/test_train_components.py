@@ -323,6 +323,19 @@ def test_ctrl_c_names_the_stop_whenever_the_launchers_sigterm_is_handled(when, m
     assert stop.signalled and stop.signal_name == "SIGINT"
 
 
+@pytest.mark.parametrize("mine, theirs, name", [
+    ("SIGTERM", "SIGINT", "SIGINT"), ("", "SIGINT", "SIGINT"), ("", "SIGTERM", "SIGTERM (another process)"),
+    ("SIGINT", "SIGTERM", "SIGINT")])
+def test_processes_agree_on_the_stop_and_a_ctrl_c_anywhere_names_it(mine, theirs, name):
+    """Several processes: a launcher hands the terminal's Ctrl-C to each of them; a rank whose SIGINT had not arrived
+    (or whose launcher SIGTERM was handled first) when the flags were summed stops as interrupted (Ctrl-C) too."""
+    other = torch.tensor([1, 0, int(theirs == "SIGINT")])  # the other rank's flags: signalled, out of time, Ctrl-C
+    acc = SimpleNamespace(num_processes=2, device=torch.device("cpu"), reduce=lambda t, reduction: t + other)
+    stop = Stopping(max_minutes=0, catch_signals=False)
+    stop.signalled, stop.signal_name = bool(mine), mine
+    assert stop.poll(acc) == (True, False) and stop.signal_name == name
+
+
 class TermAt(ToyTask):
     def loss(self, model, batch, generator):
         if self.calls == 2 * 4:  # during step 5 (two micro-batches a step)
