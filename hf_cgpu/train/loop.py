@@ -31,7 +31,7 @@ from ..hub.push import HubPusher
 from ..integrity import as_disk_error
 from ..settings import TrainSettings, to_dict
 from ..options import CUDA_GRAPH_MODES
-from .artifacts import final_results, save_run
+from .artifacts import against_base, final_results, save_run
 from .checkpoint import Checkpointer, TrainState, list_checkpoints, nonfinite_tensors
 from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
 from .ema import ema_weights
@@ -310,6 +310,8 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
         **({"schedule_steps": state.last_step(s)} if s.fit_schedule_to_time else {})})
     if acc.num_processes > 1:
         results["processes_peak_memory"] = peak_memory_per_process(acc, peak_memory(acc.device))
+    if warning := against_base(results):
+        metrics.write(warning)
     recorded = to_dict(*(x for x in (task.cfg, s) if x is not None))
     with torch.compiler.set_stance("force_eager"):  # the end-of-run samples: no compile for their shapes
         if is_sharded(acc):  # the EMA weights are put in place on every rank, then gathered whole
