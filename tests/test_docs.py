@@ -99,6 +99,20 @@ def test_readme_starts_with_the_two_commands_and_stays_short():
     assert len(readme.encode()) <= 10 * 1024, "README.md is the front door: keep it under 10 kB, details go to docs/"
 
 
+def test_the_readme_launch_leaves_accelerate_quiet(caplog, monkeypatch):
+    """The README's first command starts accelerate's launcher with every value it would otherwise warn about (its
+    6-line "values were not passed" block on a newcomer's first run)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    words = shlex.split(FIRST_COMMANDS[0].split(" && ")[1])
+    assert words[:2] == ["accelerate", "launch"] and "recipes/train_gpt.py" in words
+    monkeypatch.chdir(ROOT)  # the config file is named relative to the checkout
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a fresh shell sets none
+    with caplog.at_level("WARNING"):
+        _validate_launch_command(launch_command_parser().parse_args(words[2:]))
+    assert not [r.getMessage() for r in caplog.records if "not passed" in r.getMessage()]
+
+
 def test_ci_runs_the_readme_commands_word_for_word():
     """.ci/run: the torch pin, the README's install and test commands as typed, then the slow tier; nothing is
     installed beyond the README's install (an optional package a test needs is in the test extra, or the test
