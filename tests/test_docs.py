@@ -113,6 +113,17 @@ def test_the_readme_launch_leaves_accelerate_quiet(caplog, monkeypatch):
     assert not [r.getMessage() for r in caplog.records if "not passed" in r.getMessage()]
 
 
+@pytest.mark.parametrize("tier", ["fast", "slow"])
+def test_the_readme_test_command_leaves_the_slow_tier_out(tier):
+    """`python -m pytest -q` alone deselects the tests marked slow (test_wheel.py's); `-m slow` runs those alone.
+    Collected over test_update.py and test_wheel.py only: the other files are ignored, the tier rule still applies."""
+    argv = [sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:xdist", "--ignore-glob=tests/test_[a-tv]*.py",
+            *(["-m", "slow"] if tier == "slow" else [])]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False).stdout
+    files = {line.split("::")[0] for line in out.splitlines() if "::" in line}
+    assert files == {"tests/test_update.py" if tier == "fast" else "tests/test_wheel.py"}, out[-2000:]
+
+
 def test_ci_runs_the_readme_commands_word_for_word():
     """.ci/run: the torch pin, the README's install and test commands as typed, then the slow tier; nothing is
     installed beyond the README's install (an optional package a test needs is in the test extra, or the test

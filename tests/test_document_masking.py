@@ -43,7 +43,7 @@ def _model(pe: str, attn: str) -> CgptForCausalLM:
 
 
 @pytest.mark.parametrize("pe, attn", [("learned", "sdpa"), ("rotary", "sdpa"), ("rotary", "eager"),
-                                      ("rotary", "flex_attention")])  # flex: transformers' block mask
+                                      pytest.param("rotary", "flex_attention", marks=pytest.mark.slow)])  # block mask
 def test_a_document_in_a_masked_window_has_the_logits_it_has_alone(pe, attn):
     """Each document's logits inside the window equal its logits run alone (ATOL); the same window without the
     positions (a planted cross-document leak) differs from the second document on."""
