@@ -12,7 +12,7 @@ import sys
 from .errors import USER_ERROR_EXIT, run_main
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("hf_cgpu.recipes:train_main", "train a model: gpt, flow, lora, classifier (the recipes' settings)"),
+    "train": ("hf_cgpu.recipes:train_main", "train a model: {recipes} (the recipes' settings)"),
     "budget": ("hf_cgpu.commands.budget:main", "memory and time ledger: what fits on your card, how long it takes"),
     "bench": ("hf_cgpu.bench:main", "measure this GPU's bandwidth and bf16 matmul rate (MFU denominator)"),
     "generate": ("hf_cgpu.generate:main", "continue text with a saved GPT (or any causal LM)"),
@@ -23,12 +23,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("hf_cgpu.verify:main", "check a model or checkpoint folder against its checksum manifest"),
     "flow2d": ("hf_cgpu.recipes:flow2d_main", "the 2D flow-matching toy on CPU (seconds): table + scatter plot"),
 }
-"""name -> ("module:function", one line of help); the function takes the remaining argv and returns an exit code."""
+"""name -> ("module:function", one line of help); the function takes the remaining argv and returns an exit code.
+``{recipes}`` in a help line stands for the names of the recipe registry (``hf_cgpu.recipes.RECIPES``)."""
 
 
 def usage() -> str:
-    width = max(map(len, COMMANDS)) + 2
-    lines = [f"  {name:<{width}}{help_}" for name, (_, help_) in COMMANDS.items()]
+    from .recipes import RECIPES  # torch-free: the registry's names, so a new recipe is listed without an edit here
+
+    width, recipes = max(map(len, COMMANDS)) + 2, ", ".join(RECIPES)
+    lines = [f"  {name:<{width}}{help_.format(recipes=recipes)}" for name, (_, help_) in COMMANDS.items()]
     return ("usage: hf-cgpu COMMAND [ARGS]   (hf-cgpu COMMAND --help: its options)\n\ncommands:\n" + "\n".join(lines)
             + "\n\nA user error ends in one line `error: ...` and exit code 2; HF_CGPU_DEBUG=1 shows its traceback.")
 

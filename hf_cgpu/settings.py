@@ -177,7 +177,7 @@ class TrainSettings:
     ema_decay: float = field(default=0.0, metadata=FIXED)
     """Exponential moving average of the weights (0 = off); the image recipe uses 0.9999-ish. Warm-up
     min(decay, (1 + step) / (10 + step)): the decay itself applies from step (10 decay - 1) / (1 - decay) on
-    (0.999: 8,990), and a run that ends before says so."""
+    (0.999: 8,990); a run that ends before says so where --ema_decay was given on the command line."""
     nan_patience: int = 5
     """Non-finite losses/gradient norms in a row before the run stops (each one skips its optimizer step)."""
     spike_factor: float = 10.0
@@ -199,6 +199,9 @@ class TrainSettings:
     train_mode: str = field(default="", metadata={"cli": False})
     """What the task starts from (pretrain: random weights, finetune: a trained model), which decides the tiers it can
     use; set from the task (by the recipe's parser, else by ``fit``); empty = not known yet."""
+    given_flags: str = field(default="", metadata={"cli": False, "given_flags": True})
+    """The flags given on the command line, comma-separated (set by the parser; empty for settings made in code): a
+    note about a setting's value is for the person who typed it, not for a preset's choice."""
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -24,6 +24,18 @@ def pytest_cmdline_main(config):
             config.option.dist = "loadfile"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Two tiers. ``python -m pytest -q`` alone runs the fast one: tests marked ``slow`` (end-to-end runs, minutes
+    each) are deselected. ``-m slow`` runs those, ``-m "slow or not slow"`` both; test files or ids named on the
+    command line run whatever their tier."""
+    if config.option.markexpr or config.args_source is not pytest.Config.ArgsSource.TESTPATHS:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 TINY_VOCAB = 256
 
 

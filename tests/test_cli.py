@@ -117,6 +117,8 @@ def test_top_level_help_lists_every_command(capsys):
     assert cli_main(["--help"]) == 0
     out = capsys.readouterr().out
     assert all(f"  {name} " in out for name in COMMANDS)
+    train = next(line for line in out.splitlines() if line.startswith("  train "))
+    assert set(RECIPES) <= set(train.replace(",", " ").split()), train  # every registered recipe, none missed
     assert cli_main(["trian"]) == 2
     assert "unknown command 'trian'" in capsys.readouterr().err
 

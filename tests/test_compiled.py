@@ -8,6 +8,7 @@ import runpy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from hf_cgpu.train.compiled import RecompileWatch, describe, use_compile_cache
@@ -61,6 +62,7 @@ def test_compile_cache_under_hf_cgpu_cache_unless_set(tmp_path, monkeypatch):
                                                  "TRITON_CACHE_DIR": str(tmp_path / "tmine")}
 
 
+@pytest.mark.slow
 def test_compiled_flow_run_has_no_recompile(tmp_path, synthetic_data, monkeypatch, capsys):
     """Training, two evaluations (no_grad, eval(), a 9-image remainder batch, the 160-image CFG sample batch) and the
     final save: not one recompile; the first step's time is recorded."""
@@ -100,6 +102,7 @@ def test_uncompiled_run_records_no_recompile_count():
     assert m.summary()["recompiles"] is None and m.summary()["seconds_to_first_step"] is None
 
 
+@pytest.mark.slow
 def test_channels_last_unet_keeps_layout_optimization_in_forward_and_backward(monkeypatch):
     """The flow UNet (channels_last) compiled by apply_compile: inductor lowers its forward and its backward graph with
     layout optimization on, which its heuristic alone turns off for this UNet (decoder convs with in >= 2 x out

@@ -102,6 +102,7 @@ def gpt_runs(tmp_path_factory):
     return root, logs
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_logic_on_two_cpu_processes(gpt_runs):
     """benchmarks/throughput/gpu_scaling.py: one process at accumulation 2 vs two at 1, the same losses, a rate each,
     the scaling factor, every process's peak memory (CPU figures: they check the logic, not any GPU)."""
@@ -117,6 +118,7 @@ def test_gpu_benchmark_logic_on_two_cpu_processes(gpt_runs):
 
 
 @pytest.mark.parametrize("config", ["ddp", "fsdp2"])
+@pytest.mark.slow
 def test_gpt_two_processes_reach_the_losses_of_one(gpt_runs, config):
     from transformers import AutoModelForCausalLM
 
@@ -147,6 +149,7 @@ def _wait_for(path: Path, proc, seconds=240) -> None:
     assert path.exists(), f"the run never wrote {path}"
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_both_processes_at_one_step_and_resume_is_exact(gpt_runs, tmp_path):
     """SIGTERM to `accelerate launch` (torchrun passes it to the processes): the processes agree on the step, save
     one checkpoint together, stop in one line; 2 processes resume it to the uninterrupted run's weights."""
@@ -170,6 +173,7 @@ def test_sigterm_to_the_launcher_stops_both_processes_at_one_step_and_resume_is_
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_fsdp2_run_resumes_from_its_sharded_checkpoint_to_the_same_weights(gpt_runs, tmp_path):
     root, _ = gpt_runs
     cut = tmp_path / "cut"
@@ -186,6 +190,7 @@ def test_fsdp2_run_resumes_from_its_sharded_checkpoint_to_the_same_weights(gpt_r
 
 
 @pytest.mark.parametrize("config", ["ddp", "fsdp2"])
+@pytest.mark.slow
 def test_flow_two_processes_reach_the_losses_of_one(config, synthetic_data, tmp_path_factory):
     """The UNet with EMA (tiny preset: 0.99): losses within fp32 tolerance, the EMA weights saved whole."""
     from hf_cgpu import FlowMatchPipeline
@@ -248,6 +253,7 @@ def test_autofit_and_budget_see_the_processes(capsys):
 
 # ---------------------------------------------------------------------------------------------------- LoRA
 @pytest.mark.parametrize("config", ["ddp", "fsdp2"])
+@pytest.mark.slow
 def test_lora_two_processes_reach_the_losses_of_one(config, tiny_base, tmp_path_factory):
     """Plain LoRA: the loss runs through the DDP/FSDP2 wrapper (DDP syncs only gradients of a forward it ran), the
     adapters come out as one process trains them and load onto the base with peft."""
@@ -286,6 +292,7 @@ def test_an_fsdp2_checkpoint_is_refused_without_fsdp_in_one_line(tmp_path):
     Checkpointer(single, tmp_path, 0, 0)._check_sharding(ckpt)  # a DDP or one-process checkpoint: fine
 
 
+@pytest.mark.slow
 def test_muon_under_fsdp2_reaches_the_losses_of_one_process(tmp_path):
     """Muon orthogonalises whole matrices; under FSDP2 every rank holds a row shard. The batched Newton-Schulz step
     runs on the DTensors (global semantics), so two sharded processes follow the one-process run."""

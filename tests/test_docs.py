@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import re
@@ -31,9 +32,11 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHARED = ROOT.parent / "shared"
 REGENERATE = "python docs/make_settings.py > docs/settings.md"
 BLOCK_TIMEOUT = 600  # seconds for one block; a loaded 2-core machine is slow
-FIRST_LINES = (('pip install -e ".[test]" && accelerate launch --cpu recipes/train_gpt.py --preset tiny '
-                "--output_dir runs/tiny"), "python -m pytest -q")
-"""The README's first two commands, which CI and a hook check word for word."""
+FIRST_COMMANDS = (('pip install -e ".[test]" && accelerate launch --config_file accelerate_config.yaml --cpu '
+                   "recipes/train_gpt.py --preset tiny --output_dir runs/tiny"), "python -m pytest -q")
+"""The README's first two commands (line continuations joined), which CI and a hook check word for word."""
+SLOW_TIER = "python -m pytest -q -m slow"
+"""The slow tier's command, which the README names and CI runs after the README's."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,44 @@ def test_settings_reference_is_current():
 def test_readme_starts_with_the_two_commands_and_stays_short():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     first = next(b for b in blocks(ROOT / "README.md") if b.lang == "bash")
-    assert first.text.splitlines() == list(FIRST_LINES)
+    assert [" ".join(line.split()) for line in first.text.replace("\\\n", " ").splitlines()] == list(FIRST_COMMANDS)
+    assert f"`{SLOW_TIER}`" in " ".join(readme.split()), "the README names the slow tier's command"
     assert len(readme.encode()) <= 10 * 1024, "README.md is the front door: keep it under 10 kB, details go to docs/"
+
+
+def test_the_readme_launch_leaves_accelerate_quiet(caplog, monkeypatch):
+    """The README's first command starts accelerate's launcher with every value it would otherwise warn about (its
+    6-line "values were not passed" block on a newcomer's first run)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    words = shlex.split(FIRST_COMMANDS[0].split(" && ")[1])
+    assert words[:2] == ["accelerate", "launch"] and "recipes/train_gpt.py" in words
+    monkeypatch.chdir(ROOT)  # the config file is named relative to the checkout
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a fresh shell sets none
+    with caplog.at_level("WARNING"):
+        _validate_launch_command(launch_command_parser().parse_args(words[2:]))
+    assert not [r.getMessage() for r in caplog.records if "not passed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("tier", ["fast", "slow"])
+def test_the_readme_test_command_leaves_the_slow_tier_out(tier):
+    """`python -m pytest -q` alone deselects the tests marked slow (test_wheel.py's); `-m slow` runs those alone.
+    Collected over test_update.py and test_wheel.py only: the other files are ignored, the tier rule still applies."""
+    argv = [sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:xdist", "--ignore-glob=tests/test_[a-tv]*.py",
+            *(["-m", "slow"] if tier == "slow" else [])]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False).stdout
+    files = {line.split("::")[0] for line in out.splitlines() if "::" in line}
+    assert files == {"tests/test_update.py" if tier == "fast" else "tests/test_wheel.py"}, out[-2000:]
+
+
+def test_ci_runs_the_readme_commands_word_for_word():
+    """.ci/run: the torch pin, the README's install and test commands as typed, then the slow tier; nothing is
+    installed beyond the README's install (an optional package a test needs is in the test extra, or the test
+    skips), so a newcomer's run is CI's."""
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    runs = [line for line in lines if line.startswith(("pip ", "python ", "python3 ", "accelerate "))]
+    install = FIRST_COMMANDS[0].split(" && ")[0]
+    assert runs[0].startswith("pip install \"torch==") and runs[1:] == [install, FIRST_COMMANDS[1], SLOW_TIER], runs
 
 
 def test_there_are_cpu_blocks_to_run():
@@ -153,9 +192,11 @@ def workdirs(tmp_path_factory):
 CPU_PAGES = list(dict.fromkeys(b.page for b in CPU_BLOCKS))
 
 
-@pytest.mark.parametrize("page", CPU_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", [p if p.name == "README.md" else pytest.param(p, marks=pytest.mark.slow)
+                                  for p in CPU_PAGES], ids=lambda p: str(p.relative_to(ROOT)))
 def test_cpu_blocks_run(page, doc_env, workdirs):
-    """The page's `bash cpu` blocks, in order, in one folder: a later block may use what an earlier one made."""
+    """The page's `bash cpu` blocks, in order, in one folder: a later block may use what an earlier one made. The
+    README's (the ledger) are in the fast tier; the docs' train models, in the slow one."""
     ran, skipped = [], []
     for block in (b for b in CPU_BLOCKS if b.page == page):
         reasons = [r for r in map(_missing, sorted(block.needs())) if r]
@@ -175,6 +216,88 @@ def test_cpu_blocks_run(page, doc_env, workdirs):
         pytest.skip("; ".join(skipped))
     if skipped:
         warnings.warn(f"not run: {'; '.join(skipped)}", stacklevel=1)
+
+
+# ---------------------------------------------------------------------------------------------------- quoted figures
+@dataclass(frozen=True)
+class Quote:
+    """A sentence of a page that quotes ``hf-cgpu budget``: ``text`` as on the page (line breaks as spaces) with
+    ``{}`` where each figure stands, and per figure the command's arguments and a pattern of its output whose group
+    is the figure. ``needs``: as a block's ``needs=`` (the argument ``{smollm2}`` is the offline GGUF file)."""
+
+    page: str
+    text: str
+    figures: tuple[tuple[tuple[str, ...], str], ...]
+    needs: str = ""
+
+
+TOTAL, ALLOCATED = r"= total on the card\s+([\d.]+)", r"= allocated\s+([\d.]+)"
+MINUTES, HOURS = r"this run .* -> ([\d.]+) min", r"this run .* -> ([\d.]+) h$"
+ZH = ("--preset", "zh-poetry-modern", "--memory_cap", "16GB")
+ZH_FIGURES = ((ZH, TOTAL), (ZH, r"holds ~([\d,]+) of them"))
+PYTHIA = ("--preset", "pythia-1.4b", "--micro_batch_size", "4", "--gradient_accumulation_steps", "8", "--max_steps",
+          "1000")
+SMOL_LORA = ("--model", "{smollm2}", "--tier", "lora", "--seq_len", "256", "--micro_batch_size", "4",
+             "--gradient_accumulation_steps", "2", "--max_steps", "30")  # the README's fine-tuning command
+QUOTES = (
+    Quote("README.md", "estimates the run at {} GiB and about {} steps in the 7 minutes", ZH_FIGURES),
+    Quote("docs/pretrain.md", "estimates the run at {} GiB and about {} steps in the 7 minutes", ZH_FIGURES),
+    Quote("docs/pretrain.md", "`hf-cgpu budget --preset 124m` says {} h for its 20,000 steps",
+          ((("--preset", "124m"), HOURS),)),
+    Quote("docs/finetune.md", "The ledger puts LoRA at {} GiB and QLoRA at {} GiB on the card, and the presets' 1,000 "
+          "steps of 32,768 tokens at about {} minutes",
+          (((*PYTHIA, "--tier", "lora"), TOTAL), ((*PYTHIA, "--tier", "qlora"), TOTAL), (PYTHIA, MINUTES))),
+    Quote("docs/presets.md", "ledger {} GiB on the card ({} allocated); with `--recompute true",
+          ((("--preset", "lora"), TOTAL), (("--preset", "lora"), ALLOCATED))),
+    Quote("docs/presets.md", "ledger {} GiB on the card ({} allocated); `--recompute true` (eager)",
+          ((("--preset", "qlora"), TOTAL), (("--preset", "qlora"), ALLOCATED))),
+    Quote("README.md", "The ledger puts this run at {} GiB and {} tokens/s on a 16 GB card",
+          ((SMOL_LORA, TOTAL), (SMOL_LORA, r"throughput\s+([\d,]+) tokens/s")), needs="smollm2"),
+)
+
+
+@functools.cache
+def budget_output(argv: tuple[str, ...]) -> str:
+    """What ``hf-cgpu budget ARGV`` prints (in this process: the ledger is arithmetic, no framework is imported)."""
+    from hf_cgpu.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["budget", *argv])
+    assert code == 0, f"hf-cgpu budget {' '.join(argv)} exited {code}"
+    return buf.getvalue()
+
+
+def rounds_to(quoted: str, printed: str) -> bool:
+    """Whether the command's figure ``printed`` is ``quoted`` at the precision the page gives it (``106k``: in
+    thousands)."""
+    value = float(printed.replace(",", ""))
+    if quoted.endswith("k"):
+        value, quoted = value / 1000, quoted[:-1]
+    return f"{value:,.{len(quoted.partition('.')[2])}f}" == quoted
+
+
+@pytest.mark.parametrize("quote", QUOTES, ids=[f"{q.page}:{i}" for i, q in enumerate(QUOTES)])
+def test_quoted_ledger_figures_are_what_the_command_prints(quote):
+    """A figure the docs quote from `hf-cgpu budget` is the one the command prints now, at the page's precision."""
+    if quote.needs and (why := _missing(quote.needs)):
+        pytest.skip(why)
+    text = " ".join((ROOT / quote.page).read_text(encoding="utf-8").split())
+    pattern = re.escape(quote.text).replace(re.escape("{}"), r"([\d,.]+k?)")
+    found = re.search(pattern, text)
+    assert found, f"{quote.page} no longer says {quote.text!r}: update QUOTES in tests/test_docs.py"
+    if quote.needs == "smollm2":
+        from hf_cgpu.gguf import smollm2_gguf
+
+        gguf = str(smollm2_gguf())
+    wrong = []
+    for quoted, (argv, output) in zip(found.groups(), quote.figures):
+        argv = tuple(gguf if a == "{smollm2}" else a for a in argv)
+        printed = re.search(output, budget_output(argv), flags=re.MULTILINE)
+        assert printed, f"`hf-cgpu budget {' '.join(argv)}` prints nothing like {output!r}"
+        if not rounds_to(quoted, printed[1]):
+            wrong.append(f"{quoted} where `hf-cgpu budget {' '.join(argv)}` prints {printed[1]}")
+    assert not wrong, f"{quote.page}: {quote.text!r}: " + "; ".join(wrong)
 
 
 # ---------------------------------------------------------------------------------------------------- every block
@@ -266,6 +389,32 @@ def test_shell_block_is_well_formed(block):
         flags = {a.split("=", 1)[0] for a in args if a.startswith("--")}
         unknown = sorted(flags - (known_flags(key) - (LAUNCH_FLAGS if script else set())))
         assert not unknown, f"{block.name}: `hf-cgpu {' '.join(key)}` has no {', '.join(unknown)} (in: {' '.join(words)})"
+
+
+WRITES = ("--output_dir", "--output")
+"""Flags whose value is a path a command writes."""
+
+
+def written_paths(text: str) -> list[str]:
+    """The paths a shell block's commands write: the values of ``WRITES`` and the folders ``mkdir`` makes."""
+    out = []
+    for words in commands(text):
+        if words[0] == "mkdir":
+            out += [w for w in words[1:] if not w.startswith("-")]
+        out += [words[i + 1] for i, w in enumerate(words[:-1]) if w in WRITES]
+        out += [w.split("=", 1)[1] for w in words if w.split("=", 1)[0] in WRITES and "=" in w]
+    return [p for p in out if not p.startswith(("$", "/", "~"))]
+
+
+@pytest.mark.parametrize("block", [b for b in SHELL_BLOCKS if written_paths(b.text)], ids=lambda b: b.name)
+def test_what_a_documented_command_writes_is_ignored_by_git(block):
+    """Run in a checkout, a documented command writes only where .gitignore keeps it out of `git status` (runs/)."""
+    for path in written_paths(block.text):
+        found = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT, capture_output=True,
+                               check=False)
+        if found.returncode == 128:
+            pytest.skip(f"not a git checkout: {found.stderr.decode(errors='replace').strip()}")
+        assert found.returncode == 0, f"{block.name}: {path} is not ignored by .gitignore: write it under runs/"
 
 
 # ---------------------------------------------------------------------------------------------------- links

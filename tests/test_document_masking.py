@@ -57,7 +57,7 @@ def _model(pe: str, attn: str, **config) -> CgptForCausalLM:
 
 
 @pytest.mark.parametrize("pe, attn", [("learned", "sdpa"), ("rotary", "sdpa"), ("rotary", "eager"),
-                                      ("rotary", "flex_attention")])  # flex: transformers' block mask
+                                      pytest.param("rotary", "flex_attention", marks=pytest.mark.slow)])  # block mask
 def test_a_document_in_a_masked_window_has_the_logits_it_has_alone(pe, attn):
     """Each document's logits inside the window equal its logits run alone (ATOL): with the positions given, as
     training and hf-cgpu eval give them, and from the model's own reading of the EOS in a plain call (the mask beside

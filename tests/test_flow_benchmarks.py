@@ -27,7 +27,7 @@ def _run(model, forward, x, t, y, compiled):
     return out, [p.grad for p in m.parameters()]
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_split_decoder_matches_the_concatenating_forward(compiled):
     """Same output and parameter gradients as FlowUNet2DModel.forward (eager, native group norm), eager and traced
     (where the group norm takes the channel-moments path), on channels_last inputs with non-trivial weights."""

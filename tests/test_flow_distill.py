@@ -143,6 +143,7 @@ def toy():
 SEED_EULER_100 = 0.81  # the seed's 2D toy: 81% within 0.3 of a mode at 100 Euler steps (benchmarks/RESULTS.md)
 
 
+@pytest.mark.slow
 def test_toy_distilled_reaches_the_seeds_euler_100_in_two_evaluations(toy):
     teacher, centres, x0, teacher_100 = toy
     student = VelocityMLP(hidden=64, depth=3, time_embed_dim=32, step_size_embedding=True)

@@ -348,6 +348,7 @@ def test_autoguidance_save_load_round_trip(tmp_path):
     assert off.guide_unet is None and off.config.guidance_model is None
 
 
+@pytest.mark.slow
 def test_autoguided_folder_loads_with_trust_remote_code_without_hf_cgpu(tmp_path):
     pipe = _guided_pipe()
     pipe.register_to_config(num_inference_steps=8, guidance_scale=1.0, guidance_interval=None)

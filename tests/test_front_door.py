@@ -26,6 +26,7 @@ def _default_sigint():
 
 
 # ---------------------------------------------------------------------------------------------------- Ctrl-C
+@pytest.mark.slow
 def test_ctrl_c_is_one_line_exit_130_naming_the_checkpoint_and_the_command(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hf_cgpu.cli", "train", "gpt", *TINY, "--max_steps", "5000",

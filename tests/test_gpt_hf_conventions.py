@@ -119,7 +119,8 @@ def test_return_dict_false_gives_tuples():
 
 
 # ---------------------------------------------------------------------------- attention backends
-@pytest.mark.parametrize("implementation, padded", [("eager", False), ("eager", True), ("flex_attention", True)])
+@pytest.mark.parametrize("implementation, padded", [("eager", False), ("eager", True),
+                                                     pytest.param("flex_attention", True, marks=pytest.mark.slow)])
 def test_other_backends_match_sdpa(implementation, padded):
     x, mask = left_padded() if padded else (ids(), None)
     sdpa = tiny()

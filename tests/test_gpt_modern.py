@@ -122,6 +122,7 @@ def test_left_padded_batch_matches_single():
         torch.testing.assert_close(got[1], want[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_attention_backends_agree():
     model = modern_model()
     ids = torch.randint(1, 97, (2, 12))
@@ -132,6 +133,7 @@ def test_attention_backends_agree():
             torch.testing.assert_close(model(ids).logits, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_save_load_round_trip_and_trust_remote_code_without_hf_cgpu(tmp_path):
     model = modern_model(norm="rmsnorm")
     model.save_pretrained(tmp_path / "m")

@@ -248,6 +248,7 @@ def test_noise_does_not_depend_on_the_batch_size(tmp_path):
     assert a["labels"].tolist() == [i % 10 for i in range(12)] and a["nfe_per_image"] == 4
 
 
+@pytest.mark.slow
 def test_cli_sweep_over_ema_and_raw_weights(tmp_path, synthetic_data, synthetic_classifier, capsys):
     run = tmp_path / "flow"
     _run_recipe("train_flow.py", ["--preset", "tiny", "--dataset", str(synthetic_data), "--output_dir", str(run),
@@ -336,6 +337,7 @@ def test_sweep_evaluations_give_each_sampler_the_most_steps_that_fit():
         ImageEvalSettings(classifier="y", sweep_evaluations="0,5")
 
 
+@pytest.mark.slow
 def test_cli_autoguidance_by_raw_weights_and_an_early_checkpoint(tmp_path, synthetic_data, synthetic_classifier,
                                                                   capsys):
     """`hf-cgpu eval` and `hf-cgpu sample` guided by the run's raw weights and by its step-1 checkpoint: evaluations

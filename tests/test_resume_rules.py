@@ -78,6 +78,7 @@ def flow_settings(data, out, **kw):
     return flow, train
 
 
+@pytest.mark.slow
 def test_flow_data_by_content_relative_path_resumes_replaced_images_refused(synthetic_data, tmp_path, monkeypatch,
                                                                             capsys):
     from datasets import ClassLabel, Dataset, Features
@@ -114,6 +115,7 @@ def tiny_fit(out, resume=""):
     return fit(CausalLMTask(gpt), train)
 
 
+@pytest.mark.slow
 def test_a_cpu_run_resumed_with_other_threads_takes_its_own_back(tmp_path, capsys):
     """Resumed by a launcher that picks another thread count (accelerate launch --cpu, --cpu, a plain start), the run
     still repeats the uninterrupted one bit for bit, and says that it set the count."""

@@ -374,9 +374,11 @@ def test_a_fresh_output_folder_reuses_the_tokenizer_an_earlier_run_trained(tmp_p
     ds = load_text_dataset("builtin")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    first = task._tokenizer(ds, tmp_path / "a", resume=False)
+    trained = []
+    first = task._tokenizer(ds, tmp_path / "a", resume=False, log=trained.append)
+    assert [line for line in trained if line.startswith("tokenizer: training a byte-level BPE of 300 tokens on 20 ")]
     monkeypatch.setattr(causal_lm, "train_tokenizer", lambda *a, **k: pytest.fail("trained again"))
     logs = []
     second = task._tokenizer(ds, tmp_path / "b", resume=False, log=logs.append)
     assert second.get_vocab() == first.get_vocab() and (tmp_path / "b" / "tokenizer" / "tokenizer.json").is_file()
-    assert any("reused from" in line for line in logs)
+    assert any("reused from" in line for line in logs) and not any("training a" in line for line in logs)

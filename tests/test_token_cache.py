@@ -40,6 +40,7 @@ def _pack_in_another_process(cache: str, barrier, results) -> None:
         results.put(("failed", f"{type(err).__name__}: {err}", 0))
 
 
+@pytest.mark.slow
 def test_two_processes_packing_one_corpus_into_one_cache_both_succeed(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()

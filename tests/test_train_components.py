@@ -64,6 +64,20 @@ def test_ema_decay_is_reached_where_the_warm_up_meets_it(decay, reached):
     assert ema.warmup_note(max_steps=reached) is None
 
 
+@pytest.mark.parametrize("recipe, argv, noted", [
+    ("flow", ["--preset", "tiny"], False), ("gpt", ["--preset", "zh-poetry-modern"], False),
+    ("gpt", ["--preset", "auto"], False), ("flow", ["--preset", "tiny", "--ema_decay", "0.99"], True)])
+def test_the_ema_warm_up_note_is_for_a_typed_decay_not_a_presets(recipe, argv, noted, tmp_path, capsys):
+    """A shipped preset's decay outlasts its runs by design (the warm-up sets their average): no note on every run
+    of it. The same decay typed on the command line, in a run too short for it, gets the note."""
+    from hf_cgpu.recipes import RECIPES, parse
+
+    train = parse(RECIPES[recipe], [*argv, "--output_dir", str(tmp_path / "parsed")])[1]
+    assert train.ema_decay > 0 and EMA(torch.nn.Linear(1, 1), train.ema_decay).decay_reached_at() > 4
+    fit(ToyTask(), settings(tmp_path / "run", max_steps=4, ema_decay=train.ema_decay, given_flags=train.given_flags))
+    assert ("is reached only at step" in capsys.readouterr().out) is noted
+
+
 @pytest.mark.parametrize("decay", [1.0, 1.5, -0.1])
 def test_ema_decay_outside_zero_one_is_a_one_line_error(decay, tmp_path):
     """1 or more would average the warm-up forever (decay_at never reaches it), a negative one switches the EMA off."""
@@ -307,6 +321,19 @@ def test_ctrl_c_names_the_stop_whenever_the_launchers_sigterm_is_handled(when, m
             patch.setattr(stopping.os, "write", lambda fd, b: (signal.raise_signal(signal.SIGTERM), write(fd, b)))
         signal.raise_signal(signal.SIGINT)
     assert stop.signalled and stop.signal_name == "SIGINT"
+
+
+@pytest.mark.parametrize("mine, theirs, name", [
+    ("SIGTERM", "SIGINT", "SIGINT"), ("", "SIGINT", "SIGINT"), ("", "SIGTERM", "SIGTERM (another process)"),
+    ("SIGINT", "SIGTERM", "SIGINT")])
+def test_processes_agree_on_the_stop_and_a_ctrl_c_anywhere_names_it(mine, theirs, name):
+    """Several processes: a launcher hands the terminal's Ctrl-C to each of them; a rank whose SIGINT had not arrived
+    (or whose launcher SIGTERM was handled first) when the flags were summed stops as interrupted (Ctrl-C) too."""
+    other = torch.tensor([1, 0, int(theirs == "SIGINT")])  # the other rank's flags: signalled, out of time, Ctrl-C
+    acc = SimpleNamespace(num_processes=2, device=torch.device("cpu"), reduce=lambda t, reduction: t + other)
+    stop = Stopping(max_minutes=0, catch_signals=False)
+    stop.signalled, stop.signal_name = bool(mine), mine
+    assert stop.poll(acc) == (True, False) and stop.signal_name == name
 
 
 class TermAt(ToyTask):

@@ -68,6 +68,7 @@ def test_pipeline_holds_the_ema_weights(flow_run):
     assert any(not torch.equal(saved[k], live[k]) for k in ema)
 
 
+@pytest.mark.slow
 def test_resume_from_mid_run_checkpoint_matches(flow_run, synthetic_data, tmp_path):
     full = flow_run / "full"
     cut = tmp_path / "cut"
@@ -86,6 +87,7 @@ def test_resume_from_mid_run_checkpoint_matches(flow_run, synthetic_data, tmp_pa
     assert all(torch.equal(wa[k], wb[k]) for k in wa)  # EMA weights, bit for bit
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_in_the_ema_falls_back_and_ends_identical(flow_run, synthetic_data, tmp_path, capsys):
     """Before issue 10 this resumed silently and published a UNet with a corrupted EMA tensor."""
     full = flow_run / "full"

@@ -48,6 +48,7 @@ def trained(tmp_path_factory):
     return out, root / "cache", log
 
 
+@pytest.mark.slow
 def test_recipe_writes_model_results_and_samples(trained):
     out, _, log = trained
     results = json.loads((out / "all_results.json").read_text())
@@ -73,6 +74,7 @@ def test_recipe_writes_model_results_and_samples(trained):
     assert [p.name for p in (out / "checkpoints").iterdir()] and (out / "tokenizer" / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_saves_inside_the_loop_make_no_library_noise(trained):
     """Checkpoints every 10 steps and best weights at 15 and 30: no transformers shard bar, no accelerate warning
     about the tied head (it is tied on purpose; the loaded model above has it tied again)."""
@@ -82,6 +84,7 @@ def test_saves_inside_the_loop_make_no_library_noise(trained):
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
 
 
+@pytest.mark.slow
 def test_generate_cli(trained):
     out, _, _ = trained
     res = subprocess.run([sys.executable, "-m", "hf_cgpu.cli", "generate", str(out), "The", "--max_new_tokens", "8",
@@ -139,6 +142,7 @@ def _assert_same_run(full, cut):
     assert results["toks_seen"] == 60 * 8 * 64 and results["tok_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
     full, common, cache = uninterrupted
     cut = tmp_path / "cut"
@@ -153,6 +157,7 @@ def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
     _assert_same_run(full, cut)
 
 
+@pytest.mark.slow
 def test_ctrl_c_under_accelerate_launch_names_a_resume_command_that_finishes_the_run(uninterrupted, tmp_path):
     """A terminal's Ctrl-C reaches the launcher and its child: the child ends its step, checkpoints and prints one
     line naming the checkpoint and the launcher's command with --resume_from_checkpoint latest; that command, run
@@ -179,6 +184,7 @@ def test_ctrl_c_under_accelerate_launch_names_a_resume_command_that_finishes_the
     _assert_same_run(full, cut)
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_reaches_training_which_checkpoints_and_resumes(uninterrupted, tmp_path):
     """`accelerate launch` does not forward SIGTERM; the training child gets it from the kernel when the launcher
     dies (PR_SET_PDEATHSIG), checkpoints, stops in one line, and never trains on orphaned."""

@@ -294,13 +294,19 @@ def build_rows(ds: datasets.Dataset, tokenizer, seq_len: int, fmt: str, where: s
                            len(encoded) - len(examples), torch.from_numpy(filled))
 
 
+MIN_HELD_OUT = 8
+"""Examples a carved validation split holds at least (a quarter of a smaller set, at least one): one or two held-out
+examples make a validation loss that says which examples they were, not how the fine-tune does."""
+
+
 def instruction_splits(source: str | None, data_format: str = "auto", text_column: str = "text",
                        validation_fraction: float = 0.05, seed: int = 0, skip_bad_rows: bool = False,
                        log: Callable[[str], None] | None = None, tokenizer=None) -> tuple[dict, str] | None:
     """``({"train": ds, "validation": ds}, format)`` of ``source`` when its columns hold instructions
     (``detect_format``) under ``--data_format`` auto or instruct, loaded once; ``None`` for plain text (``builtin``
     is text, and so is anything under ``text``). A validation split is carved from train when it has none:
-    ``validation_fraction`` of the rows, at least 1. ``instruct`` on columns that hold none is a one-line error.
+    ``validation_fraction`` of the rows, at least ``MIN_HELD_OUT`` (a quarter of a smaller set). ``instruct`` on
+    columns that hold none is a one-line error.
 
     Every row is checked before any is used: a row whose fields are not text (a null or missing ``output``, a message
     without ``content``) or that has no assistant turn (``answers``: by the chat template of ``tokenizer``, where
@@ -329,7 +335,8 @@ def instruction_splits(source: str | None, data_format: str = "auto", text_colum
         n = len(splits["train"])
         if n < 2:
             raise DataError(f"{source!r} has {n} example(s); need at least 2 to carve a validation split")
-        cut = splits["train"].train_test_split(test_size=max(1, round(validation_fraction * n)), seed=seed)
+        held = max(1, round(validation_fraction * n), min(MIN_HELD_OUT, n // 4))
+        cut = splits["train"].train_test_split(test_size=held, seed=seed)
         splits = {"train": cut["train"], "validation": cut["test"]}
         (log or _stderr)(f"note: {source!r} has no validation split: {len(cut['test']):,} of its {n:,} examples are "
                          "held out as one (the same examples in every run and in hf-cgpu eval)")

@@ -102,8 +102,13 @@ def corpus_tokenizer(cfg: GPTSettings, train, key: dict[str, Any], log=print):
     run or ``hf-cgpu budget`` trained from the same data and settings (``cached_tokenizer``)."""
     if len(train) > cfg.tokenizer_train_docs:
         train = train.shuffle(seed=0).select(range(cfg.tokenizer_train_docs))
-    tok, reused = cached_tokenizer(key, cfg.cache_dir or None,
-                                   lambda: train_tokenizer(train[cfg.text_column], vocab_size=cfg.vocab_size))
+
+    def fresh():
+        log(f"tokenizer: training a byte-level BPE of {cfg.vocab_size:,} tokens on {len(train):,} documents of the "
+            "training split (kept in the cache: a later run on the same data and settings reuses it)")
+        return train_tokenizer(train[cfg.text_column], vocab_size=cfg.vocab_size)
+
+    tok, reused = cached_tokenizer(key, cfg.cache_dir or None, fresh)
     if reused is not None:
         log(f"tokenizer: trained by an earlier run on the same data and settings, reused from {reused}")
     return tok

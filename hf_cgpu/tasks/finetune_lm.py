@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from ..budget.shape import ModelShape, RunShape
 from ..data.chat import prepare_chat, save_generation_config
 from ..data.corpus import load_text_dataset
-from ..data.instruct import build_rows, instruction_splits
+from ..data.instruct import IGNORE, build_rows, instruction_splits
 from ..data.packing import pack_dataset
 from ..data.tokenizer import no_eos_message, tokenizer_hash
 from ..errors import DataError, SettingsError, require_model
@@ -32,6 +32,7 @@ from ..options import ADAPTER_TIERS
 from ..settings import TrainSettings
 from ..tiers.load import count_parameters, is_4bit, load_base_model
 from ..train import SampleOrder, TaskPlan
+from ..train.artifacts import FEW_VALIDATION_TOKENS
 from ..train.parallel import is_sharded
 from ..verify import check_saved
 from .packed import PackedTokensTask
@@ -108,6 +109,12 @@ class FinetuneTask(PackedTokensTask):
                                          append, packing=cfg.packing)
             self.val_rows = build_rows(splits["validation"], self.tokenizer, cfg.seq_len, self.fmt,
                                        "the validation split", append)
+            scored = int((self.val_rows.targets[:, 1:] != IGNORE).sum())
+            if scored < FEW_VALIDATION_TOKENS:
+                accelerator.print(f"note: the validation split holds {self.val_rows.n_examples:,} examples, {scored:,} "
+                                  "response tokens: a loss on so few is mostly noise (which examples were held out "
+                                  "moves it more than training does); a validation split of more examples makes "
+                                  "val_loss against base_val_loss mean something")
             return True
         ds = load_text_dataset(source, text_column=cfg.text_column, log=accelerator.print)
         with accelerator.main_process_first():

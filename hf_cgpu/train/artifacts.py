@@ -77,6 +77,26 @@ def final_results(steps: int, unit: str, units_seen: int, final: dict[str, float
     }
 
 
+FEW_VALIDATION_TOKENS = 1000
+"""Below this many scored tokens a validation loss is mostly noise: which examples were held out moves it more than
+the training does."""
+
+
+def against_base(results: dict[str, Any]) -> str | None:
+    """A warning where the weights a fine-tune saves validate no better than its base did before the first step
+    (``base_val_loss``, ``final_results``), saying why that may be; None where they improved or nothing compares."""
+    base, now, tokens = results.get("base_val_loss"), results.get("val_loss"), results.get("val_tokens")
+    if not isinstance(base, float) or not isinstance(now, float) or now < base:
+        return None
+    if isinstance(tokens, int) and tokens < FEW_VALIDATION_TOKENS:
+        why = (f"on {tokens:,} validation tokens the difference is mostly noise; give a validation split with more "
+               "examples for a figure that means something")
+    else:
+        why = ("training fitted its examples at the held-out ones' expense; fewer steps or a lower learning rate, "
+               "or --eval_steps N with --load_best_at_end true, keep better weights")
+    return f"warning: validation loss {now:.4f} is not below the base model's {base:.4f} (before training): {why}"
+
+
 def save_run(task, model: torch.nn.Module, ema: EMA | None, use_best: bool, output_dir: Path,
              results: dict[str, Any], settings: dict[str, Any], history: list[dict[str, Any]], log=print) -> None:
     """Write the model, all_results.json, history.json, the curves (sealed by a manifest) and the card (main

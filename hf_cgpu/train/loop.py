@@ -31,7 +31,7 @@ from ..hub.push import HubPusher
 from ..integrity import as_disk_error
 from ..settings import TrainSettings, to_dict
 from ..options import CUDA_GRAPH_MODES
-from .artifacts import final_results, save_run
+from .artifacts import against_base, final_results, save_run
 from .checkpoint import Checkpointer, TrainState, list_checkpoints, nonfinite_tensors
 from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
 from .ema import ema_weights
@@ -165,31 +165,7 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
     fit_time = TimeFit(s, state, stopping.clock)
     metrics.set_total(state.last_step(s))
     updater = Updater(acc, optimizer, ema)
-
-    def account(outcomes) -> None:
-        """The guards, counters and logs for steps whose figures reached the host (one step late where the
-        optimizer skips on the device, ``update``); a stop once they are all counted."""
-        queue, stop = list(outcomes), None
-        while queue:
-            o = queue.pop(0)
-            verdict = guards.check(o.step, o.loss, o.grad_norm)
-            updater.read_now = verdict is not Verdict.OK  # in a non-finite streak each step is read before the next
-            if verdict is Verdict.OK:
-                state.units_seen += o.units
-                metrics.record(o.step + 1, o.loss, o.lr, o.grad_norm, o.units,
-                               order.epoch_of(o.step + 1, state.effective_batch * state.processes))
-                continue
-            queue += updater.flush()  # the step queued behind this one
-            state.skipped_steps += 1  # the weights and optimizer state stayed as they were; the data is consumed
-            metrics.skipped(o.step + 1, state.skipped_steps)
-            if verdict is Verdict.STOP and stop is None:
-                stop = o
-        if stop is not None:
-            saved = checkpointer.save(state.step, state, prune_old=False)
-            checkpointer.wait()
-            raise TrainingStopped(diagnosis(stop.step + 1, stop.lr, saved, checkpointer.good,
-                                            list_checkpoints(checkpointer.output_dir)))
-
+    account = _Accounts(updater, guards, state, metrics, order, checkpointer)
     try:
         while state.step < state.last_step(s):
             step, lr = state.step, state.lr(state.step, s)
@@ -211,7 +187,7 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
                 metrics.write(fitted)
             evaluate, save = validator.due(step, state.last_step(s)), checkpointer.due(step)
             if evaluate or save:
-                account(updater.flush())
+                account.flush()
                 if guards.skipping:  # this step was skipped: a divergence under way prunes no older checkpoint
                     evaluate = save = False
             if evaluate:
@@ -227,24 +203,72 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
                     raise TrainingStopped(diverged(step, lr, checkpointer.good))
             signalled, out_of_time = stopping.poll(acc)
             if out_of_time:
-                account(updater.flush())
+                account.flush()
                 metrics.write(f"--max_minutes {s.max_minutes} reached at step {step}; finishing the run here"
                               + fit_time.unfitted())
                 break
             if signalled:
-                account(updater.flush())
-                if step > checkpointer.last_saved:
-                    checkpointer.save(step, state)
-                checkpointer.wait()
-                if stopping.signal_name == "SIGINT":  # the newest whole checkpoint: this step's unless not finite
-                    raise Interrupted(interruption(f"interrupted (Ctrl-C) at step {step}", checkpointer.output_dir,
-                                                   checkpointer.good))
-                raise TrainingStopped(f"stopped by {stopping.signal_name} at step {step}; checkpoint saved, resume "
-                                      f"with: {resume_command()}")
-        account(updater.flush())
+                _stop_for_signal(step, stopping, account)
+        account.flush()
     except KeyboardInterrupt:  # a second Ctrl-C: the step under way may be half done, so it is not saved
         checkpointer.close(raise_errors=False)
         raise
+
+
+@dataclasses.dataclass
+class _Accounts:
+    """The guards, counters and logs for steps whose figures reached the host (one step late where the optimizer
+    skips on the device, ``update``); a stop once they are all counted."""
+
+    updater: Updater
+    guards: Guards
+    state: TrainState
+    metrics: Metrics
+    order: Any
+    checkpointer: Checkpointer
+
+    def __call__(self, outcomes) -> None:
+        state, metrics = self.state, self.metrics
+        queue, stop = list(outcomes), None
+        while queue:
+            o = queue.pop(0)
+            verdict = self.guards.check(o.step, o.loss, o.grad_norm)
+            # in a non-finite streak each step is read before the next
+            self.updater.read_now = verdict is not Verdict.OK
+            if verdict is Verdict.OK:
+                state.units_seen += o.units
+                metrics.record(o.step + 1, o.loss, o.lr, o.grad_norm, o.units,
+                               self.order.epoch_of(o.step + 1, state.effective_batch * state.processes))
+                continue
+            queue += self.updater.flush()  # the step queued behind this one
+            state.skipped_steps += 1  # the weights and optimizer state stayed as they were; the data is consumed
+            metrics.skipped(o.step + 1, state.skipped_steps)
+            if verdict is Verdict.STOP and stop is None:
+                stop = o
+        if stop is not None:
+            saved = self.checkpointer.save(state.step, state, prune_old=False)
+            self.checkpointer.wait()
+            raise TrainingStopped(diagnosis(stop.step + 1, stop.lr, saved, self.checkpointer.good,
+                                            list_checkpoints(self.checkpointer.output_dir)))
+
+    def flush(self) -> None:
+        """Count the step whose figures are still on the device (``Updater.flush``)."""
+        self(self.updater.flush())
+
+
+def _stop_for_signal(step: int, stopping: Stopping, account: _Accounts) -> None:
+    """Ctrl-C or a SIGTERM after ``step``: its figures counted, a checkpoint of it (unless the newest is), then the
+    one line naming it and the command that resumes (Ctrl-C: ``Interrupted``, exit 130)."""
+    checkpointer = account.checkpointer
+    account.flush()
+    if step > checkpointer.last_saved:
+        checkpointer.save(step, account.state)
+    checkpointer.wait()
+    if stopping.signal_name == "SIGINT":  # the newest whole checkpoint: this step's unless not finite
+        raise Interrupted(interruption(f"interrupted (Ctrl-C) at step {step}", checkpointer.output_dir,
+                                       checkpointer.good))
+    raise TrainingStopped(f"stopped by {stopping.signal_name} at step {step}; checkpoint saved, resume with: "
+                          f"{resume_command()}")
 
 
 def _stop_unless_finite(run: Run, state: TrainState, checkpointer: Checkpointer, with_ema: bool) -> None:
@@ -286,6 +310,8 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
         **({"schedule_steps": state.last_step(s)} if s.fit_schedule_to_time else {})})
     if acc.num_processes > 1:
         results["processes_peak_memory"] = peak_memory_per_process(acc, peak_memory(acc.device))
+    if warning := against_base(results):
+        metrics.write(warning)
     recorded = to_dict(*(x for x in (task.cfg, s) if x is not None))
     with torch.compiler.set_stance("force_eager"):  # the end-of-run samples: no compile for their shapes
         if is_sharded(acc):  # the EMA weights are put in place on every rank, then gathered whole

@@ -184,7 +184,8 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     optimizer = build_optimizer(model, s)
     model, optimizer = accelerator.prepare(model, optimizer)
     ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
-    if ema is not None and (note := ema.warmup_note(s.max_steps)):
+    typed = "ema_decay" in s.given_flags.split(",")  # a preset's decay is its author's choice: no note for it
+    if ema is not None and typed and (note := ema.warmup_note(s.max_steps)):
         accelerator.print(note)
     if accelerator.is_main_process:
         check_free_space(out_dir, checkpoint_bytes(accelerator.unwrap_model(model), s.tier, ema is not None))

@@ -106,15 +106,19 @@ class Stopping:
         os.write(2, b"\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once)\n")
 
     def poll(self, accelerator=None) -> tuple[bool, bool]:
-        """(signalled, out of time), the same on every process (any rank's signal or deadline counts)."""
-        flags = (self.signalled, self.out_of_time())
+        """(signalled, out of time), the same on every process (any rank's signal or deadline counts). A Ctrl-C on
+        any rank names the stop on all of them: a launcher passes the terminal's Ctrl-C on to each process, and a rank
+        whose own signal had not arrived when they agreed must not call it another process's SIGTERM."""
+        flags = (self.signalled, self.out_of_time(), self.signal_name == "SIGINT")
         if accelerator is None or accelerator.num_processes == 1:
-            return flags
+            return flags[:2]
         import torch
 
         t = torch.tensor([int(f) for f in flags], device=accelerator.device)
         t = accelerator.reduce(t, reduction="sum")
-        if t[0] and not self.signal_name:
+        if t[2]:
+            self.signal_name = "SIGINT"
+        elif t[0] and not self.signal_name:
             self.signal_name = "SIGTERM (another process)"
         return bool(t[0]), bool(t[1])
 
