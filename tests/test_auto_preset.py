@@ -238,19 +238,19 @@ def _train(args, capsys, monkeypatch):
 
 def test_a_run_prints_one_line_records_the_choice_and_a_resume_keeps_it(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    # --peak_tflops 5 for 2 minutes: the builtin corpus is many epochs (data-bound: dropout 0.1); --max_steps ends it
-    log = _train(["--max_minutes", "2", "--max_steps", "4", "--peak_tflops", "5", "--output_dir", str(out)],
+    # --peak_tflops 5 for 10 minutes: the builtin corpus is many epochs (data-bound: dropout 0.1); --max_steps ends it
+    log = _train(["--max_minutes", "10", "--max_steps", "4", "--peak_tflops", "5", "--output_dir", str(out)],
                  capsys, monkeypatch)
     lines = [x for x in log.splitlines() if x.startswith("auto: ")]
     assert len(lines) == 1 and "epochs at 4x128" in lines[0] and "given, kept: --max_steps 4" in lines[0], log
     # hf-cgpu budget gives the same line from the figures the run printed (docs/budget.md): its training tokens and
     # its tokenizer's size, on the CPU's terms (no compile: TINY says so)
     vocab, tokens = re.search(r"vocab (\d+), .* train ([\d,]+) tokens", log).groups()
-    budget = budget_run([*TINY[2:], "--max_minutes", "2", "--max_steps", "4", "--peak_tflops", "5", "--card", "cpu",
+    budget = budget_run([*TINY[2:], "--max_minutes", "10", "--max_steps", "4", "--peak_tflops", "5", "--card", "cpu",
                          "--corpus_tokens", tokens.replace(",", ""), "--vocab_size", vocab])
     assert lines[0] in [x.strip() for x in budget.splitlines()]
     # or from the corpus itself: counted as the run made its tokens (the tokenizer is the one the run reused)
-    budget = budget_run([*TINY[2:], "--max_minutes", "2", "--max_steps", "4", "--peak_tflops", "5", "--card", "cpu",
+    budget = budget_run([*TINY[2:], "--max_minutes", "10", "--max_steps", "4", "--peak_tflops", "5", "--card", "cpu",
                          "--dataset", "builtin"])
     assert lines[0] in [x.strip() for x in budget.splitlines()]
     assert f"training split is {tokens} tokens of a {int(vocab):,}-token vocabulary" in budget
@@ -261,7 +261,7 @@ def test_a_run_prints_one_line_records_the_choice_and_a_resume_keeps_it(tmp_path
         assert saved[key] == (4 if key == "max_steps" else value), key  # the run trained with the choice
     assert json.loads((out / "config.json").read_text())["n_layer"] == chosen["n_layer"]
     # resumed where a fresh choice would differ (a slow card: compute-bound, no dropout): the choice is kept
-    log = _train(["--max_minutes", "2", "--max_steps", "6", "--peak_tflops", "0.001", "--output_dir", str(out),
+    log = _train(["--max_minutes", "10", "--max_steps", "6", "--peak_tflops", "0.001", "--output_dir", str(out),
                   "--resume_from_checkpoint", "latest"], capsys, monkeypatch)
     assert next(x for x in log.splitlines() if x.startswith("auto: ")).startswith(
         "auto: the choice this run made (resumed): ")
@@ -272,8 +272,8 @@ def test_a_run_prints_one_line_records_the_choice_and_a_resume_keeps_it(tmp_path
 
 def test_a_fresh_choice_at_the_slow_rate_would_differ():
     """The resume above is a real test: at the resumed flags the rule chooses otherwise."""
-    gpt, train = parse(RECIPES["gpt"], [*TINY[2:], "--max_minutes", "2", "--peak_tflops", "0.001"])
-    fast = parse(RECIPES["gpt"], [*TINY[2:], "--max_minutes", "2", "--peak_tflops", "5"])
+    gpt, train = parse(RECIPES["gpt"], [*TINY[2:], "--max_minutes", "10", "--peak_tflops", "0.001"])
+    fast = parse(RECIPES["gpt"], [*TINY[2:], "--max_minutes", "10", "--peak_tflops", "5"])
     tokens = 200_000
     slow = auto_choice(gpt, train, tokens, with_peak(CPU, 0.001), vocab_size=512, device_type="cpu").settings
     quick = auto_choice(*fast, tokens, with_peak(CPU, 5), vocab_size=512, device_type="cpu").settings

@@ -64,12 +64,14 @@ def test_budget_uses_the_measured_peak(cache, capsys):
     bench.save_result(fake_result())
     assert cli_main(["budget", "--preset", "124m", "--micro_batch_size", "8"]) == 0
     out = capsys.readouterr().out
-    assert "bf16 peak 162 TFLOP/s from hf-cgpu bench" in out
+    assert "time on NVIDIA GeForce RTX 5070 Ti (162 TFLOP/s bf16, 780 GB/s; hf-cgpu bench of this machine" in out
 
 
 def test_budget_without_bench_says_the_peak_is_assumed(cache, capsys):
     assert cli_main(["budget", "--preset", "124m"]) == 0
-    assert "run `hf-cgpu bench`" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "time on RTX 5070 Ti (70 TFLOP/s bf16, 797 GB/s; public figures: " in out
+    assert "run `hf-cgpu bench` on your card for its own figures" in out
 
 
 def test_format_result_lists_every_size():

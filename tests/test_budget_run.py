@@ -209,3 +209,11 @@ def test_recompute_under_cuda_graphs_is_said_to_reserve_more():
     assert "CUDA graphs keep a memory pool" not in run(["--preset", "lora"])
     assert "CUDA graphs keep a memory pool" not in run(["--preset", "lora", "--recompute", "true",
                                                          "--compile_mode", "default"])
+
+
+def test_autofit_keeps_a_preset_that_fits_as_given():
+    """The 770M preset (8-bit AdamW + recompute) fits 16 GB as shipped: autofit keeps it, instead of dropping its
+    recompute first and walking to another plan."""
+    report = run(["--preset", "770m", "--memory_cap", "16GB", "--autofit"])
+    assert "  1. fits as given: 10.89 GiB <= 16.00 GiB" in report and "micro-batch 8 -> 4" not in report
+    assert "seq 1024 x micro-batch 8 x accumulation 16 = 131,072 tokens/step; recompute" in report

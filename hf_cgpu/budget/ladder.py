@@ -113,9 +113,9 @@ def autofit(
     ``min_micro_batch`` (1 in the seed's ladder; a floor of 4 keeps a consumer GPU busier and reaches recompute
     sooner). Every later rung is switched on cumulatively, and after recompute and each tier the micro-batch (and
     the sequence) grow back as far as they fit, because a memory saving is best spent on throughput. A ``base``
-    that fits as given is the plan. Otherwise, when the ``recompute`` rung is among ``rungs``, the walk starts without
-    recompute, whatever ``base`` says (and says so): recompute costs a forward, so it is only taken when the run does
-    not fit otherwise.
+    that fits without its recompute (when the ``recompute`` rung is among ``rungs``: recompute costs a forward), or
+    else fits as given, is the plan. Otherwise the walk starts without recompute, whatever ``base`` says (and says
+    so), and takes it only where the run does not fit otherwise.
     """
     unknown = set(rungs) - set(RUNGS)
     if unknown:
@@ -123,12 +123,18 @@ def autofit(
     base = dataclasses.replace(base or TrainSetup(), seq_len=seq_len)
     given = dataclasses.replace(base, micro_batch_size=micro_batch_size or base.micro_batch_size,
                                 gradient_accumulation_steps=gradient_accumulation_steps or base.gradient_accumulation_steps)
+    if "recompute" in rungs and given.recompute:  # the ladder's to choose: a run that fits without it is faster
+        without = dataclasses.replace(given, recompute=False, recompute_policy="full")
+        if (led := ledger(shape, without, memory_cap)).fits:
+            return FitPlan(setup=without, ledger=led, fits=True, memory_cap=memory_cap, reasons=(
+                f"fits without the given --recompute, which costs a forward: {fmt_gib(led.total)} <= "
+                f"{fmt_gib(memory_cap)}",))
     as_given = ledger(shape, given, memory_cap)
     if as_given.fits:
         return FitPlan(setup=given, ledger=as_given, fits=True, memory_cap=memory_cap,
                        reasons=(f"fits as given: {fmt_gib(as_given.total)} <= {fmt_gib(memory_cap)}",))
     reasons: list[str] = []
-    if "recompute" in rungs and base.recompute:  # the ladder's to choose: a run that fits without it is faster
+    if "recompute" in rungs and base.recompute:
         base = dataclasses.replace(base, recompute=False, recompute_policy="full")
         reasons.append(f"as given {fmt_gib(as_given.total)} > {fmt_gib(memory_cap)} cap; the walk starts without "
                        "--recompute, which the ladder takes only where the run does not fit otherwise")

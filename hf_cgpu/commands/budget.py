@@ -59,6 +59,9 @@ class BudgetSettings:
     """--autofit: never switch to LoRA/QLoRA."""
     min_micro_batch: int = 1
     """--autofit: smallest micro-batch of the first rung."""
+    task: str = "gpt"
+    """The training command priced, whose flags the rest are: gpt, lora, flow, flow-distill or classifier (`hf-cgpu
+    train TASK`); a fine-tuning preset, --model or --config also mean lora."""
     card: str = ""
     """The GPU to price the run on by its public figures (e.g. "RTX 5070 Ti", "RTX 4090"; `hf-cgpu budget --card
     list` names them); empty = this machine's `hf-cgpu bench`, else an RTX 5070 Ti."""
@@ -312,8 +315,9 @@ def format_time(rt: RunTime, per_step: int, processes: int = 1, unit: str = "tok
     """The time ledger: one row per kind of work in a step, the step, then the run's rows and its minutes."""
     step, card = rt.step, rt.step.card
     label_w = max(len(r.label) for r in (*step.rows, *rt.rows)) + 2
+    measure = "" if card.matmul_curve else "; run `hf-cgpu bench` on your card for its own figures"
     lines = [f"time on {card.name} ({card.matmul_tflops:,.0f} TFLOP/s bf16, {card.bandwidth_gbs:,.0f} GB/s; "
-             f"{card.source}):", f"  {'':<{label_w}}{'s/step':>8}   how"]
+             f"{card.source}{measure}):", f"  {'':<{label_w}}{'s/step':>8}   how"]
     lines += [f"  {r.label:<{label_w}}{r.seconds:>8.3f}   {r.note}" for r in step.rows]
     lines.append(f"  {'-' * (label_w + 8)}")
     gpus = processes

@@ -156,13 +156,13 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     set_seed(s.seed)
     plan = task.setup(s, accelerator)
     s = plan.settings or s  # chosen from the data (--auto) before anything reads them
-    if device.type == "cpu" and plan.shape is not None and s.tier == "full":
-        check_cpu_run(plan.shape.setup(s), plan.shape.model, s, accelerator.print, processes=accelerator.num_processes)
     model_config = saved_config(plan.model)
     if s.autofit:
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         s = autofit_settings(s, plan.shape, memory, accelerator.print, processes=accelerator.num_processes,
                              parallel=kind(accelerator))
+    if device.type == "cpu" and plan.shape is not None and s.tier == "full":
+        check_cpu_run(plan.shape.setup(s), plan.shape.model, s, accelerator.print, processes=accelerator.num_processes)
     announce_cache(accelerator.print)
     cpu_backend = os.environ.get(COMPILE_ON_CPU, "")
     compile = s.compile and (device.type == "cuda" or bool(cpu_backend))
