@@ -161,15 +161,7 @@ def pack_dataset(
     means ``min(4, cpus)``, and 1 for small sets where worker start-up costs more than it saves. ``cache_dir`` None
     means ``paths.packed_cache()``.
     """
-    if seq_len < 1:
-        raise DataError(f"seq_len={seq_len} must be >= 1")
-    if text_column not in ds.column_names:
-        raise DataError(
-            f"dataset has no column {text_column!r} (columns: {', '.join(ds.column_names)}); set --text_column"
-        )
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise DataError(no_eos_message(tokenizer))
+    eos = _check_inputs(ds, tokenizer, seq_len, text_column)
     log = log or _stderr
     vocab_size = len(tokenizer)
     dtype = np.uint16 if vocab_size <= 65535 else np.uint32
@@ -198,20 +190,7 @@ def pack_dataset(
     tmp_bin, tmp_meta = cache_dir / f".tokens-{key}.bin.tmp-{run}", cache_dir / f".tokens-{key}.json.tmp-{run}"
     work_dir.mkdir()
     try:
-        tokenized = ds.map(
-            _tokenize_batch,
-            batched=True,
-            batch_size=1000,
-            num_proc=num_proc if num_proc > 1 else None,
-            remove_columns=ds.column_names,
-            fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "eos": eos},
-            features=datasets.Features(
-                {"input_ids": datasets.List(datasets.Value("int32")), "n_chars": datasets.Value("int64")}
-            ),
-            cache_file_name=str(work_dir / "tokenized.arrow"),
-            load_from_cache_file=False,
-            desc=f"tokenizing ({num_proc} proc)",
-        )
+        tokenized = _tokenize(ds, tokenizer, text_column, eos, num_proc, work_dir / "tokenized.arrow")
         if _stamp(meta_path) != seen:  # another run published the entry while this one tokenized: use it
             found = _published(bin_path, meta_path, log)
             if found is not None:
@@ -229,6 +208,39 @@ def pack_dataset(
         tmp_bin.unlink(missing_ok=True)
         tmp_meta.unlink(missing_ok=True)
     return PackedTokens(bin_path, meta, sha256=meta["sha256"])
+
+
+def _check_inputs(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, seq_len: int, text_column: str) -> int:
+    """The tokenizer's EOS id, after the one-line refusals of what cannot be packed."""
+    if seq_len < 1:
+        raise DataError(f"seq_len={seq_len} must be >= 1")
+    if text_column not in ds.column_names:
+        raise DataError(
+            f"dataset has no column {text_column!r} (columns: {', '.join(ds.column_names)}); set --text_column"
+        )
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError(no_eos_message(tokenizer))
+    return eos
+
+
+def _tokenize(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, text_column: str, eos: int, num_proc: int,
+              cache_file: Path) -> datasets.Dataset:
+    """Each document's ids with EOS appended and its characters, in ``num_proc`` processes, into ``cache_file``."""
+    return ds.map(
+        _tokenize_batch,
+        batched=True,
+        batch_size=1000,
+        num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=ds.column_names,
+        fn_kwargs={"tokenizer": tokenizer, "text_column": text_column, "eos": eos},
+        features=datasets.Features(
+            {"input_ids": datasets.List(datasets.Value("int32")), "n_chars": datasets.Value("int64")}
+        ),
+        cache_file_name=str(cache_file),
+        load_from_cache_file=False,
+        desc=f"tokenizing ({num_proc} proc)",
+    )
 
 
 def _published(bin_path: Path, meta_path: Path, log: Callable[[str], None]) -> PackedTokens | None:
