@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -45,6 +46,11 @@ def kill_moving_staged_file(n: int):
     """Kill after the ``n``-th file of a final save left its staging folder."""
     count = nth_call(n)
     die_when(os, "replace", lambda src, dst: STAGING in str(src) and STAGING not in str(dst) and count(), after=True)
+
+
+def in_training(pred):
+    """``pred`` counting only the calls of a task's ``loss`` on a model in training mode."""
+    return lambda self, model, *a, **k: model.training and pred()
 
 
 # ---------------------------------------------------------------------------------------------------- runs
@@ -85,13 +91,19 @@ def assert_resumed_as_reference(out: Path, reference: dict) -> None:
     cli("verify", out)
 
 
-def kill_then_resume(kill, train, out: Path, reference: dict) -> None:
+def kill_then_resume(kill, resumes_at: set[int], train, out: Path, reference: dict, capsys) -> None:
+    """Kill a run with ``kill`` planted, then resume it: from a checkpoint of a step in ``resumes_at`` (a resume,
+    not a fresh start that happens to end alike), to the reference's outcome."""
+
     def child():
         kill()
         train(out)
 
     assert in_child(child) == KILLED, "the planted kill never fired"
+    capsys.readouterr()
     train(out, "--resume_from_checkpoint", "latest")
+    resumed = re.search(r"^resumed from .*step_\d+ at step (\d+)$", capsys.readouterr().out, re.M)
+    assert resumed and int(resumed.group(1)) in resumes_at, resumed
     assert_resumed_as_reference(out, reference)
 
 
@@ -123,21 +135,24 @@ def distill(tmp_path_factory, teacher, synthetic_data):
     return train, reference
 
 
+# (the kill, the steps of the checkpoint the resume may start from); the final save starts once step 6's checkpoint
+# is sealed, step 4's is sealed in the background while step 5 runs
 DISTILL_KILLS = {
-    "mid_step": lambda: die_when(FlowDistillTask, "loss", nth_call(5)),  # step 5, after step 4's checkpoint
+    # in step 5's loss (the evaluations call it too, on the model in eval mode)
+    "mid_step": (lambda: die_when(FlowDistillTask, "loss", in_training(nth_call(5))), {2, 4}),
     # accelerate's save_state of step 4: optimizer.bin half written, nothing sealed
-    "save_state": lambda: die_when(accelerate.Accelerator, "save_state", _in_ckpt(4), after=True,
-                                   before_dying=lambda self, d, **k: half(Path(d) / "optimizer.bin")),
-    "before_checkpoint_rename": lambda: die_when(ckpt_io, "write_manifest", _ckpt_path_arg(4), after=True),
-    "moving_model_files": lambda: kill_moving_staged_file(2),
-    "before_model_manifest": lambda: die_when(artifacts, "write_manifest"),
+    "save_state": (lambda: die_when(accelerate.Accelerator, "save_state", _in_ckpt(4), after=True,
+                                    before_dying=lambda self, d, **k: half(Path(d) / "optimizer.bin")), {2}),
+    "before_checkpoint_rename": (lambda: die_when(ckpt_io, "write_manifest", _ckpt_path_arg(4), after=True), {2}),
+    "moving_model_files": (lambda: kill_moving_staged_file(2), {6}),
+    "before_model_manifest": (lambda: die_when(artifacts, "write_manifest"), {6}),
 }
 
 
 @pytest.mark.parametrize("point", list(DISTILL_KILLS))
-def test_a_killed_distillation_resumes_bit_identical(point, distill, tmp_path):
+def test_a_killed_distillation_resumes_bit_identical(point, distill, tmp_path, capsys):
     train, reference = distill
-    kill_then_resume(DISTILL_KILLS[point], train, tmp_path / "run", reference)
+    kill_then_resume(*DISTILL_KILLS[point], train, tmp_path / "run", reference, capsys)
 
 
 # ---------------------------------------------------------------------------------------------------- packed LoRA
@@ -168,21 +183,23 @@ def packed_lora(tmp_path_factory, tiny_base):
 
 
 LORA_KILLS = {
-    "mid_step": lambda: die_when(FinetuneTask, "train_batch", nth_call(2 * 4 + 1)),  # between step 5's micro-batches
-    "save_state": lambda: die_when(accelerate.Accelerator, "save_state", _in_ckpt(4), after=True,
-                                   before_dying=lambda self, d, **k: half(Path(d) / "optimizer.bin")),
-    "before_checkpoint_rename": lambda: die_when(ckpt_io, "write_manifest", _ckpt_path_arg(4), after=True),
-    # best/ of step 3, written with step 4's checkpoint: its adapter half written
-    "best_weights": lambda: die_when(FinetuneTask, "save_best", nth_call(2), after=True,
-                                     before_dying=lambda self, m, folder: half(folder / "adapter_model.safetensors")),
-    "moving_model_files": lambda: kill_moving_staged_file(3),
+    # step 5's second micro-batch, the first one's gradients accumulated
+    "mid_step": (lambda: die_when(FinetuneTask, "train_batch", nth_call(2 * 4 + 2)), {2, 4}),
+    "save_state": (lambda: die_when(accelerate.Accelerator, "save_state", _in_ckpt(4), after=True,
+                                    before_dying=lambda self, d, **k: half(Path(d) / "optimizer.bin")), {2}),
+    "before_checkpoint_rename": (lambda: die_when(ckpt_io, "write_manifest", _ckpt_path_arg(4), after=True), {2}),
+    # best/ of step 3, written before step 4's checkpoint: its adapter half written
+    "best_weights": (lambda: die_when(FinetuneTask, "save_best", nth_call(2), after=True,
+                                      before_dying=lambda self, m, folder: half(folder / "adapter_model.safetensors")),
+                     {2}),
+    "moving_model_files": (lambda: kill_moving_staged_file(3), {6}),
 }
 
 
 @pytest.mark.parametrize("point", list(LORA_KILLS))
-def test_a_killed_packed_lora_run_resumes_bit_identical(point, packed_lora, tmp_path):
+def test_a_killed_packed_lora_run_resumes_bit_identical(point, packed_lora, tmp_path, capsys):
     train, reference = packed_lora
-    kill_then_resume(LORA_KILLS[point], train, tmp_path / "run", reference)
+    kill_then_resume(*LORA_KILLS[point], train, tmp_path / "run", reference, capsys)
 
 
 # ---------------------------------------------------------------------------------------------------- export --gguf
