@@ -16,7 +16,7 @@ from typing import Any
 
 from hf_cgpu.commands.budget import BudgetSettings
 from hf_cgpu.evaluation.flow import ImageEvalSettings
-from hf_cgpu.flow.sample import SampleSettings
+from hf_cgpu.flow.sample_settings import SampleSettings
 from hf_cgpu.generate import GenerateSettings
 from hf_cgpu.gguf_export import ExportSettings
 from hf_cgpu.optim import OPTIMIZERS

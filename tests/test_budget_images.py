@@ -486,3 +486,45 @@ def test_compile_and_cuda_graphs():
     # the eager evaluation's blocks (a micro-batch of 256 no-grad rows) are kept beside the compiled step's
     assert default.row("eager_blocks") == dict(default.phases)["evaluation"] - default.row("weights") - \
         default.row("optimizer") - default.row("ema") - default.row("dataset") - default.row("workspace")
+
+
+@pytest.mark.parametrize("argv", [[], ["--class_labels", "1"], ["--class_labels", "1", "--guidance_scale", "3",
+                                                                 "--guidance_interval", "full"],
+                                  ["--class_labels", "0", "--scheduler", "euler", "--num_inference_steps", "2"]])
+def test_budget_sample_prices_what_sample_draws(tmp_path, argv):
+    """``hf-cgpu budget --task sample DIR FLAGS`` resolves the steps, sampler, guidance and interval as ``hf-cgpu
+    sample DIR FLAGS`` does for the saved pipeline, and prices that many network evaluations per image."""
+    from hf_cgpu.commands import budget as B
+    from hf_cgpu.flow.pipeline_flow_match import FlowMatchPipeline
+    from hf_cgpu.flow.sample_settings import SampleSettings
+    from hf_cgpu.flow.samplers import sampler_class
+    from sampler_checks import tiny_pipeline
+
+    pipe = tiny_pipeline("heun")
+    pipe.register_to_config(num_inference_steps=5, guidance_scale=2.0, guidance_interval=[0.2, 0.9])
+    pipe.save_pretrained(tmp_path)
+    job, _ = B.sample_job([str(tmp_path), "--num_images", "4", *argv])
+    loaded = FlowMatchPipeline.from_pretrained(tmp_path)
+    flags = dict(zip(argv[::2], argv[1::2]))
+    s = SampleSettings(num_images=4, **{k[2:]: int(v) if k == "--num_inference_steps" else
+                                        float(v) if k == "--guidance_scale" else v for k, v in flags.items()})
+    kw = s.sampling(loaded)
+    assert (job["steps"], job["guidance_scale"], job["guidance_interval"]) == (
+        kw["num_inference_steps"], kw["guidance_scale"], kw["guidance_interval"])
+    assert job["sampler"] == flags.get("--scheduler", "heun")
+    rows = []
+    loaded.unet.register_forward_pre_hook(lambda m, args: rows.append(len(args[0])))
+    if "--scheduler" in flags:
+        loaded.scheduler = sampler_class(flags["--scheduler"])()
+    labels = [int(flags["--class_labels"])] * 4 if "--class_labels" in flags else None
+    loaded(4, generator=torch.Generator().manual_seed(0), class_labels=labels, output_type="np", **kw)
+    work = I.sample_work(**job)
+    assert work.model_flops == sum(rows) * I.flow_unet(job["unet"]).forward_flops()
+    report = B.run(["--task", "sample", str(tmp_path), "--num_images", "4", *argv])
+    assert f"{sum(rows) / 4:g} network evaluations per image" in report and "images/s" in report
+
+
+def test_budget_sample_refuses_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "hf_cgpu.cli", "budget", "--task", "sample", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "model_index.json" in out.stderr

@@ -988,7 +988,7 @@ def sample_work(unet: dict[str, Any], num_images: int, steps: int, sampler: str 
     b = min(batch_size or num_images, num_images)
     sizes = {b: num_images // b, **({num_images % b: 1} if num_images % b else {})}  # batch size -> batches
     plan = sampler_calls(sampler, steps, guidance_interval)
-    guided = sum(1 for _, g in plan if g)
+    guided = sum(1 for _, g in plan if g) if mode != "none" else 0
     cost = 1.0 if bf16 else FP32_PRODUCT_COST
     per_row = unet_inference(net.config, bf16=bf16).written
     weights = (FP32 + (2 * BF16 if bf16 else 0)) * net.params  # read (and cast under autocast) every call

@@ -20,8 +20,8 @@ from ..budget.memory import (FRAGMENTATION_FRACTION, GiB, Ledger, fmt_gib, host_
                              parse_memory)
 from ..budget.shape import REFERENCE_CONFIGS, ModelShape, RunShape, TrainSetup, fmt_count
 from ..budget.card import CARDS, CPU, Card, find_card, resolve_card, with_peak
-from ..budget.time import RunTime, chinchilla_tokens, compile_seconds, run_time, step_time
-from ..budget.work import lm_step_work
+from ..budget.runs import image_run_time, lm_run_time, teacher_extra
+from ..budget.time import RunTime, chinchilla_tokens, step_time
 from ..errors import MissingPathError, SettingsError, about
 from ..gguf import gguf_location
 from ..settings import TrainSettings, list_presets, load_preset, parse_settings, preset_description
@@ -60,8 +60,8 @@ class BudgetSettings:
     min_micro_batch: int = 1
     """--autofit: smallest micro-batch of the first rung."""
     task: str = "gpt"
-    """The training command priced, whose flags the rest are: gpt, lora, flow, flow-distill or classifier (`hf-cgpu
-    train TASK`); a fine-tuning preset, --model or --config also mean lora."""
+    """The command priced, whose flags the rest are: gpt, lora, flow, flow-distill or classifier (`hf-cgpu train
+    TASK`), or sample (`hf-cgpu sample RUN`); a fine-tuning preset, --model or --config also mean lora."""
     card: str = ""
     """The GPU to price the run on by its public figures (e.g. "RTX 5070 Ti", "RTX 4090"; `hf-cgpu budget --card
     list` names them); empty = this machine's `hf-cgpu bench`, else an RTX 5070 Ti."""
@@ -275,8 +275,8 @@ def format_ledger(led: Ledger) -> str:
             lines.append(format_model_states(led, label_w))
     rule = f"  {'-' * (label_w + 8)}"
     lines.append(rule)
-    phase = (f"peak at the {led.peak_phase}" if led.peak_phase == "backward start"
-             else "peak at the optimizer step: weights + all gradients + optimizer state")
+    phase = ("peak at the optimizer step: weights + all gradients + optimizer state"
+             if led.peak_phase == "optimizer step" else f"peak at the {led.peak_phase}")
     lines.append(f"  {'= allocated':<{label_w}}{led.allocated / GiB:>8.2f}   {phase}; compare max_memory_allocated()")
     lines.append(f"  {'fragmentation':<{label_w}}{led.fragmentation / GiB:>8.2f}   "
                  f"reserved beyond the allocated peak ({led.fragmentation / led.allocated:.0%}): the allocator's "
@@ -301,30 +301,14 @@ def format_model_states(led: Ledger, label_w: int) -> str:
             f"optimizer state{where}")
 
 
-def lm_run_time(shape: ModelShape, setup: TrainSetup, train, card: Card, eval_micro_batches: float = 0.0) -> RunTime:
-    """The time ledger of a language-model run on ``card``: its step and its per-run rows."""
-    step = step_time(lm_step_work(shape, setup), card,
-                     cuda_graphs=setup.compile and setup.compile_mode in ("reduce-overhead", "max-autotune"))
-    evals = train.eval_batches or eval_micro_batches
-    st = model_state_bytes(shape, setup)
-    return run_time(step, train, compile_seconds(shape.depth, setup.compile and card is not CPU), evals,
-                    checkpoint_bytes=st.weights + st.optimizer + (st.trainable_params * 4 if setup.ema else 0))
-
-
 def format_time(rt: RunTime, per_step: int, processes: int = 1, unit: str = "tokens", fitted: bool = True) -> str:
     """The time ledger: one row per kind of work in a step, the step, then the run's rows and its minutes."""
-    step, card = rt.step, rt.step.card
+    step = rt.step
     label_w = max(len(r.label) for r in (*step.rows, *rt.rows)) + 2
-    measure = "" if card.matmul_curve else "; run `hf-cgpu bench` on your card for its own figures"
-    lines = [f"time on {card.name} ({card.matmul_tflops:,.0f} TFLOP/s bf16, {card.bandwidth_gbs:,.0f} GB/s; "
-             f"{card.source}{measure}):", f"  {'':<{label_w}}{'s/step':>8}   how"]
-    lines += [f"  {r.label:<{label_w}}{r.seconds:>8.3f}   {r.note}" for r in step.rows]
-    lines.append(f"  {'-' * (label_w + 8)}")
     gpus = processes
     per_s = step.samples_per_second
     total = f"; {per_s * gpus:,.0f} in all on {gpus} GPUs" if gpus > 1 else ""
-    lines.append(f"  {'= step':<{label_w}}{step.seconds:>8.3f}   {step.bound}; {per_s:,.0f} {unit}/s per GPU{total}, "
-                 f"MFU {step.mfu:.2f}")
+    lines = format_step(step, label_w, "s/step", "= step", f"{per_s:,.0f} {unit}/s per GPU{total}")
     lines += [f"  {r.label:<{label_w}}{r.seconds:>7.0f}s   {r.note}" for r in rt.rows]
     steps = f"{rt.steps:,} steps"
     if rt.limited_by_minutes:
@@ -335,6 +319,18 @@ def format_time(rt: RunTime, per_step: int, processes: int = 1, unit: str = "tok
     if rt.limited_by_minutes and not fitted:
         lines.append("  the cosine is still high when the minutes end: add --fit_schedule_to_time true")
     return "\n".join(lines)
+
+
+def format_step(step, label_w: int, column: str, total: str, rate: str) -> list[str]:
+    """The card's line, one row per kind of work in ``step`` (a ``StepTime``), and its total."""
+    card = step.card
+    measure = "" if card.matmul_curve else "; run `hf-cgpu bench` on your card for its own figures"
+    lines = [f"time on {card.name} ({card.matmul_tflops:,.0f} TFLOP/s bf16, {card.bandwidth_gbs:,.0f} GB/s; "
+             f"{card.source}{measure}):", f"  {'':<{label_w}}{column:>8}   how"]
+    lines += [f"  {r.label:<{label_w}}{r.seconds:>8.3f}   {r.note}" for r in step.rows]
+    lines.append(f"  {'-' * (label_w + 8)}")
+    lines.append(f"  {total:<{label_w}}{step.seconds:>8.3f}   {step.bound}; {rate}, MFU {step.mfu:.2f}")
+    return lines
 
 
 def format_chinchilla(shape: ModelShape, setup: TrainSetup, step) -> str:
@@ -360,7 +356,8 @@ def fmt_duration(seconds: float) -> str:
 
 IMAGE_TASKS = ("flow", "flow-distill", "classifier")
 """``hf-cgpu train`` tasks the image ledger (``budget.images``) prices."""
-TASKS = ("gpt", "lora", *IMAGE_TASKS)
+TASKS = ("gpt", "lora", *IMAGE_TASKS, "sample")
+"""What ``--task`` names: a training command's task, or ``sample`` (``hf-cgpu sample MODEL_DIR``'s flags)."""
 
 
 def split_task(argv: Sequence[str]) -> tuple[str, list[str]]:
@@ -377,7 +374,8 @@ def split_task(argv: Sequence[str]) -> tuple[str, list[str]]:
             del args[i]
             break
     if task and task not in TASKS:
-        raise SettingsError(f"--task {task!r}: the ledger prices {', '.join(TASKS)} (hf-cgpu train NAME's flags)")
+        raise SettingsError(f"--task {task!r}: the ledger prices {', '.join(TASKS)} (the flags of hf-cgpu train "
+                            "NAME, or of hf-cgpu sample)")
     if task == "lora" and not any(a.split("=", 1)[0] in ("--preset", "--model", "--config") for a in args):
         args = ["--preset", "lora", *args]
     return task or "gpt", args
@@ -386,7 +384,6 @@ def split_task(argv: Sequence[str]) -> tuple[str, list[str]]:
 def image_run(task: str, argv: Sequence[str]):
     """(the task's settings, TrainSettings, BudgetSettings, the image ledger's keyword arguments) of ``hf-cgpu budget
     --task TASK ARGV``: the flags of ``hf-cgpu train TASK``; flow-distill's teacher read from its folder."""
-    from ..budget.images import read_pipeline
     from ..recipes import RECIPES
 
     recipe = RECIPES[task]
@@ -394,25 +391,7 @@ def image_run(task: str, argv: Sequence[str]):
                                       family=recipe.presets or None, description=DESCRIPTION,
                                       prog=f"hf-cgpu budget --task {task}", default_preset=recipe.default_preset,
                                       fixed={"train_mode": getattr(recipe.settings, "train_mode", "pretrain")})
-    extra: dict[str, Any] = {}
-    teacher = getattr(cfg, "teacher", "")
-    if teacher and Path(teacher).is_dir():
-        info = read_pipeline(teacher)
-        extra = {"teacher_config": info.unet, "guide": info.guide, "guidance_scale": info.guidance_scale}
-    return cfg, train, opts, extra
-
-
-def image_run_time(task: str, cfg, train, card: Card, extra: dict[str, Any]) -> RunTime:
-    from ..budget.images import image_step_work
-    from ..options import CUDA_GRAPH_MODES
-
-    work = image_step_work(task, cfg, train, **extra)
-    step = step_time(work, card, cuda_graphs=bool(train.compile) and train.compile_mode in CUDA_GRAPH_MODES)
-    return run_time(step, train, compile_seconds(IMAGE_COMPILE_BLOCKS, bool(train.compile)))
-
-
-IMAGE_COMPILE_BLOCKS = 5
-"""Blocks a compiled image step unrolls, for the compile row (the UNet's five residual blocks)."""
+    return cfg, train, opts, teacher_extra(cfg)
 
 
 def image_report(task: str, argv: Sequence[str]) -> str:
@@ -435,6 +414,8 @@ def run(argv: Sequence[str] | None = None) -> str:
     task, argv = split_task(argv or [])
     if task in IMAGE_TASKS:
         return image_report(task, argv)
+    if task == "sample":
+        return sample_report(argv)
     run_shape, train, opts, notes = _describe(argv)
     shape = run_shape.model
     positions = shape.positions_note(run_shape.seq_len)  # refused as training refuses it
@@ -511,6 +492,76 @@ def price(task: str, argv: Sequence[str], card: Card) -> dict[str, Any]:
                 "steps": rt.steps, "parts": "/".join(f"{r.seconds * 1e3:.1f}" for r in rt.step.rows)}
     run_shape, train, opts, _ = _describe(list(argv))
     return price_card(run_shape, run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp), train, card)
+
+
+@dataclass(frozen=True)
+class SamplePrice:
+    """What the ledger asks besides ``hf-cgpu sample``'s flags."""
+
+    card: str = ""
+    """The GPU to price the sampling on by its public figures (as for a training run); empty = this machine's
+    `hf-cgpu bench`, else an RTX 5070 Ti."""
+    memory_cap: str = ""
+    """The memory the job must fit (e.g. 16GB); empty = the card's memory, 16 GiB without --card."""
+
+    def __post_init__(self) -> None:
+        if self.card:
+            find_card(self.card)
+        if self.memory_cap:
+            parse_memory(self.memory_cap)
+
+
+def sample_job(argv: Sequence[str]):
+    """(the ledger's keyword arguments for ``sample_memory`` / ``sample_work``, ``SamplePrice``) of ``hf-cgpu budget
+    --task sample MODEL_DIR ARGV``: the steps, sampler, guidance and interval ``hf-cgpu sample`` would use, the
+    folder's saved defaults where a flag leaves them open."""
+    from ..budget.images import read_pipeline
+    from ..flow.sample_settings import SampleSettings, resolve_sampling
+    from ..settings import build_parser
+
+    parser = build_parser((SampleSettings, SamplePrice), prog="hf-cgpu budget --task sample", description=DESCRIPTION)
+    parser.add_argument("model_dir", help="a saved FlowMatchPipeline folder, as hf-cgpu sample takes it")
+    ns = vars(parser.parse_args(list(argv)))
+    folder = ns.pop("model_dir")
+    given = {k: v for k, v in ns.items() if v is not None}
+    names = {f.name for f in dataclasses.fields(SamplePrice)}
+    price = SamplePrice(**{k: v for k, v in given.items() if k in names})
+    s = SampleSettings(**{k: v for k, v in given.items() if k not in names})
+    info = read_pipeline(folder)
+    guide = info.guide if s.guidance_model == "" else s.guidance_model != "none"
+    conditional = bool(info.unet.get("num_classes"))
+    saved = {"num_inference_steps": info.steps, "guidance_scale": info.guidance_scale,
+             "guidance_interval": info.guidance_interval}
+    kw = resolve_sampling(saved, conditional, guide, s.num_inference_steps,
+                          s.guidance_scale if (s.class_labels or guide) else 1.0, s.guidance_interval, 2.5)
+    sampler = s.scheduler or info.sampler
+    if not sampler:
+        raise SettingsError(f"{folder} saved a scheduler that is not one of hf_cgpu's samplers: pass --scheduler "
+                            "heun or euler to price it")
+    job = {"unet": info.unet, "num_images": s.num_images, "steps": kw["num_inference_steps"], "sampler": sampler,
+           "guidance_scale": kw["guidance_scale"], "guidance_interval": kw["guidance_interval"],
+           "guide": guide and kw["guidance_scale"] != 1.0}
+    return job, price
+
+
+def sample_report(argv: Sequence[str]) -> str:
+    """``hf-cgpu budget --task sample MODEL_DIR ...``: the memory and seconds of that ``hf-cgpu sample`` call (fp32,
+    every image in one batch)."""
+    from ..budget.images import sample_memory, sample_work
+
+    job, price = sample_job(argv)
+    card = resolve_card(price.card)
+    cap = parse_memory(price.memory_cap) if price.memory_cap else (card.memory_gib * GiB if card.memory_gib else
+                                                                     parse_memory(DEFAULT_MEMORY_CAP))
+    led = sample_memory(**job, memory_cap=cap)
+    step = step_time(sample_work(**job), card)
+    work = step.work
+    out = [f"hf-cgpu budget: sample {job['num_images']:,} images: {led.net.describe()}",
+           f"  {work.notes['calls']}", "", format_ledger(led), ""]
+    label_w = max(len(r.label) for r in step.rows) + 2
+    out += format_step(step, label_w, "seconds", "= sampling",
+                       f"{step.samples_per_second:,.1f} images/s (model loading not counted)")
+    return "\n".join(out)
 
 
 def budget_card(opts: BudgetSettings, train) -> Card:

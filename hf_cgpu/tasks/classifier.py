@@ -26,6 +26,7 @@ from .settings import ClassifierSettings
 
 class ClassifierTask(Task):
     unit = "img"
+    ledger_task = "classifier"
 
     def __init__(self, cfg: ClassifierSettings):
         self.cfg = cfg

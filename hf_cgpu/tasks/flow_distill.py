@@ -32,6 +32,7 @@ from .settings import FlowDistillSettings
 
 class FlowDistillTask(FlowMatchingTask):
     card = "flow-distill"
+    ledger_task = "flow-distill"
 
     def __init__(self, cfg: FlowDistillSettings):
         self.cfg = cfg

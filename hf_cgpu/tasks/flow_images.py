@@ -36,6 +36,7 @@ def grid_cadence(eval_steps: int, max_steps: int) -> str:
 class FlowMatchingTask(Task):
     unit = "img"
     card = "flow"
+    ledger_task = "flow"
 
     def __init__(self, cfg: FlowSettings):
         self.cfg = cfg

@@ -43,6 +43,10 @@ class PackedTokensTask(Task):
         extra = {"position_ids": batch["position_ids"][:, :-1]} if "position_ids" in batch else {}
         return self.target_loss(model, block[:, :-1], targets[:, 1:], **extra)
 
+    def eval_micro_batches(self, settings) -> float:
+        windows = len(self.val_data)
+        return min(windows, settings.eval_batches * settings.micro_batch_size or windows) / settings.micro_batch_size
+
     def evaluate(self, model, settings, device) -> dict[str, float]:
         limit = settings.eval_batches * settings.micro_batch_size if settings.eval_batches > 0 else None
         return score_stream(

@@ -36,6 +36,7 @@ from .checkpoint import Checkpointer, TrainState, list_checkpoints, nonfinite_te
 from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
 from .ema import ema_weights
 from .fingerprint import run_fingerprint
+from .forecast import Forecast, forecast
 from .metrics import Metrics, peak_memory
 from .outdir import LOCK_NAME
 from .parallel import end_processes, full_model, gather_list, is_sharded, peak_memory_per_process
@@ -128,6 +129,7 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
                         save=s.save_best or s.load_best_at_end, write=task.save_best)
     metrics = Metrics(acc, s, task.unit, run.flops_per_unit, training_peak(s.peak_tflops, acc.device, acc.print))
     metrics.watch_start_up(started, run.recompiles)
+    predicted = _forecast(run, task)
     checkpointer = Checkpointer(acc, run.output_dir, s.checkpointing_steps, s.checkpoints_total_limit, ema, keeper,
                                 metrics.write, model=run.model, optimizer=optimizer, metrics=metrics)
     if pusher is not None:
@@ -157,7 +159,19 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     except BaseException:
         checkpointer.close(raise_errors=False)
         raise
-    return _finish(run, task, state, metrics, validator, keeper, checkpointer)
+    return _finish(run, task, state, metrics, validator, keeper, checkpointer, predicted)
+
+
+def _forecast(run: Run, task: Task) -> Forecast | None:
+    """The ledger's figures for this run, said once (a run the ledger cannot price says why and trains on)."""
+    try:
+        predicted = forecast(task, run.plan, run.settings, run.accelerator)
+    except UserError as err:
+        run.accelerator.print(f"ledger: this run is not priced ({err})")
+        return None
+    if predicted is not None:
+        run.accelerator.print(predicted.line())
+    return predicted
 
 
 def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer,
@@ -290,7 +304,7 @@ def _ladder_setup(run: Run) -> TrainSetup:
 
 
 def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator: Validator,
-            keeper: BestKeeper, checkpointer: Checkpointer) -> dict[str, Any]:
+            keeper: BestKeeper, checkpointer: Checkpointer, predicted: Forecast | None = None) -> dict[str, Any]:
     """The final evaluation (EMA weights), the best weights if asked, and what the run leaves on disk; weights that
     are not finite are never evaluated, saved or sealed."""
     acc, s = run.accelerator, run.settings
@@ -308,6 +322,8 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
         "batch_changes": state.batch_changes, "mixed_precision": acc.mixed_precision,
         **({"card": task.card} if task.card else {}),
         **({"schedule_steps": state.last_step(s)} if s.fit_schedule_to_time else {})})
+    if predicted is not None:
+        results["ledger"] = predicted.checked(results)
     if acc.num_processes > 1:
         results["processes_peak_memory"] = peak_memory_per_process(acc, peak_memory(acc.device))
     if warning := against_base(results):

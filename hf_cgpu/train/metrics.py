@@ -77,10 +77,10 @@ class Metrics:
         self.seconds_before = 0.0
         """Training time of the processes before this one (restored from the checkpoint)."""
         self.started = time.perf_counter()
-        self.run_units, self.run_seconds = 0, 0.0  # every logged window: the run's mean throughput
+        self.run_units, self.run_seconds, self.run_steps = 0, 0.0, 0  # every logged window: the run's mean
         self.bar = None
         self.run_started, self.first_step_seconds, self.recompiles = None, None, None
-        self.first_units, self.first_seconds = 0, 0.0
+        self.first_units, self.first_seconds, self.first_steps = 0, 0.0, 0
         """The first step of every process of the run (its compile included), summed: left out of
         ``{unit}_per_s_after_first_step``."""
         self._first_seen = False
@@ -91,8 +91,8 @@ class Metrics:
     def state_dict(self) -> dict[str, Any]:
         w = self.window
         return {"history": self.history, "train_seconds": self.train_seconds,
-                "run_units": self.run_units, "run_seconds": self.run_seconds,
-                "first_units": self.first_units, "first_seconds": self.first_seconds,
+                "run_units": self.run_units, "run_seconds": self.run_seconds, "run_steps": self.run_steps,
+                "first_units": self.first_units, "first_seconds": self.first_seconds, "first_steps": self.first_steps,
                 "window": {"loss_sum": w.loss_sum, "steps": w.steps, "units": w.units, "seconds": w.seconds()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -101,8 +101,10 @@ class Metrics:
         self.started = time.perf_counter()
         self.run_units = int(state.get("run_units") or 0)
         self.run_seconds = float(state.get("run_seconds") or 0.0)
+        self.run_steps = int(state.get("run_steps") or 0)
         self.first_units = int(state.get("first_units") or 0)
         self.first_seconds = float(state.get("first_seconds") or 0.0)
+        self.first_steps = int(state.get("first_steps") or 0)
         w = state.get("window") or {}
         self.window = Window(float(w.get("loss_sum", 0.0)), int(w.get("steps", 0)), int(w.get("units", 0)),
                              time.perf_counter() - float(w.get("seconds", 0.0)))
@@ -169,6 +171,7 @@ class Metrics:
             self._first_seen = True
             self._first_step(step)
             self.first_units += units
+            self.first_steps += 1
             self.first_seconds += time.perf_counter() - self.started
         if self.recompiles is not None:
             self.recompiles.step = step
@@ -184,6 +187,7 @@ class Metrics:
         seconds = w.seconds()
         rate = w.units / seconds
         self.run_units, self.run_seconds = self.run_units + w.units, self.run_seconds + seconds
+        self.run_steps += w.steps
         metrics = {"train/loss": w.loss_sum / w.steps, "train/lr": lr, "train/grad_norm": grad_norm,
                    f"train/{self.unit}_per_s": rate, "train/epoch": epoch}
         if self.peak and self.flops_per_unit:
@@ -210,6 +214,7 @@ class Metrics:
         w = self.window
         if w.steps:
             self.run_units, self.run_seconds = self.run_units + w.units, self.run_seconds + w.seconds()
+            self.run_steps += w.steps
         self.window = Window()
 
     def mean_rate(self) -> float | None:
@@ -221,6 +226,11 @@ class Metrics:
         units, seconds = self.run_units - self.first_units, self.run_seconds - self.first_seconds
         return units / seconds if self.first_units and units > 0 and seconds > 0 else None
 
+    def step_seconds(self) -> float | None:
+        """Mean training seconds of an optimizer step, each process's first step (its compile) left out."""
+        steps, seconds = self.run_steps - self.first_steps, self.run_seconds - self.first_seconds
+        return seconds / steps if self.first_steps and steps > 0 and seconds > 0 else None
+
     def summary(self) -> dict[str, Any]:
         """What all_results.json says about throughput (the run's mean), MFU, its peak, the device, memory and the
         training time."""
@@ -229,6 +239,7 @@ class Metrics:
         return {f"{self.unit}_per_s": rate, f"{self.unit}_per_s_after_first_step": self.rate_after_first_step(),
                 "mfu": mfu, "mfu_peak_tflops": self.peak or None,
                 "mfu_peak_source": self.peak_source, "device": device_label(self.device),
-                "train_seconds": round(self.train_seconds, 3), **peak_memory(self.device),
+                "train_seconds": round(self.train_seconds, 3), "step_seconds": self.step_seconds(),
+                **peak_memory(self.device),
                 "seconds_to_first_step": None if self.first_step_seconds is None else round(self.first_step_seconds, 3),
                 "recompiles": self.recompiles.count if self.recompiles is not None else None}

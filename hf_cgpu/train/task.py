@@ -54,6 +54,9 @@ class Task:
     """Evaluation figure (lower is better) that picks the best weights, e.g. val_loss."""
     cfg: Any = None
     """The task's settings dataclass, recorded in all_results.json."""
+    ledger_task: ClassVar[str | None] = None
+    """The image ledger's name of this task (``budget.images``: flow, flow-distill, classifier), which prices a run
+    whose plan declares no language-model ``shape``; None: the shape's ledger, or none."""
 
     @property
     def train_mode(self) -> str:
@@ -83,6 +86,10 @@ class Task:
     def units(self, batch: dict) -> int:
         """Throughput units in ``batch`` (tokens, images)."""
         raise NotImplementedError
+
+    def eval_micro_batches(self, settings: TrainSettings) -> float:
+        """Forward micro-batches of one evaluation, for the ledger's time of a run (0: not priced)."""
+        return 0.0
 
     def evaluate(self, model: torch.nn.Module, settings: TrainSettings, device: torch.device) -> dict[str, float]:
         """Figures on held-out data (never the training set). Model holds EMA weights when EMA is on."""

@@ -1,0 +1,51 @@
+"""A whole run's time on a card, one function per kind of task: the step (``time.step_time`` of the task's work)
+and the per-run rows (compile, evaluations, checkpoints). ``hf-cgpu budget`` prints them; the trainer says them at
+its start and checks them at its end (``train.forecast``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..options import CUDA_GRAPH_MODES
+from .card import CPU, Card
+from .memory import model_state_bytes
+from .shape import ModelShape, TrainSetup
+from .time import RunTime, compile_seconds, run_time, step_time
+from .work import lm_step_work
+
+IMAGE_COMPILE_BLOCKS = 5
+"""Blocks a compiled image step unrolls, for the compile row (the UNet's five residual blocks)."""
+
+
+def lm_run_time(shape: ModelShape, setup: TrainSetup, train, card: Card, eval_micro_batches: float = 0.0) -> RunTime:
+    """The time ledger of a language-model run on ``card``: its step and its per-run rows."""
+    step = step_time(lm_step_work(shape, setup), card,
+                     cuda_graphs=setup.compile and setup.compile_mode in CUDA_GRAPH_MODES)
+    evals = train.eval_batches or eval_micro_batches
+    st = model_state_bytes(shape, setup)
+    return run_time(step, train, compile_seconds(shape.depth, setup.compile and card is not CPU), evals,
+                    checkpoint_bytes=st.weights + st.optimizer + (st.trainable_params * 4 if setup.ema else 0))
+
+
+def image_run_time(task: str, cfg, train, card: Card, extra: dict[str, Any]) -> RunTime:
+    """The time ledger of ``hf-cgpu train TASK`` (an image task) on ``card``; ``extra``: ``image_step_work``'s
+    keyword arguments (a flow-distill teacher's config and guidance)."""
+    from .images import image_step_work
+
+    work = image_step_work(task, cfg, train, **extra)
+    step = step_time(work, card, cuda_graphs=bool(train.compile) and train.compile_mode in CUDA_GRAPH_MODES)
+    return run_time(step, train, compile_seconds(IMAGE_COMPILE_BLOCKS, bool(train.compile) and card is not CPU))
+
+
+def teacher_extra(cfg) -> dict[str, Any]:
+    """``image_step_work``'s keyword arguments for a flow-distill ``cfg`` whose ``--teacher`` folder exists (its
+    UNet, saved guide and guidance), else none (the flow preset's UNet is assumed)."""
+    from pathlib import Path
+
+    from .images import read_pipeline
+
+    teacher = getattr(cfg, "teacher", "")
+    if not teacher or not Path(teacher).is_dir():
+        return {}
+    info = read_pipeline(teacher)
+    return {"teacher_config": info.unet, "guide": info.guide, "guidance_scale": info.guidance_scale}

@@ -1,0 +1,76 @@
+"""What the ledger predicts for this run, said before its first step and checked at its end.
+
+Every run prices itself on its own card (``budget.card.run_card``: this GPU's ``hf-cgpu bench``, else its public
+figures; the CPU's rough figures on a CPU) with the functions ``hf-cgpu budget`` prints, and all_results.json keeps
+the prediction beside what the run measured (``ledger``: seconds a step, peak reserved GiB on a GPU, the steps
+``--max_minutes`` holds), so every run is a check of the ledger on the user's own card.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..budget.card import run_card
+from ..budget.memory import GiB, ledger
+from ..budget.runs import image_run_time, lm_run_time, teacher_extra
+from ..budget.time import RunTime
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """The ledger's figures for one run on its card."""
+
+    card: str
+    """The card priced, and where its figures come from."""
+    time: RunTime
+    reserved_bytes: float | None
+    """Peak reserved memory per GPU (None on a CPU, where the ledger prices no allocator)."""
+
+    @property
+    def step_seconds(self) -> float:
+        return self.time.step.seconds
+
+    def line(self) -> str:
+        """One line for the log before the first step."""
+        steps = (f"; --max_minutes {self.time.minutes:g} holds ~{self.time.steps:,} steps"
+                 if self.time.limited_by_minutes else "")
+        memory = f", {self.reserved_bytes / GiB:.2f} GiB reserved" if self.reserved_bytes is not None else ""
+        return f"ledger: about {self.step_seconds:.4g} s a step{memory} on {self.card}{steps} (hf-cgpu budget)"
+
+    def checked(self, results: dict[str, Any]) -> dict[str, Any]:
+        """The prediction beside the run's measurement (``results``: all_results.json's figures): the mean step
+        after each process's first, peak reserved memory, steps done in --max_minutes."""
+        measured = results.get("step_seconds")
+        out: dict[str, Any] = {"card": self.card, "step_seconds": round(self.step_seconds, 5),
+                               "measured_step_seconds": round(measured, 5) if measured else None,
+                               "step_error": round(self.step_seconds / measured - 1, 4) if measured else None}
+        reserved = results.get("peak_reserved_gib")
+        if self.reserved_bytes is not None and reserved:
+            predicted = self.reserved_bytes / GiB
+            out.update(reserved_gib=round(predicted, 3), measured_reserved_gib=round(reserved, 3),
+                       reserved_error=round(predicted / reserved - 1, 4))
+        if self.time.limited_by_minutes:
+            out.update(steps_in_minutes=self.time.steps, measured_steps=results.get("steps"))
+        return out
+
+
+def forecast(task, plan, settings, accelerator) -> Forecast | None:
+    """The ledger's figures for this run, or None where the ledger does not price the task (a language model whose
+    shape the task does not declare, the 2D toy)."""
+    card = run_card(settings.peak_tflops, accelerator.device)
+    gpu = accelerator.device.type == "cuda"
+    if plan.shape is not None:
+        shape = plan.shape
+        setup = shape.setup(settings, processes=accelerator.num_processes)
+        rt = lm_run_time(shape.model, setup, settings, card, task.eval_micro_batches(settings))
+        reserved = ledger(shape.model, setup).reserved if gpu else None
+    elif task.ledger_task is not None:
+        from ..budget.images import image_ledger
+
+        extra = teacher_extra(task.cfg)
+        rt = image_run_time(task.ledger_task, task.cfg, settings, card, extra)
+        reserved = image_ledger(task.ledger_task, task.cfg, settings, **extra).reserved if gpu else None
+    else:
+        return None
+    return Forecast(f"{card.name} ({card.source.split(':')[0]})", rt, reserved)
