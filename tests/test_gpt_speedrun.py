@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from hf_cgpu.budget.memory import activation_bytes
 from hf_cgpu.budget.time import flops_per_token
-from hf_cgpu.commands.budget import describe_run
+from hf_cgpu.budget.card import CPU
+from hf_cgpu.commands.budget import describe_run, price
 from hf_cgpu.errors import SettingsError
 from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 from hf_cgpu.models.cgpt.modeling_cgpt import value_table_of
@@ -269,14 +270,18 @@ def test_tiny_recipe_with_every_option_trains_and_generates(tmp_path):
     from hf_cgpu.cli import main
 
     out = tmp_path / "run"
-    rc = main(["train", "gpt", "--preset", "tiny", "--n_layer", "4", "--n_embd", "64", "--seq_len", "64",
-               "--vocab_size", "512", "--max_steps", "6", "--warmup_steps", "2", "--eval_steps", "3",
-               "--eval_batches", "1", "--micro_batch_size", "4", "--progress", "false", "--max_new_tokens", "8",
-               "--prompts", "The", "--mixed_precision", "no", "--cache_dir", str(tmp_path / "cache"),
-               "--output_dir", str(out), "--value_embeddings", "2", "--logit_softcap", "15", "--unet_skips", "true",
-               "--zero_init_head", "true", "--tie_word_embeddings", "false", "--layer_loops", "2"])
+    run = ["--preset", "tiny", "--n_layer", "4", "--n_embd", "64", "--seq_len", "64", "--vocab_size", "512",
+           "--max_steps", "6", "--warmup_steps", "2", "--eval_steps", "3", "--eval_batches", "1",
+           "--micro_batch_size", "4", "--value_embeddings", "2", "--logit_softcap", "15", "--unet_skips", "true",
+           "--zero_init_head", "true", "--tie_word_embeddings", "false", "--layer_loops", "2"]
+    rc = main(["train", "gpt", *run, "--progress", "false", "--max_new_tokens", "8", "--prompts", "The",
+               "--mixed_precision", "no", "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(out)])
     assert rc == 0
     results = json.loads((out / "all_results.json").read_text())
+    led = results["ledger"]  # the run priced itself as `hf-cgpu budget --card cpu` prices the same flags
+    assert led["step_seconds"] == pytest.approx(price("gpt", run, CPU)["step_s"], rel=1e-4)
+    assert results["step_seconds"] > 0
+    assert led["measured_step_seconds"] == pytest.approx(results["step_seconds"], rel=1e-4)
     assert results["samples"] and results["samples"][0].startswith("The") and len(results["samples"][0]) > 3
     assert results["best_val_loss"] < math.log(512)  # below where the zero head starts: it learned
     config = json.loads((out / "config.json").read_text())

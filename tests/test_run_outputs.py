@@ -80,6 +80,7 @@ def test_run_reports_its_mean_throughput_not_the_last_window(tmp_path, monkeypat
     assert windows == [pytest.approx(32 / 1.7), pytest.approx(32 / 0.8)]
     assert results["sample_per_s"] == pytest.approx(64 / 2.5)
     assert results["sample_per_s_after_first_step"] == pytest.approx(56 / 1.4)  # the slow first step left out
+    assert results["step_seconds"] == pytest.approx(1.4 / 7)  # the same window, per optimizer step
     assert results["device"].startswith("CPU")
 
 
@@ -112,3 +113,13 @@ def test_a_failed_run_leaves_no_empty_output_folder(tmp_path):
     with pytest.raises(RuntimeError):
         fit(Broken(), settings(tmp_path / "old"))
     assert (tmp_path / "old" / "notes.txt").is_file()  # a folder that was there before is left alone
+
+
+def test_the_card_says_how_long_it_trained_and_what_the_ledger_predicted():
+    from hf_cgpu.hub.cards import _summary
+
+    line = _summary({"train_seconds": 426.0, "ledger": {"card": "NVIDIA H100 (hf-cgpu bench of this machine)",
+                                                        "step_seconds": 0.15, "measured_step_seconds": 0.171}}, 0)
+    assert "trained in 7.1 minutes" in line
+    assert "0.171 s a step, where the ledger (`hf-cgpu budget`) predicted 0.15 s on NVIDIA H100" in line
+    assert "ledger" not in _summary({"train_seconds": 60.0}, 0) and "trained in" not in _summary({}, 0)

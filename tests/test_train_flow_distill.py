@@ -16,7 +16,9 @@ from isolation import WITHOUT_HF_CGPU
 from safetensors.torch import load_file, save_file
 
 from hf_cgpu import FlowMatchPipeline
+from hf_cgpu.budget.card import CPU
 from hf_cgpu.cli import main as cli_main
+from hf_cgpu.commands.budget import price
 from hf_cgpu.flow.scheduling_flow_match import FlowMatchEulerScheduler
 from hf_cgpu.integrity import update_manifest
 from hf_cgpu.train.checkpoint import list_checkpoints
@@ -40,6 +42,8 @@ def test_distilled_folder_samples_in_two_evaluations_with_guidance_baked_in(runs
     results = json.loads((out / "all_results.json").read_text())
     assert results["steps"] == 12 and results["card"] == "flow-distill" and "base_val_loss" in results
     assert results["teacher_guidance_scale"] == 2.5 and results["teacher_guidance_interval"] == "0.2:0.9"
+    priced = price("flow-distill", ["--preset", "tiny", "--teacher", str(runs / "teacher")], CPU)
+    assert results["ledger"]["step_seconds"] == pytest.approx(priced["step_s"], rel=1e-4)  # as `hf-cgpu budget`
     pipe = FlowMatchPipeline.from_pretrained(out)
     assert isinstance(pipe.scheduler, FlowMatchEulerScheduler) and pipe.unet.config.step_size_embedding
     assert pipe.config.num_inference_steps == 2 and pipe.config.guidance_scale == 1.0

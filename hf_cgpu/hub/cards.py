@@ -293,7 +293,22 @@ def _summary(results: dict[str, Any], n_params: int, adapter: bool = False) -> s
     rate = _by_suffix(results, "_per_s")
     if rate is not None:
         parts.append(f"{_format_value(rate[1])} {rate[0][: -len('_per_s')]}/s on average")
+    parts += _time_parts(results)
     return "; ".join(parts) + "." if parts else "No results recorded (all_results.json missing)."
+
+
+def _time_parts(results: dict[str, Any]) -> list[str]:
+    """How long it trained, and what the ledger had predicted a step would take on that card."""
+    seconds = results.get("train_seconds")
+    if not isinstance(seconds, (int, float)) or seconds <= 0:
+        return []
+    minutes = seconds / 60
+    parts = [f"trained in {minutes:.1f} minutes" if minutes < 120 else f"trained in {minutes / 60:.1f} hours"]
+    led = results.get("ledger") or {}
+    if isinstance(led, dict) and led.get("measured_step_seconds") and led.get("step_seconds"):
+        parts.append(f"{led['measured_step_seconds']:.3g} s a step, where the ledger (`hf-cgpu budget`) predicted "
+                     f"{led['step_seconds']:.3g} s on {led.get('card', 'this card')}")
+    return parts
 
 
 def _is_hub_id(name: str | None) -> bool:
