@@ -24,6 +24,7 @@ from ..models.cgpt.configuration_cgpt import CgptConfig
 from ..models.cgpt.modeling_cgpt import CgptForCausalLM
 from ..settings import TrainSettings
 from ..train import TaskPlan
+from ..train.parallel import is_sharded
 from ..train.schedule import calibration_step
 from .auto import resolve as resolve_auto
 from .packed import PackedTokensTask
@@ -190,6 +191,9 @@ class CausalLMTask(PackedTokensTask):
             accelerator.print(f"input noise: {cfg.input_noise:.0%} of the training inputs replaced by uniform random "
                               "tokens, the targets kept")
         if cfg.teachers:
+            if is_sharded(accelerator):
+                raise SettingsError("--teacher reads the student's LM head beside its forward, and FSDP2 shards it: "
+                                    "distill on one GPU, or on several without FSDP (data parallel)")
             self.distiller = Distiller(cfg.teachers, self.tokenizer, config.vocab_size, accelerator.device,
                                        cfg.distill_weight, cfg.distill_temperature, accelerator.autocast)
             accelerator.print(self.distiller.describe())
