@@ -1,8 +1,9 @@
 """The GPT's levers for many epochs of a small corpus, each off by default: input token replacement
 (``--input_noise``: inputs replaced, targets kept, never in evaluation), weight averaging (``--swa_start``: the exact
 mean of the weights from its step, evaluated and saved), distillation (``--teacher``: a teacher equal to the student
-adds no KL, the chunked KL is the full-logits one, another tokenizer is refused). A run with all three on resumes
-bit for bit and records them; a resume that changes one is refused naming it."""
+adds no KL, the chunked KL is the full-logits one, another tokenizer is refused), the weight-decay schedule
+(``--weight_decay_end``: held, then moved linearly, from the optimizer's own values). A run with all of them on
+resumes bit for bit and records them; a resume that changes one is refused naming it."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
 from hf_cgpu.tasks.teachers import Distiller, chunked_kl
 from hf_cgpu.train import fit
 from hf_cgpu.train.ema import SWA
+from hf_cgpu.train.schedule import set_lr, weight_decay_factor
 
 DOCS = builtin_corpus()
 
@@ -93,6 +95,24 @@ def test_swa_and_ema_together_and_bad_values_are_refused():
         GPTSettings(input_noise=1.0)
     with pytest.raises(SettingsError, match="distill_weight"):
         GPTSettings(distill_weight=0.0)
+
+
+def test_weight_decay_is_held_then_moved_linearly_from_the_optimizer_s_own_values():
+    s = TrainSettings(max_steps=100, weight_decay_end=0.0, weight_decay_hold=0.5)
+    assert [weight_decay_factor(k, s) for k in (0, 50, 75, 100, 120)] == [1.0, 1.0, 0.5, 0.0, 0.0]
+    assert weight_decay_factor(75, s, total=60) == 0.0 and weight_decay_factor(70, TrainSettings()) == 1.0
+    w = torch.nn.Parameter(torch.ones(4, 4))
+    opt = torch.optim.AdamW([{"params": [w], "weight_decay": 0.5}, {"params": [], "weight_decay": 0.0}], lr=0.1)
+    for factor in (0.5, 0.5, 2.0):  # each time from the value the optimizer was built with, never compounded
+        set_lr(opt, 0.1, factor)
+    assert [g["weight_decay"] for g in opt.param_groups] == [1.0, 0.0]
+    w.grad = torch.zeros_like(w)  # Adam's own update is 0: the step is the decay alone
+    set_lr(opt, 0.1, 0.0)
+    opt.step()
+    assert torch.equal(w.detach(), torch.ones(4, 4))
+    set_lr(opt, 0.1, 1.0)
+    opt.step()
+    torch.testing.assert_close(w.detach(), torch.full((4, 4), 1 - 0.1 * 0.5))
 
 
 def test_chunked_kl_is_the_kl_of_the_full_logits_and_zero_for_the_same_model():
@@ -166,15 +186,18 @@ def test_a_teacher_of_another_tokenizer_is_refused_in_one_line(inputs, teacher, 
 def full(inputs, teacher):
     """All three levers on, four steps, a checkpoint every two."""
     levers = dict(input_noise=0.1, teacher=f"{teacher},{teacher}", distill_weight=0.6)
-    results = run(inputs, inputs / "full", train={"swa_start": 0.5}, **levers)
+    results = run(inputs, inputs / "full", train=SCHEDULE, **levers)
     return levers, results
+
+
+SCHEDULE = {"swa_start": 0.5, "weight_decay": 0.5, "weight_decay_end": 0.0, "weight_decay_hold": 0.25}
 
 
 def test_levers_are_recorded_and_the_saved_average_is_what_was_evaluated(inputs, full):
     levers, results = full
     out = inputs / "full"
     saved = json.loads((out / "all_results.json").read_text())["settings"]
-    assert {k: saved[k] for k in levers} == levers and saved["swa_start"] == 0.5
+    assert {k: saved[k] for k in (*levers, *SCHEDULE)} == {**levers, **SCHEDULE}
     card = (out / "README.md").read_text()
     assert "`input_noise` | 0.1" in card and "`swa_start` | 0.5" in card
     scored = evaluate_language_model(str(out), str(inputs / "data"), seq_len=32, batch_size=2, device="cpu",
@@ -187,12 +210,14 @@ def test_a_run_with_the_levers_resumes_bit_identical_and_a_changed_lever_is_refu
     cut = inputs / "cut"
     (cut / "checkpoints").mkdir(parents=True)
     shutil.copytree(inputs / "full" / "checkpoints" / "step_0000002", cut / "checkpoints" / "step_0000002")
-    resume = {"swa_start": 0.5, "resume_from_checkpoint": "latest"}
+    resume = {**SCHEDULE, "resume_from_checkpoint": "latest"}
     run(inputs, cut, train=resume, **levers)
     a, b = load_file(inputs / "full" / "model.safetensors"), load_file(cut / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    for changed, train in (({**levers, "input_noise": 0.2}, resume), (levers, {**resume, "swa_start": 0.6}),
-                           ({**levers, "distill_weight": 0.5}, resume)):
-        with pytest.raises(CheckpointError, match="input_noise|swa_start|distill_weight"):
+    for name, changed, train in (("input_noise", {**levers, "input_noise": 0.2}, resume),
+                                 ("swa_start", levers, {**resume, "swa_start": 0.6}),
+                                 ("distill_weight", {**levers, "distill_weight": 0.5}, resume),
+                                 ("weight_decay_end", levers, {**resume, "weight_decay_end": 0.5})):
+        with pytest.raises(CheckpointError, match=rf"{{'{name}': "):
             run(inputs, cut, train={**train, "max_steps": 5}, **changed)
 

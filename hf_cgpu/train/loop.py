@@ -174,7 +174,7 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
     try:
         while state.step < state.last_step(s):
             step, lr = state.step, state.lr(state.step, s)
-            set_lr(optimizer, lr)
+            set_lr(optimizer, lr, state.weight_decay_factor(step, s))
             try:
                 result = stepper.run(step, state.micro_batch_size, state.gradient_accumulation_steps)
             except torch.cuda.OutOfMemoryError:
