@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call (nvidia-h100-x1 or nvidia-h200, <= ~9.5 minutes): the zh-poetry-modern preset against the levers for
-# many epochs of a small corpus (--input_noise, --swa_start, --teacher) at EQUAL STEPS, several runs at once on the
+# many epochs of a small corpus (--input_noise, --swa_start, --teacher, --weight_decay_end) at EQUAL STEPS, several runs at once on the
 # one GPU (small models leave an H100 idle; sharing it makes wall time meaningless, so everything is read by step).
 #
 #   bash benchmarks/quality/gpu_zh_levers.sh                # on the GPU machine
@@ -10,8 +10,9 @@
 # false), each stopped by --max_minutes if the phase's share of the DEADLINE (570 s from the start) comes first:
 #   A: A1..A4, default base (the preset), noise (--input_noise 0.05), swa (--ema_decay 0 --swa_start 0.7; the preset's
 #      EMA off: the two averages exclude each other);
-#   B: B1..B4, default kd (--teacher = phase A's base run, --distill_weight 0.5) and all (noise + swa); the teacher is
-#      the base run of this call (as many steps as the student): its training seconds are reported beside the kd rows.
+#   B: B1..B4, default kd (--teacher = phase A's base run, --distill_weight 0.5), all (noise + swa) and wd_ramp (the
+#      weight decay held for half the schedule, then ramped to 3x); the teacher is the base run of this call (as many
+#      steps as the student): its training seconds are reported beside the kd rows.
 # Each An/Bn is "name:flags for recipes/train_gpt.py" on top of --preset $PRESET; an empty one is left out (B1= skips
 # the distillation). Phase A's saved models are scored by `hf-cgpu eval` while phase B trains, phase B's after it
 # (what is left of the deadline). STEPS (default 200) is what three runs at once are expected to reach in a phase:
@@ -35,7 +36,8 @@ export TOKENIZERS_PARALLELISM=true TARGET_BPC
 OUT=${OUT:-/tmp/levers_out}; W=/tmp/levers; rm -rf $W; mkdir -p "$OUT" $W/eval
 A1=${A1-base:} A2=${A2-noise:--input_noise 0.05} A3=${A3-swa:--ema_decay 0 --swa_start 0.7} A4=${A4-}
 B1=${B1-kd:--teacher $W/base --distill_weight 0.5} B2=${B2-all:--input_noise 0.05 --ema_decay 0 --swa_start 0.7}
-B3=${B3-} B4=${B4-}  # e.g. B3="kd_all:--teacher /tmp/levers/base --input_noise 0.05 --ema_decay 0 --swa_start 0.7"
+B3=${B3-wd_ramp:--weight_decay_end 3 --weight_decay_hold 0.5}
+B4=${B4-}  # e.g. B4="kd_all:--teacher /tmp/levers/base --input_noise 0.05 --ema_decay 0 --swa_start 0.7"
 export A1 A2 A3 A4 B1 B2 B3 B4  # the table names each run's flags
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   python3 -c "import torch,transformers;print('torch',torch.__version__,'transformers',transformers.__version__)"

@@ -195,7 +195,8 @@ class CausalLMTask(PackedTokensTask):
                 raise SettingsError("--teacher reads the student's LM head beside its forward, and FSDP2 shards it: "
                                     "distill on one GPU, or on several without FSDP (data parallel)")
             self.distiller = Distiller(cfg.teachers, self.tokenizer, config.vocab_size, accelerator.device,
-                                       cfg.distill_weight, cfg.distill_temperature, accelerator.autocast)
+                                       cfg.distill_weight, cfg.distill_temperature, accelerator.autocast,
+                                       compile=settings.compile and accelerator.device.type == "cuda")
             accelerator.print(self.distiller.describe())
         return TaskPlan(model, expected_initial_loss=math.log(vocab), shape=cgpt_run_shape(config), settings=chosen)
 

@@ -4,7 +4,7 @@ The loss is ``(1 - a) CE + a T^2 KL(teacher || student)``, the KL at temperature
 probabilities and the student's, per token. It is computed one loss chunk of positions at a time from the two
 models' last hidden states: each chunk's student and teacher logits live only inside a checkpointed call (as the
 model's own chunked cross-entropy), so distillation holds no more logits than the cross-entropy does. The teachers
-run under no_grad, in bf16 on CUDA.
+run under no_grad, in bf16 on CUDA, compiled where the student is.
 """
 
 from __future__ import annotations
@@ -85,9 +85,12 @@ class Distiller:
     """The teachers of a run and its distillation loss."""
 
     def __init__(self, folders: list[str], tokenizer, vocab_size: int, device: torch.device, weight: float,
-                 temperature: float, autocast):
+                 temperature: float, autocast, compile: bool = False):
         self.folders, self.weight, self.temperature, self.autocast = folders, weight, temperature, autocast
         self.teachers = [load_teacher(f, tokenizer, vocab_size, device) for f in folders]
+        if compile:  # as the student is compiled: the teachers' blocks, once, on the first step's shapes
+            for t in self.teachers:
+                t.transformer.compile()
 
     def describe(self) -> str:
         sizes = ", ".join(f"{sum(p.numel() for p in t.parameters()) / 1e6:.2f}M" for t in self.teachers)
