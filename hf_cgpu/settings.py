@@ -232,7 +232,8 @@ class TrainSettings:
                                 "e.g. --ema_decay 0.999")
         if self.weight_decay_end < 0 or not 0 <= self.weight_decay_hold < 1:
             raise SettingsError(f"--weight_decay_end {self.weight_decay_end} / --weight_decay_hold "
-                                f"{self.weight_decay_hold}; use a multiple >= 0 (1 = constant) and a fraction in [0, 1)")
+                                f"{self.weight_decay_hold}; use a multiple >= 0 (1 = constant) and a fraction in "
+                                "[0, 1)")
         if not 0 <= self.swa_start < 1:
             raise SettingsError(f"--swa_start {self.swa_start}; use a fraction of the steps in [0, 1), e.g. 0.7 "
                                 "(0 = off)")

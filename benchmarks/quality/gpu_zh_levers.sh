@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call (nvidia-h100-x1 or nvidia-h200, <= ~9.5 minutes): the zh-poetry-modern preset against the levers for
-# many epochs of a small corpus (--input_noise, --swa_start, --teacher, --weight_decay_end) at EQUAL STEPS, several runs at once on the
-# one GPU (small models leave an H100 idle; sharing it makes wall time meaningless, so everything is read by step).
+# many epochs of a small corpus (--input_noise, --swa_start, --teacher, --weight_decay_end) at EQUAL STEPS, several
+# runs at once on the one GPU (small models leave an H100 idle; sharing it makes wall time meaningless, so everything
+# is read by step).
 #
 #   bash benchmarks/quality/gpu_zh_levers.sh                # on the GPU machine
 #   SMOKE=1 OUT=/tmp/levers_out bash benchmarks/quality/gpu_zh_levers.sh   # the same chain on the CPU, tiny preset
@@ -126,7 +127,7 @@ def f(x, fmt=".3f"):
 
 
 lines = [f"| run | flags | steps | val bits/char at step {at} | best val bits/char (step) | hf-cgpu eval bits/char "
-         f"| train/val gap (nats) | first step <= {target} | train s (shared GPU) |", "|---|---|---|---|---|---|---|---|---|"]
+         f"| train/val gap (nats) | first step <= {target} | train s (shared GPU) |", "|---" * 9 + "|"]
 for name, r in rows.items():
     c = curves.get(name, {})
     best = min(((b, s) for s, b in c.items() if s > 0), default=(None, None))
@@ -140,7 +141,8 @@ lines.append("\ntrain/val gap: the saved weights' validation loss minus the trai
              "their step (with --input_noise the training loss is on the replaced inputs; a --teacher run's holds the "
              "KL term, so it has none).")
 if teacher:
-    lines.append(f"The teacher of the kd runs is the base run of phase A: {teacher:.0f} s of training on the shared GPU.")
+    lines.append(f"The teacher of the kd runs is the base run of phase A: {teacher:.0f} s of training on the shared "
+                 "GPU.")
 (out / "levers.md").write_text("\n".join(lines) + "\n")
 (out / "levers.json").write_text(json.dumps({"rows": rows, "curves": curves, "compared_at_step": at}, indent=1))
 print("\n".join(lines))
@@ -149,10 +151,14 @@ try:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    values = [b for c in curves.values() for s, b in c.items() if s > 0]
     for name, c in curves.items():
         steps = sorted(s for s in c if s > 0)
         ax.plot(steps, [c[s] for s in steps], label=name)
-    ax.axhline(target, color="grey", lw=0.8, ls="--")
+    if values:  # the early evaluations (8 bits/char and more) would flatten the rest
+        ax.set_ylim(min(values) - 0.05, min(max(values), min(values) + 1.5) + 0.05)
+        if min(values) <= target <= min(values) + 1.5:
+            ax.axhline(target, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("optimizer step (every run on one schedule)"); ax.set_ylabel("validation bits per character")
     ax.legend(); ax.grid(alpha=0.3); fig.tight_layout(); fig.savefig(out / "levers.png", dpi=110)
 except ImportError:

@@ -138,9 +138,9 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     state = checkpointer.resume(s.resume_from_checkpoint, fresh, settings_of_run)
     if isinstance(ema, SWA):  # the average starts at its fraction of the schedule this run trains (fitted or not)
         ema.last_step = lambda: state.last_step(s)
+        fitted = " of the schedule once it is fitted" if s.fit_schedule_to_time else ""
         acc.print(f"swa: the weights of every step from step {ema.start:,} of {state.last_step(s):,} averaged "
-                  f"(--swa_start {s.swa_start:g}{' of the schedule once it is fitted' if s.fit_schedule_to_time else ''})"
-                  "; evaluated, kept and saved in place of the live weights")
+                  f"(--swa_start {s.swa_start:g}{fitted}); evaluated, kept and saved in place of the live weights")
     if threads := state.use_cpu_threads(acc.device):
         metrics.write(threads)
     order = task.sample_order(s.seed)
