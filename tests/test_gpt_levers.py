@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from hf_cgpu.data.corpus import builtin_corpus
 from hf_cgpu.data.tokenizer import load_tokenizer, train_tokenizer
 from hf_cgpu.data.windows import replace_tokens
-from hf_cgpu.errors import CheckpointError, SettingsError
+from hf_cgpu.errors import CheckpointError, IntegrityError, SettingsError
 from hf_cgpu.evaluation.text import evaluate_language_model
 from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 from hf_cgpu.settings import TrainSettings
@@ -180,6 +180,15 @@ def test_a_teacher_of_another_tokenizer_is_refused_in_one_line(inputs, teacher, 
     with pytest.raises(SettingsError, match=r"^--teacher .* has another tokenizer than this run .*--tokenizer"):
         run(inputs, tmp_path / "run", tokenizer="other_tok", teacher=str(teacher))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_damaged_teacher_folder_is_refused_by_its_manifest(inputs, teacher, tmp_path):
+    damaged = tmp_path / "teacher"
+    shutil.copytree(teacher, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    with pytest.raises(IntegrityError, match=r"^--teacher .*model\.safetensors"):
+        run(inputs, tmp_path / "run", teacher=str(damaged))
 
 
 @pytest.fixture(scope="module")
