@@ -22,7 +22,8 @@
 # Writes to $OUT (6 files): levers.md (the table: steps, best validation bits/char and its step, the saved model's
 # bits/char as hf-cgpu eval scores it, the train/val gap, first evaluated step at or below TARGET_BPC), levers.json
 # (rows and curves), levers.png (validation bits/char by step), levers_minutes.png (plot_zh_curves.py: by minutes,
-# shared-GPU minutes), env.txt, logs.tgz.
+# shared-GPU minutes), env.txt, logs.tgz. EXTRA: flags for every run (the prep too), e.g. a smaller shape for a CPU
+# check of the preset's own flags on the real corpus.
 set -u
 if [ -z "${SMOKE:-}" ]; then
   source benchmarks/gpu_env.sh --gpu || exit 1
@@ -32,7 +33,7 @@ else
   source benchmarks/gpu_env.sh --cpu
   PRESET=${PRESET:-tiny} DATA=${DATA-} STEPS=${STEPS:-12} EVAL=${EVAL:-4} OVERHEAD=${OVERHEAD:-25}
 fi
-DEADLINE=${DEADLINE:-570} TARGET_BPC=${TARGET_BPC:-5.74} RESERVE=${RESERVE:-45}
+DEADLINE=${DEADLINE:-570} TARGET_BPC=${TARGET_BPC:-5.74} RESERVE=${RESERVE:-45}  # RESERVE > the 25 s of grace below
 export TOKENIZERS_PARALLELISM=true TARGET_BPC
 OUT=${OUT:-/tmp/levers_out}; W=/tmp/levers; rm -rf $W; mkdir -p "$OUT" $W/eval
 A1=${A1-base:} A2=${A2-noise:--input_noise 0.05} A3=${A3-swa:--ema_decay 0 --swa_start 0.7} A4=${A4-}
@@ -42,14 +43,15 @@ B4=${B4-}  # e.g. B4="kd_all:--teacher /tmp/levers/base --input_noise 0.05 --ema
 export A1 A2 A3 A4 B1 B2 B3 B4  # the table names each run's flags
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   python3 -c "import torch,transformers;print('torch',torch.__version__,'transformers',transformers.__version__)"
-  echo "PRESET=$PRESET STEPS=$STEPS EVAL=$EVAL DEADLINE=$DEADLINE"
+  echo "PRESET=$PRESET STEPS=$STEPS EVAL=$EVAL DEADLINE=$DEADLINE EXTRA=${EXTRA:-}"
   for v in A1 A2 A3 A4 B1 B2 B3 B4; do [ -n "${!v}" ] && echo "$v=${!v}"; done
 } > $OUT/env.txt 2>&1
 common=(--preset "$PRESET" ${DATA:+--dataset $DATA} --progress false --checkpointing_steps 0 --max_new_tokens 8
-        --max_steps "$STEPS" --fit_schedule_to_time false --eval_steps "$EVAL")
+        --max_steps "$STEPS" --fit_schedule_to_time false --eval_steps "$EVAL" ${EXTRA:-})
 # the tokenizer and the packed tokens once (the runs below find both in $HF_CGPU_CACHE), without compiling
 timeout 200 python3 recipes/train_gpt.py "${common[@]}" --output_dir $W/prep --max_steps 1 --max_minutes 0 \
-  --compile false --eval_steps 0 --load_best_at_end false > $W/prep.log 2>&1 || { tail -5 $W/prep.log; exit 1; }
+  --compile false --eval_steps 0 --load_best_at_end false --early_stopping_patience 0 > $W/prep.log 2>&1 \
+  || { tail -5 $W/prep.log; exit 1; }
 rm -rf $W/prep
 echo "prep done at ${SECONDS}s" >> $OUT/env.txt
 
@@ -75,8 +77,8 @@ phase() {  # phase LABEL VARS...: its runs at once, each stopped by the minutes 
     local name=${!v%%:*} flags=${!v#*:}
     names+=("$name")
     # shellcheck disable=SC2086  # the flags are split on purpose
-    timeout "$budget" python3 recipes/train_gpt.py "${common[@]}" --output_dir $W/$name --max_minutes "$minutes" \
-      $flags > $W/$name.log 2>&1 &
+    timeout $(( budget + 25 )) python3 recipes/train_gpt.py "${common[@]}" --output_dir $W/$name \
+      --max_minutes "$minutes" $flags > $W/$name.log 2>&1 &
     pids+=($!)
   done
   wait "${pids[@]}"
