@@ -97,6 +97,12 @@ class TrainSettings:
     """Linear warmup steps from 0 to learning_rate."""
     weight_decay: float = field(default=0.1, metadata=FIXED)
     """AdamW weight decay, applied to >=2-D weights only (not norms, biases, 1-D tensors)."""
+    weight_decay_end: float = field(default=1.0, metadata=FIXED)
+    """Weight-decay schedule: every group's weight decay (Muon's --muon_weight_decay too) is held at its value until
+    --weight_decay_hold of the schedule's steps, then moves linearly to this multiple of it at the schedule's end
+    (1 = constant, off; 0 = decayed away; 2 = ramped up to twice)."""
+    weight_decay_hold: float = field(default=0.0, metadata=FIXED)
+    """Fraction of the schedule's steps before --weight_decay_end starts moving the weight decay, in [0, 1)."""
     embedding_learning_rate: float = field(default=0.0, metadata=FIXED)
     """Peak learning rate of the input embedding tables (token table when untied from the head, learned positions,
     value embeddings), on the same schedule; their per-step weight decay stays what --weight_decay gives at
@@ -178,6 +184,10 @@ class TrainSettings:
     """Exponential moving average of the weights (0 = off); the image recipe uses 0.9999-ish. Warm-up
     min(decay, (1 + step) / (10 + step)): the decay itself applies from step (10 decay - 1) / (1 - decay) on
     (0.999: 8,990); a run that ends before says so where --ema_decay was given on the command line."""
+    swa_start: float = field(default=0.0, metadata=FIXED)
+    """Weight averaging (SWA): from this fraction of the schedule's steps on, every step's weights enter a running
+    average with equal weight, and that average is what is evaluated, kept as the best weights and saved, as
+    --ema_decay's average is; before it, evaluation sees the live weights. 0 = off; e.g. 0.7. Not with --ema_decay."""
     nan_patience: int = 5
     """Non-finite losses/gradient norms in a row before the run stops (each one skips its optimizer step)."""
     spike_factor: float = 10.0
@@ -220,6 +230,16 @@ class TrainSettings:
         if not 0 <= self.ema_decay < 1:
             raise SettingsError(f"ema_decay={self.ema_decay!r}; use 0 (off) or a decay in (0, 1), "
                                 "e.g. --ema_decay 0.999")
+        if self.weight_decay_end < 0 or not 0 <= self.weight_decay_hold < 1:
+            raise SettingsError(f"--weight_decay_end {self.weight_decay_end} / --weight_decay_hold "
+                                f"{self.weight_decay_hold}; use a multiple >= 0 (1 = constant) and a fraction in "
+                                "[0, 1)")
+        if not 0 <= self.swa_start < 1:
+            raise SettingsError(f"--swa_start {self.swa_start}; use a fraction of the steps in [0, 1), e.g. 0.7 "
+                                "(0 = off)")
+        if self.swa_start and self.ema_decay:
+            raise SettingsError("--swa_start and --ema_decay both average the weights; keep one: add --ema_decay 0 "
+                                "(or drop --swa_start)")
         if self.early_stopping_patience < 0 or self.eval_batches < 0:
             raise SettingsError("early_stopping_patience and eval_batches must be >= 0")
         if self.fit_schedule_to_time and self.max_minutes <= 0:

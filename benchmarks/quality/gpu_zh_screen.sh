@@ -34,7 +34,8 @@ OUT=${OUT:-/tmp/screen_out}; W=/tmp/screen; rm -rf $W; mkdir -p "$OUT" $W
 common=(--preset "$PRESET" ${DATA:+--dataset $DATA} --progress false --checkpointing_steps 0 --max_new_tokens 8)
 # the tokenizer and the packed tokens once (the runs below find both in $HF_CGPU_CACHE), without compiling
 timeout 240 python3 recipes/train_gpt.py "${common[@]}" --output_dir $W/prep --max_steps 1 --max_minutes 0 \
-  --fit_schedule_to_time false --compile false --eval_steps 0 --load_best_at_end false > $W/prep.log 2>&1 || { tail -5 $W/prep.log; exit 1; }
+  --fit_schedule_to_time false --compile false --eval_steps 0 --load_best_at_end false --early_stopping_patience 0 \
+  > $W/prep.log 2>&1 || { tail -5 $W/prep.log; exit 1; }
 names=()
 skipped=""
 for i in 1 2 3 4 5 6 7 8; do

@@ -87,4 +87,12 @@ def document_position_ids(ids: torch.Tensor, eos: int) -> torch.Tensor:
     return positions(ids == eos)
 
 
-__all__ = ["WindowOrder", "document_position_ids", "eval_windows"]
+def replace_tokens(ids: torch.Tensor, probability: float, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
+    """``ids`` with each token replaced, with ``probability``, by one drawn uniformly from ``range(vocab_size)`` (a
+    new tensor; the draws from ``generator``, on ``ids``' device)."""
+    hit = torch.rand(ids.shape, device=ids.device, generator=generator) < probability
+    noise = torch.randint(0, vocab_size, ids.shape, device=ids.device, generator=generator, dtype=ids.dtype)
+    return torch.where(hit, noise, ids)
+
+
+__all__ = ["WindowOrder", "document_position_ids", "eval_windows", "replace_tokens"]

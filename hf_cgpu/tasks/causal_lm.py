@@ -15,6 +15,7 @@ from ..data.corpus import load_text_dataset
 from ..data.packing import pack_dataset, source_fingerprint
 from ..data.tokenizer import (cached_tokenizer, check_vocab, load_tokenizer, save_tokenizer, tokenizer_hash,
                               tokenizer_made_from, tokenizer_problem, train_tokenizer)
+from ..data.windows import document_position_ids, replace_tokens
 from ..errors import CheckpointError, DataError, SettingsError
 from ..evaluation.text import cgpt_target_loss
 from ..generate import continue_texts
@@ -23,10 +24,12 @@ from ..models.cgpt.configuration_cgpt import CgptConfig
 from ..models.cgpt.modeling_cgpt import CgptForCausalLM
 from ..settings import TrainSettings
 from ..train import TaskPlan
+from ..train.parallel import is_sharded
 from ..train.schedule import calibration_step
 from .auto import resolve as resolve_auto
 from .packed import PackedTokensTask
 from .settings import GPTSettings
+from .teachers import Distiller
 
 
 def cgpt_run_shape(config: CgptConfig, name: str = "") -> RunShape:
@@ -146,6 +149,7 @@ class CausalLMTask(PackedTokensTask):
         self.cfg = cfg
         self.tokenizer = None
         self.data_order = cfg.data_order
+        self.distiller: Distiller | None = None
 
     # ---- data and model
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
@@ -183,6 +187,17 @@ class CausalLMTask(PackedTokensTask):
         for line in epoch_plan(settings, cfg.seq_len, self.train_data.n_tokens, num_params,
                                accelerator.num_processes, cfg.dropout, cfg.auto):
             accelerator.print(line)
+        if cfg.input_noise:
+            accelerator.print(f"input noise: {cfg.input_noise:.0%} of the training inputs replaced by uniform random "
+                              "tokens, the targets kept")
+        if cfg.teachers:
+            if is_sharded(accelerator):
+                raise SettingsError("--teacher reads the student's LM head beside its forward, and FSDP2 shards it: "
+                                    "distill on one GPU, or on several without FSDP (data parallel)")
+            self.distiller = Distiller(cfg.teachers, self.tokenizer, config.vocab_size, accelerator.device,
+                                       cfg.distill_weight, cfg.distill_temperature, accelerator.autocast,
+                                       compile=settings.compile and accelerator.device.type == "cuda")
+            accelerator.print(self.distiller.describe())
         return TaskPlan(model, expected_initial_loss=math.log(vocab), shape=cgpt_run_shape(config), settings=chosen)
 
     def _auto(self, settings: TrainSettings, accelerator, vocab: int):
@@ -223,6 +238,21 @@ class CausalLMTask(PackedTokensTask):
         eos = self.tokenizer.eos_token_id if self.cfg.document_masking else None
         return cgpt_target_loss(model, inputs, targets, eos)
 
+    def loss(self, model, batch, generator) -> torch.Tensor:
+        """The training loss: the plain one, or with ``input_noise`` (inputs replaced, targets and document positions
+        those of the true text) and ``--teacher`` (distillation)."""
+        if not (self.cfg.input_noise or self.distiller):
+            return super().loss(model, batch, generator)
+        block = batch["input_ids"]  # (B, S + 1): position t predicts token t + 1
+        inputs, targets = block[:, :-1], block[:, 1:]
+        positions = document_position_ids(inputs, self.tokenizer.eos_token_id) if self.cfg.document_masking else None
+        if self.cfg.input_noise:
+            inputs = replace_tokens(inputs, self.cfg.input_noise, len(self.tokenizer), generator)
+        if self.distiller is not None:
+            return self.distiller.loss(model, inputs, positions, targets)
+        return model(input_ids=inputs, position_ids=positions, shift_labels=targets, use_cache=False,
+                     return_logits=False).loss
+
     def save_pretrained(self, model, output_dir: Path) -> None:
         model.save_pretrained(str(output_dir))
         self.tokenizer.save_pretrained(str(output_dir))
@@ -238,7 +268,8 @@ class CausalLMTask(PackedTokensTask):
     def data_fingerprint(self) -> dict[str, Any]:
         """The tokenizer's content and the packed data's content (not the path it was read from)."""
         return {"tokenizer": tokenizer_hash(self.tokenizer), "train_data": self.train_data.content_hash,
-                "validation_data": self.val_data.content_hash}
+                "validation_data": self.val_data.content_hash,
+                **(self.distiller.fingerprint() if self.distiller is not None else {})}
 
     def sample_prompts(self) -> list[str]:
         if self.cfg.prompts:

@@ -59,6 +59,22 @@ class GPTSettings(CgptOptions):
     """'|'-separated prompts continued at the end of training (empty = taken from validation text)."""
     max_new_tokens: int = 60
     """Tokens generated per prompt at the end of training."""
+    input_noise: float = field(default=0.0, metadata=FIXED)
+    """Input token replacement: in training, each input token is replaced with this probability by a token drawn
+    uniformly from the vocabulary, while the targets stay the true next tokens (0 = off; 0.05-0.1 for many epochs of
+    a small corpus). Drawn from each micro-batch's seed (exact resume); the positions of --document_masking are those
+    of the true text; validation and generation see the text as it is."""
+    teacher: str = field(default="", metadata=FIXED)
+    """Knowledge distillation from saved GPT runs of hf_cgpu (an output_dir or its best/), comma-separated for an
+    ensemble (their probabilities averaged): the loss is (1 - distill_weight) x cross-entropy + distill_weight x T^2 x
+    KL(teacher || student) at temperature T, the teachers' logits computed on the fly under no_grad (bf16 on CUDA) one
+    loss chunk at a time. A teacher needs this run's tokenizer (train it on the same corpus, or pass its tokenizer
+    with --tokenizer); its folder's manifest is checked as hf-cgpu verify does; empty = off."""
+    distill_weight: float = field(default=0.5, metadata=FIXED)
+    """Share of the distillation term in the loss (--teacher), in (0, 1]."""
+    distill_temperature: float = field(default=1.0, metadata=FIXED)
+    """Temperature T of the teachers' and the student's softmax in the distillation term (--teacher); the term is
+    scaled by T^2 so that its gradients keep their size."""
     auto: bool = False
     """Choose the model shape, dropout, weight decay and schedule (warm-up, the cosine fitted to the minutes) from
     the training split's token count and --max_minutes by one rule (hf_cgpu/budget/auto.py), as preset values: a
@@ -81,6 +97,17 @@ class GPTSettings(CgptOptions):
             raise SettingsError("seq_len must be at least 2")
         check_choice("data_order", self.data_order, DATA_ORDERS)
         check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+        if not 0 <= self.input_noise < 1:
+            raise SettingsError(f"--input_noise {self.input_noise}; use a probability in [0, 1), e.g. 0.05 (0 = off)")
+        if not 0 < self.distill_weight <= 1 or self.distill_temperature <= 0:
+            raise SettingsError(f"--distill_weight {self.distill_weight} / --distill_temperature "
+                                f"{self.distill_temperature}; use a weight in (0, 1] and a temperature > 0, e.g. 0.5 "
+                                "and 1")
+
+    @property
+    def teachers(self) -> list[str]:
+        """The --teacher folders."""
+        return [t.strip() for t in self.teacher.split(",") if t.strip()]
 
     def model_config_kwargs(self, vocab_size: int, eos_token_id: int) -> dict[str, Any]:
         """The ``CgptConfig`` arguments of this run: its architecture options, the tokenizer's vocabulary and end of

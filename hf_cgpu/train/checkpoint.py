@@ -48,7 +48,7 @@ from ..errors import CheckpointError, IntegrityError, UserError
 from ..integrity import MANIFEST, as_disk_error, build_manifest, fsync_dir, fsync_file, verify_folder, write_manifest
 from .fingerprint import difference, with_new_settings
 from .parallel import gather_list, is_sharded, local
-from .schedule import lr_at
+from .schedule import lr_at, weight_decay_factor
 
 TRAINER_STATE = "trainer_state.json"
 HISTORY = "history.json"
@@ -239,6 +239,10 @@ class TrainState:
     def lr(self, step: int, settings: Any) -> float:
         """The learning rate of ``step`` on this run's schedule (its fitted length and warmup, if fixed)."""
         return lr_at(step, settings, self.last_step(settings), self.schedule_warmup or None)
+
+    def weight_decay_factor(self, step: int, settings: Any) -> float:
+        """The multiple of the weight decay at ``step`` on this run's schedule (``--weight_decay_end``)."""
+        return weight_decay_factor(step, settings, self.last_step(settings))
 
     @property
     def effective_batch(self) -> int:

@@ -1,8 +1,10 @@
-"""Exponential moving average of the trainable weights, and the one way to put them in place."""
+"""Averages of the trainable weights (an exponential moving one, ``EMA``; an equal-weight one from a step on, ``SWA``),
+and the one way to put them in place."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -81,6 +83,30 @@ class EMA:
                 t.to_local().copy_(distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local())
             else:
                 t.copy_(loaded[n])
+
+
+class SWA(EMA):
+    """Stochastic weight averaging as an ``EMA`` whose decay counts the steps: from step ``start`` on, the shadow is
+    the mean of the weights of every step since (decay ``n / (n + 1)`` at the ``n``-th step after ``start``); before
+    it, decay 0, so the shadow is the weights themselves and everything that reads the EMA (evaluation, the best
+    weights, the saved model, checkpoints) reads the live weights until the average starts."""
+
+    def __init__(self, model: torch.nn.Module, fraction: float, last_step: Callable[[], int]):
+        super().__init__(model, 0.0)
+        self.fraction, self.last_step = fraction, last_step
+
+    @property
+    def start(self) -> int:
+        """The first step of the average: ``fraction`` of the schedule's length (``--fit_schedule_to_time`` fixes
+        it early, long before the average starts)."""
+        return int(self.fraction * self.last_step())
+
+    def decay_at(self, step: int) -> float:
+        n = step - self.start
+        return n / (n + 1) if n > 0 else 0.0
+
+    def warmup_note(self, max_steps: int) -> str | None:
+        return None
 
 
 @contextmanager

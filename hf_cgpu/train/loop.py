@@ -34,7 +34,7 @@ from ..options import CUDA_GRAPH_MODES
 from .artifacts import against_base, final_results, save_run
 from .checkpoint import Checkpointer, TrainState, list_checkpoints, nonfinite_tensors
 from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
-from .ema import ema_weights
+from .ema import SWA, ema_weights
 from .fingerprint import run_fingerprint
 from .forecast import Forecast, forecast
 from .metrics import Metrics, peak_memory
@@ -138,6 +138,11 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     fingerprint = run_fingerprint(run.model_config, task.data_fingerprint(), *settings_of_run)
     fresh = TrainState.start(s, fingerprint, acc.num_processes)
     state = checkpointer.resume(s.resume_from_checkpoint, fresh, settings_of_run)
+    if isinstance(ema, SWA):  # the average starts at its fraction of the schedule this run trains (fitted or not)
+        ema.last_step = lambda: state.last_step(s)
+        fitted = " of the schedule once it is fitted" if s.fit_schedule_to_time else ""
+        acc.print(f"swa: the weights of every step from step {ema.start:,} of {state.last_step(s):,} averaged "
+                  f"(--swa_start {s.swa_start:g}{fitted}); evaluated, kept and saved in place of the live weights")
     if threads := state.use_cpu_threads(acc.device):
         metrics.write(threads)
     order = task.sample_order(s.seed)
@@ -183,7 +188,7 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
     try:
         while state.step < state.last_step(s):
             step, lr = state.step, state.lr(state.step, s)
-            set_lr(optimizer, lr)
+            set_lr(optimizer, lr, state.weight_decay_factor(step, s))
             try:
                 result = stepper.run(step, state.micro_batch_size, state.gradient_accumulation_steps)
             except torch.cuda.OutOfMemoryError:

@@ -24,7 +24,7 @@ from ..paths import cache_dir
 from ..settings import TrainSettings
 from ..tiers import apply_tiers
 from .compiled import RecompileWatch, use_compile_cache
-from .ema import EMA
+from .ema import EMA, SWA
 from .fingerprint import saved_config
 from .outdir import RunLock, check_free_space, checkpoint_bytes, claim, entries, undo_start
 from .parallel import kind, make_accelerator, template_of
@@ -184,6 +184,8 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     optimizer = build_optimizer(model, s)
     model, optimizer = accelerator.prepare(model, optimizer)
     ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
+    if s.swa_start:  # the schedule's length is the run state's (``_fit`` points it there)
+        ema = SWA(accelerator.unwrap_model(model), s.swa_start, lambda: s.max_steps)
     typed = "ema_decay" in s.given_flags.split(",")  # a preset's decay is its author's choice: no note for it
     if ema is not None and typed and (note := ema.warmup_note(s.max_steps)):
         accelerator.print(note)

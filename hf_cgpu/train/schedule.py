@@ -27,6 +27,17 @@ def lr_at(step: int, s, total: int = 0, warmup: int | None = None) -> float:
     return floor + 0.5 * (s.learning_rate - floor) * (1 + math.cos(math.pi * progress))
 
 
+def weight_decay_factor(step: int, s, total: int = 0) -> float:
+    """The multiple of every group's weight decay at ``step``: 1 until ``weight_decay_hold`` of the ``total`` steps
+    (0: ``max_steps``), then linear to ``weight_decay_end`` at ``total``."""
+    if s.weight_decay_end == 1.0:
+        return 1.0
+    total = total or s.max_steps
+    hold = s.weight_decay_hold * total
+    progress = min(1.0, max(0.0, (step - hold) / max(1.0, total - hold)))
+    return 1.0 + (s.weight_decay_end - 1.0) * progress
+
+
 def calibration_step(s) -> int:
     """The step at which ``--fit_schedule_to_time`` fixes the schedule: the end of warmup (the steps before it do not
     depend on the length), after the first evaluation (so its cost is in the timing) and at least 10 steps in."""
@@ -107,10 +118,15 @@ def _share(accelerator, value):
     return broadcast_object_list([value])[0]
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Every group gets ``lr``; a group with ``lr_scale`` (Muon's: its peak over ``learning_rate``) that multiple."""
+def set_lr(optimizer: torch.optim.Optimizer, lr: float, weight_decay_factor: float = 1.0) -> None:
+    """Every group gets ``lr``; a group with ``lr_scale`` (Muon's: its peak over ``learning_rate``) that multiple.
+    ``weight_decay_factor`` other than 1 scales each group's weight decay as the optimizer was built with it (kept in
+    the group, so a checkpoint's optimizer state carries it)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
+        if weight_decay_factor != 1.0 or "initial_weight_decay" in group:
+            base = group.setdefault("initial_weight_decay", group["weight_decay"])
+            group["weight_decay"] = base * weight_decay_factor
 
 
 def step_seed(seed: int, step: int) -> int:
