@@ -44,7 +44,10 @@ class PackedTokensTask(Task):
         return self.target_loss(model, block[:, :-1], targets[:, 1:], **extra)
 
     def eval_micro_batches(self, settings) -> float:
-        windows = len(self.val_data)
+        val = getattr(self, "val_data", None)  # a fine-tuning run may hold out nothing
+        if val is None:
+            return 0.0
+        windows = len(val)
         return min(windows, settings.eval_batches * settings.micro_batch_size or windows) / settings.micro_batch_size
 
     def evaluate(self, model, settings, device) -> dict[str, float]:
