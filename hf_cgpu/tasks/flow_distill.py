@@ -154,8 +154,9 @@ class FlowDistillTask(FlowMatchingTask):
     def discriminator(self, config, accelerator) -> tuple:
         """Trainable heads on the frozen teacher encoder's features, and their optimizer."""
         cfg, device = self.cfg, accelerator.device
-        torch.manual_seed(0)  # the heads' initial weights: the same in a run and in its resume
-        self.disc = FeatureHeads(unet_feature_channels(config), cfg.disc_width).to(device)
+        with torch.random.fork_rng(devices=[]):  # the heads' initial weights, the same in every run
+            torch.manual_seed(0)
+            self.disc = FeatureHeads(unet_feature_channels(config), cfg.disc_width).to(device)
         self.disc_optimizer = torch.optim.Adam(self.disc.parameters(), lr=cfg.disc_lr, betas=(0.0, 0.99),
                                                fused=device.type == "cuda")
         return self.disc, self.disc_optimizer
