@@ -157,8 +157,16 @@ def test_bad_teacher_is_one_line_and_exit_2(runs, synthetic_data, tmp_path, caps
         assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_loads_through_diffusers_without_hf_cgpu(runs, tmp_path):
-    folder = runs / "student"
+@pytest.mark.parametrize("run", ["student", "gan"])
+def test_loads_through_diffusers_without_hf_cgpu(run, request, tmp_path):
+    """The distilled folder, and the adversarial stage's (its discriminator stays in the checkpoints): plain diffusers
+    samples them as hf_cgpu does."""
+    folder = request.getfixturevalue("runs") / run
+    if run == "gan":
+        request.getfixturevalue("gan")
+        assert not [p for p in folder.iterdir() if p.name.endswith(".safetensors")]
+        assert sorted(p.name for p in (folder / "unet").iterdir() if p.suffix == ".safetensors") == [
+            "diffusion_pytorch_model.safetensors"]
     local = FlowMatchPipeline.from_pretrained(folder)
     local.set_progress_bar_config(disable=True)
     expected = local(class_labels=[0, 1], generator=torch.Generator().manual_seed(42), output_type="np").images
