@@ -173,16 +173,12 @@ class FlowDistillTask(FlowMatchingTask):
     def loss(self, model, batch, generator) -> torch.Tensor:
         """The shortcut term, plus the adversarial one: the discriminator is stepped first on this batch's real
         images and the student's samples (detached), then the student's GAN loss goes through the frozen critic."""
-        def student(x, t, d, labels):
-            return model(x, t, labels, step_size=d).sample
-
         cfg, x1, labels = self.cfg, batch["x1"], batch.get("labels")
         total = torch.zeros((), device=x1.device)
         if cfg.distill_weight > 0:
-            t_flow = self.matcher.sample_time(self.objective.flow_rows(x1.shape[0]), x1.device, generator)
-            shortcut = self.objective.loss(student, self.teacher_fn, x1, t_flow, generator, labels)
-            total = total + cfg.distill_weight * shortcut
-        if cfg.adversarial_weight > 0 and torch.is_grad_enabled():
+            total = total + cfg.distill_weight * self.shortcut_loss(model, batch, generator)
+        if cfg.adversarial_weight > 0:
+            student = _student(model)
             x0 = torch.empty_like(x1).normal_(generator=generator)
             fake = sample_in_steps(student, x0, row_steps(len(x0), cfg.adversarial_step_counts, x0.device), labels)
             critic = self.critic(generator)
@@ -198,9 +194,16 @@ class FlowDistillTask(FlowMatchingTask):
                 self.disc.requires_grad_(True)
         return total
 
+    def shortcut_loss(self, model, batch, generator) -> torch.Tensor:
+        """The shortcut objective of ``batch`` against the guided teacher."""
+        x1 = batch["x1"]
+        t_flow = self.matcher.sample_time(self.objective.flow_rows(x1.shape[0]), x1.device, generator)
+        return self.objective.loss(_student(model), self.teacher_fn, x1, t_flow, generator, batch.get("labels"))
+
     @torch.no_grad()
     def evaluate(self, model, settings, device) -> dict[str, float]:
-        """The objective on held-out images with fixed noise, times and step sizes (comparable across steps)."""
+        """The shortcut objective on held-out images with fixed noise, times and step sizes (comparable across steps;
+        the adversarial term, a game against a moving critic, is left out), and the judge's figures."""
         gen = torch.Generator(device=device).manual_seed(1234)
         n, bs, total = len(self.val_images), settings.micro_batch_size, 0.0
         for start in range(0, n, bs):
@@ -208,8 +211,26 @@ class FlowDistillTask(FlowMatchingTask):
             x1 = x1.contiguous(memory_format=torch.channels_last)
             labels = self.val_labels[start : start + bs] if self.val_labels is not None else None
             if len(x1) > 1:
-                total += self.loss(model, {"x1": x1, "labels": labels}, gen).item() * len(x1)
-        return {"val_loss": total / n, **(self.judged(model, settings.micro_batch_size, device) if self.judge else {})}
+                total += self.shortcut_loss(model, {"x1": x1, "labels": labels}, gen).item() * len(x1)
+        figures = {"val_loss": total / n}
+        if self.cfg.adversarial_weight > 0:
+            figures["critic_gap"] = self.critic_gap(model, settings.micro_batch_size, device)
+        if self.judge is not None:
+            figures.update(self.judged(model, settings.micro_batch_size, device))
+        return figures
+
+    @torch.no_grad()
+    def critic_gap(self, model, batch_size: int, device) -> float:
+        """Mean critic score of held-out real images minus that of the student's samples of them (fixed noise, the
+        adversarial step counts): near 0 the critic no longer tells them apart, large it wins."""
+        gen = torch.Generator(device=device).manual_seed(1234)
+        x1 = (self.val_images[:batch_size].float() / 127.5 - 1.0).contiguous(memory_format=torch.channels_last)
+        labels = self.val_labels[:batch_size] if self.val_labels is not None else None
+        x0 = torch.empty_like(x1).normal_(generator=gen)
+        fake = sample_in_steps(_student(model), x0, row_steps(len(x0), self.cfg.adversarial_step_counts, device),
+                               labels)
+        critic = self.critic(gen)
+        return (critic(x1, labels).float().mean() - critic(fake, labels).float().mean()).item()
 
     @torch.no_grad()
     def judged(self, model, batch_size: int, device) -> dict[str, float]:
@@ -238,6 +259,11 @@ class FlowDistillTask(FlowMatchingTask):
         return {**super().on_saved(model, output_dir, log), "teacher": self.cfg.teacher,
                 "teacher_guidance_scale": scale, "teacher_guidance_interval": format_interval(interval),
                 **({"teacher_guidance_model": self.guide_name} if self.guide_name else {})}
+
+
+def _student(model):
+    """student(x, t, d, labels): the model's average velocity over the step d it is told."""
+    return lambda x, t, d, labels: model(x, t, labels, step_size=d).sample
 
 
 def teacher_weights(folder: str, component: str = "unet") -> Path:
