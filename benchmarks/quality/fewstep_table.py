@@ -142,7 +142,8 @@ def main() -> None:
     p.add_argument("--dataset", required=True)
     p.add_argument("--base", required=True, help="the flow run (EMA weights as saved)")
     p.add_argument("--distilled", default="", help="the flow-distill run")
-    p.add_argument("--gan", default="", help="its adversarial stage (flow-distill --init_student ... --adversarial_weight)")
+    p.add_argument("--gan", default="",
+                   help="its adversarial stage (flow-distill --init_student ... --adversarial_weight)")
     p.add_argument("--seed_eval", default="")
     p.add_argument("--work", required=True, help="where finished rows are kept between calls")
     p.add_argument("--out", required=True)

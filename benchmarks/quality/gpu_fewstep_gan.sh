@@ -76,7 +76,10 @@ mkdir -p "$W" "$OUT"
   python3 -c "from hf_cgpu.data.images import load_image_dataset as f; [f('$DATA', s) for s in ('train', 'test')]"
 } >> "$OUT/timeline.txt" 2>&1
 mark "decoded"
-run_log() { local log=$1; shift; echo "== $(date -u +%T) $*" >> "$log"; "$@" >> "$log" 2>&1; echo "== rc $?" >> "$log"; }
+run_log() {  # run_log LOG COMMAND...: the command's output and exit status appended to LOG
+  local log=$1; shift
+  echo "== $(date -u +%T) $*" >> "$log"; "$@" >> "$log" 2>&1; echo "== rc $?" >> "$log"
+}
 
 part1() {
   rm -rf $R/clf $R/seed "$W" && mkdir -p "$W"

@@ -112,9 +112,9 @@ class FlowDistillTask(FlowMatchingTask):
         """The real images must be the teacher's: its resolution, and its classes where it is class-conditional."""
         size, classes = self.images.shape[-1], config.num_classes
         if size != config.sample_size or self.images.shape[1] != config.in_channels:
+            want = f"{config.in_channels}x{config.sample_size}x{config.sample_size}"
             raise SettingsError(f"--dataset {self.cfg.dataset} holds {self.images.shape[1]}x{size}x{size} images, the "
-                                f"teacher was trained on {config.in_channels}x{config.sample_size}x{config.sample_size}:"
-                                " pass the teacher's training set")
+                                f"teacher was trained on {want}: pass the teacher's training set")
         if classes is not None:
             found = len(self.class_names) if self.class_names else int(self.labels.max()) + 1
             if found != classes:

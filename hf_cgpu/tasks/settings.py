@@ -192,8 +192,8 @@ class FlowDistillSettings:
     distill_weight: float = field(default=1.0, metadata=FIXED)
     """Weight of the shortcut (regression to the teacher) term; 0 = the adversarial term alone."""
     adversarial_weight: float = field(default=0.0, metadata=FIXED)
-    """Weight of a GAN term on the student's 1- and 2-step samples against REAL training images (hf_cgpu/flow/
-    adversarial.py): small trainable heads on the frozen teacher encoder's features judge them, trained with their own
+    """Weight of a GAN term on the student's 1- and 2-step samples against REAL training images
+    (``hf_cgpu.flow.adversarial``): small trainable heads on the frozen teacher encoder's features judge them, trained with their own
     optimizer inside each step and checkpointed with the run; 0 = none (no discriminator)."""
     disc_lr: float = field(default=2e-4, metadata=FIXED)
     """Learning rate of the discriminator heads (Adam, betas 0 and 0.99, constant)."""
