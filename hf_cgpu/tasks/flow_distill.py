@@ -98,13 +98,13 @@ class FlowDistillTask(FlowMatchingTask):
         by = f" by {self.guide_name}" if self.guide_name else ""
         accelerator.print(f"distilling {cfg.teacher} (guidance {scale:g}{by}, t in {format_interval(interval)}) into "
                           f"{cfg.sample_steps}-step Euler; {len(self.images):,} training images")
-        # the teacher's guided forward (2 rows) on every row, the student's two half steps on a quarter: ~4x a step's
-        # forward FLOPs on top of the student's own forward and backward
         if companions:
             accelerator.print(f"adversarial stage: weight {cfg.adversarial_weight:g} on {cfg.adversarial_steps}-step "
                               f"samples against real images, discriminator heads of "
                               f"{sum(p.numel() for p in companions[0].parameters()):,} parameters on the teacher's "
                               f"encoder at t = {cfg.disc_time:g}; shortcut term weight {cfg.distill_weight:g}")
+        # the teacher's guided forward (2 rows) on every row, the student's two half steps on a quarter: ~4x a step's
+        # forward FLOPs on top of the student's own forward and backward (the adversarial term's calls not counted)
         return TaskPlan(student, eval_steps=self.eval_steps(settings, accelerator), flops_per_unit=flops,
                         companions=companions)
 
