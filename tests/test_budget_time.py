@@ -134,6 +134,9 @@ def test_the_image_tasks_have_a_budget_answer():
     assert "this run         39,000 steps x 256 images" in text
     for task in ("flow-distill", "classifier"):
         assert "images/s per GPU" in run(["--task", task, "--preset", "cifar10"])
+    assert "adversarial term" not in run(["--task", "flow-distill", "--preset", "cifar10"])
+    gan = run(["--task", "flow-distill", "--preset", "cifar10-gan"])  # what the ledger leaves out is said
+    assert "images/s per GPU" in gan and "note: the adversarial term (--adversarial_weight) is not priced" in gan
     with pytest.raises(SettingsError, match="^--task 'dpo': the ledger prices gpt, lora, flow"):
         run(["--task", "dpo"])
 

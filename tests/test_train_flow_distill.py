@@ -161,8 +161,16 @@ def test_bad_teacher_is_one_line_and_exit_2(runs, synthetic_data, tmp_path, caps
         assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_loads_through_diffusers_without_hf_cgpu(runs, tmp_path):
-    folder = runs / "student"
+@pytest.mark.parametrize("run", ["student", "gan"])
+def test_loads_through_diffusers_without_hf_cgpu(run, request, tmp_path):
+    """The distilled folder, and the adversarial stage's (its discriminator stays in the checkpoints): plain diffusers
+    samples them as hf_cgpu does."""
+    folder = request.getfixturevalue("runs") / run
+    if run == "gan":
+        request.getfixturevalue("gan")
+        assert not [p for p in folder.iterdir() if p.name.endswith(".safetensors")]
+        assert sorted(p.name for p in (folder / "unet").iterdir() if p.suffix == ".safetensors") == [
+            "diffusion_pytorch_model.safetensors"]
     local = FlowMatchPipeline.from_pretrained(folder)
     local.set_progress_bar_config(disable=True)
     expected = local(class_labels=[0, 1], generator=torch.Generator().manual_seed(42), output_type="np").images
@@ -251,3 +259,137 @@ def test_save_pipeline_never_overwrites_another_run(runs, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "training run" in err and len(err.strip().splitlines()) == 1, err
     assert unet.read_bytes() == before
+
+
+# ---------------------------------------------------------------------------------------------- the adversarial stage
+GAN = ["--adversarial_weight", "0.5", "--disc_width", "16"]
+
+
+@pytest.fixture(scope="module")
+def gan(runs, synthetic_data):
+    """The adversarial stage started from the distilled student: 12 steps, checkpoints at 6 and 12."""
+    _train("flow-distill", runs / "gan", "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data),
+           "--init_student", str(runs / "student"), *GAN)
+    return runs / "gan"
+
+
+def test_the_adversarial_stage_trains_a_discriminator_and_starts_from_the_student(gan, runs):
+    """The checkpoints hold the heads and their optimizer beside the student; the student moved from its start."""
+    results = json.loads((gan / "all_results.json").read_text())
+    assert results["steps"] == 12 and results["settings"]["adversarial_weight"] == 0.5
+    ckpt = list_checkpoints(gan)[0]
+    heads = load_file(str(ckpt / "model_1.safetensors"))
+    assert any(k.startswith("heads.2.") for k in heads) and (ckpt / "optimizer_1.bin").is_file()
+    assert any(not torch.equal(heads[k], v) for k, v in load_file(str(list_checkpoints(gan)[1] /
+                                                                      "model_1.safetensors")).items())
+    start = load_file(str(runs / "student" / "unet" / "diffusion_pytorch_model.safetensors"))
+    end = load_file(str(gan / "unet" / "diffusion_pytorch_model.safetensors"))
+    base = json.loads((gan / "all_results.json").read_text())["base_val_loss"]
+    assert base == json.loads((runs / "student" / "all_results.json").read_text())["val_loss"]  # its start
+    assert set(start) == set(end) and any(not torch.equal(start[k], end[k]) for k in start)
+
+
+def test_the_adversarial_stage_resumes_bit_identical(gan, runs, synthetic_data, tmp_path):
+    """Killed after step 6 and resumed: the discriminator's weights and moments come back, so every later loss and
+    the saved student are the uninterrupted run's, bit for bit."""
+    cut = tmp_path / "cut"
+    shutil.copytree(gan, cut)
+    for p in list_checkpoints(cut)[1:]:
+        shutil.rmtree(p)
+    for name in ("all_results.json", "history.json"):
+        (cut / name).unlink()
+    _train("flow-distill", cut, "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data),
+           "--init_student", str(runs / "student"), *GAN, "--resume_from_checkpoint", "latest")
+    a = {h["step"]: h["train/loss"] for h in json.loads((gan / "history.json").read_text()) if "train/loss" in h}
+    b = {h["step"]: h["train/loss"] for h in json.loads((cut / "history.json").read_text()) if "train/loss" in h}
+    assert sorted(b) == list(range(1, 13)) and all(a[k] == b[k] for k in b), (a, b)
+    for name in ("unet/diffusion_pytorch_model.safetensors", "checkpoints/step_0000012/model_1.safetensors"):
+        wa, wb = load_file(str(gan / name)), load_file(str(cut / name))
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), name
+
+
+def test_a_discriminator_checkpoint_that_does_not_fit_is_one_line(gan, runs, synthetic_data, tmp_path, capsys):
+    """Heads of another width in the checkpoint (sealed again, so only their shapes are wrong): refused in one line,
+    exit 2, and the run's folder is left as it was."""
+    cut = tmp_path / "cut"
+    shutil.copytree(gan, cut)
+    ckpt = list_checkpoints(cut)[-1]
+    heads = load_file(str(ckpt / "model_1.safetensors"))
+    save_file({k: torch.cat([v, v]) for k, v in heads.items()}, str(ckpt / "model_1.safetensors"))
+    update_manifest(ckpt, ["model_1.safetensors"])
+    before = sorted(str(p.relative_to(cut)) for p in cut.rglob("*"))
+    capsys.readouterr()
+    rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(cut), "--progress", "false",
+                   "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data), "--init_student",
+                   str(runs / "student"), *GAN, "--resume_from_checkpoint", "latest"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not fit" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(str(p.relative_to(cut)) for p in cut.rglob("*")) == before
+
+
+def test_bad_inputs_of_the_adversarial_stage_are_one_line(runs, synthetic_data, tmp_path, capsys):
+    """A student folder of another kind or shape, a teacher of another resolution than the real images, real images
+    of other classes, a judge of other classes: one line, exit 2, no output folder."""
+    import datasets
+    import numpy as np
+    from datasets import ClassLabel, Dataset, Features
+    from datasets import Image as ImageFeature
+    from PIL import Image
+
+    from hf_cgpu.evaluation.classifier import ClassifierConfig, CifarResNet, save_classifier
+
+    def folder(name, classes):
+        out = tmp_path / name
+        out.mkdir()
+        feats = Features({"img": ImageFeature(), "label": ClassLabel(names=[f"c{k}" for k in range(classes)])})
+        imgs = [Image.fromarray(np.full((32, 32, 3), 25 * k, np.uint8)) for k in range(classes)] * 2
+        for split in ("train", "test"):
+            Dataset.from_dict({"img": imgs, "label": list(range(classes)) * 2}, features=feats).to_parquet(
+                out / f"{split}.parquet")
+        return out
+
+    _train("flow", tmp_path / "wide", "--dataset", str(synthetic_data), "--base_channels", "16", "--max_steps", "1",
+           "--checkpointing_steps", "0", "--limit", "32")
+    _train("flow-distill", tmp_path / "wide_student", "--teacher", str(tmp_path / "wide"), "--dataset",
+           str(synthetic_data), "--max_steps", "1", "--checkpointing_steps", "0")
+    small = tmp_path / "small"  # a teacher of another resolution (its UNet config says 16 px, sealed again)
+    shutil.copytree(runs / "teacher", small)
+    config = small / "unet" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "sample_size": 16}))
+    update_manifest(small, ["unet/config.json"])
+    judge = tmp_path / "judge5"
+    save_classifier(CifarResNet(ClassifierConfig(num_classes=5, widths=[8, 8, 8, 8])), judge)
+    cases = [(["--init_student", str(runs / "teacher")], "not a distilled pipeline"),
+             (["--init_student", str(tmp_path / "wide_student")], "base_channels 16 vs 8"),
+             (["--teacher", str(small)], "3x32x32 images, the teacher was trained on 3x16x16"),
+             (["--dataset", str(folder("five", 5))], "5 classes, the teacher 10"),
+             (["--judge", str(judge)], "tells 5 classes apart")]
+    datasets.disable_progress_bars()  # the new parquet folder's first decode would draw a bar above the error
+    for extra, words in cases:
+        out = tmp_path / "x"
+        argv = ["--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data), *GAN, *extra]  # the last wins
+        capsys.readouterr()
+        rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(out), "--progress", "false",
+                       *argv])
+        err = capsys.readouterr().err
+        assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, (words, err)
+        assert not out.exists()
+    datasets.enable_progress_bars()
+
+
+def test_the_judge_reports_the_rarest_class_and_the_card_states_it(runs, synthetic_data, tmp_path):
+    """A judge that sees class 3 everywhere: the rarest class holds 0% of the samples, the asked class is found in a
+    tenth of them; both reach all_results.json, and the card says the rarest class's share."""
+    from hf_cgpu.evaluation.classifier import ClassifierConfig, CifarResNet, save_classifier
+
+    judge = CifarResNet(ClassifierConfig(widths=[8, 8, 8, 8]))
+    with torch.no_grad():
+        judge.head.weight.zero_()
+        judge.head.weight[3] = 1.0  # pooled ReLU features are >= 0: class 3 wins wherever any feature is on
+    save_classifier(judge, tmp_path / "judge")
+    _train("flow-distill", tmp_path / "d", "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data),
+           "--max_steps", "2", "--judge", str(tmp_path / "judge"), "--judge_images", "20")
+    results = json.loads((tmp_path / "d" / "all_results.json").read_text())
+    assert results["rarest_class_share"] == 0.0 and results["judged_label_accuracy"] == 0.1
+    card = " ".join((tmp_path / "d" / "README.md").read_text().split())
+    assert "rarest class holds 0.0% of 20 samples" in card, card

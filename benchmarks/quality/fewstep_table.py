@@ -1,4 +1,4 @@
-"""The few-step table of issue 35: FD / precision / recall / class balance by sampler x network evaluations x guidance
+"""The few-step table: FD / precision / recall / class balance by sampler x network evaluations x guidance
 setting, for a base flow pipeline and its distilled student, in one classifier's features (benchmarks/quality/
 gpu_fewstep.sh runs it; see there).
 
@@ -31,7 +31,7 @@ import torch
 
 from hf_cgpu.evaluation.classifier import load_classifier
 from hf_cgpu.evaluation.flow import (ImageEvalSettings, evaluate_pipeline, grid_name, load_pipeline, load_real_images,
-                                     real_reference)
+                                     real_reference, save_grid)
 from hf_cgpu.evaluation.images import (feature_statistics, frechet_distance, image_features, kth_neighbour_radii,
                                        precision_recall)
 from hf_cgpu.flow.samplers import evaluations_per_image, format_interval, parse_interval, steps_within
@@ -57,13 +57,17 @@ def _fits(e: int, sampler: str, w: float, interval) -> int | None:
 
 
 def plan(evaluations: list[int], scale: float, intervals: list, distilled: bool, ag_scales: tuple = (),
-         ag_base: tuple = (), ag_distilled: tuple = ()) -> list[tuple]:
+         ag_base: tuple = (), ag_distilled: tuple = (), gan: bool = False) -> list[tuple]:
     """(model, sampler, steps, scale, interval, guide) rows in the order they run (guide None: the null class, or no
-    guidance at scale 1): the distilled pipeline's rows at the fewest evaluations first and its autoguided ones, then
-    the base pipeline's at 10, 4, 20, 2, 1 evaluations, each followed by its autoguided rows."""
+    guidance at scale 1): the distilled pipeline's rows at the fewest evaluations first (and its adversarial stage's,
+    ``gan``) and its autoguided ones, then the base pipeline's at 10, 4, 20, 2, 1 evaluations, each followed by its
+    autoguided rows."""
     rows = []
     if distilled:
         rows += [("distilled", "euler", e, 1.0, None, None) for e in evaluations]
+    if gan:
+        rows += [("distilled_gan", "euler", e, 1.0, None, None) for e in evaluations]
+    if distilled:
         rows += [("distilled", "euler", steps, w, None, g) for e in ag_distilled for g in GUIDES for w in ag_scales
                  if (steps := _fits(e, "euler", w, None))]
     order = sorted(evaluations, key=lambda e: (e != 10, e != 4, e != 20, -e))
@@ -97,6 +101,16 @@ def ceiling(classifier, real: dict, s: ImageEvalSettings, k: int) -> dict:
             "precision": precision, "recall": recall, "num_images": len(feats)}
 
 
+def class_rows_grid(images, num_classes: int | None, path: Path, per_class: int = 10) -> Path:
+    """The first ``per_class`` images of each class (labels in turn, as ``generate_images`` draws them), one row per
+    class, so a reader sees each class's variety."""
+    if not num_classes:
+        return save_grid(images[: per_class * per_class], path, per_class)
+    order = [k + num_classes * j for k in range(num_classes) for j in range(per_class)
+             if k + num_classes * j < len(images)]
+    return save_grid(images[order], path, len(order) // num_classes)
+
+
 def write(rows: list[dict], seed: dict | None, out: Path) -> None:
     def cell(v):
         return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
@@ -128,6 +142,8 @@ def main() -> None:
     p.add_argument("--dataset", required=True)
     p.add_argument("--base", required=True, help="the flow run (EMA weights as saved)")
     p.add_argument("--distilled", default="", help="the flow-distill run")
+    p.add_argument("--gan", default="",
+                   help="its adversarial stage (flow-distill --init_student ... --adversarial_weight)")
     p.add_argument("--seed_eval", default="")
     p.add_argument("--work", required=True, help="where finished rows are kept between calls")
     p.add_argument("--out", required=True)
@@ -162,7 +178,8 @@ def main() -> None:
     seed = seed_row(a.seed_eval)
     done = {(r["model"], r["sampler"], r["steps"], r["guidance"], r.get("guide", "null class")) for r in rows}
     intervals = [parse_interval(i) for i in a.intervals.split(",") if i.strip()]
-    pipes = {"base": a.base, **({"distilled": a.distilled} if a.distilled else {})}
+    pipes = {"base": a.base, **({"distilled": a.distilled} if a.distilled else {}),
+             **({"distilled_gan": a.gan} if a.gan else {})}
     guides = {(m, "raw"): "raw" if weight_variants(Path(d))[0].get("raw") else None for m, d in pipes.items()}
     guides.update({(m, "early"): early_checkpoint(Path(d), a.early_fraction) for m, d in pipes.items()})
     loaded = {}
@@ -170,7 +187,8 @@ def main() -> None:
     ints = lambda text: tuple(int(e) for e in text.split(",") if e.strip())  # noqa: E731
     for model, sampler, steps, w, interval, g in plan(
             list(ints(a.evaluations)), a.guidance_scale, intervals, bool(a.distilled),
-            tuple(float(x) for x in a.ag_scales.split(",") if x.strip()), ints(a.ag_base), ints(a.ag_distilled)):
+            tuple(float(x) for x in a.ag_scales.split(",") if x.strip()), ints(a.ag_base), ints(a.ag_distilled),
+            bool(a.gan)):
         guidance = "none" if w == 1 else f"{w:g}, t in {format_interval(interval)}"
         spec = guides.get((model, g)) if g else ""
         guide = "-" if w == 1 else "null class" if not g else f"early ({spec.name})" if g == "early" and spec else g
@@ -186,8 +204,9 @@ def main() -> None:
             loaded[model, g] = load_pipeline(Path(pipes[model]), None, device, str(spec) if g else "none")
         name = grid_name(g or "saved", sampler, steps, w, interval)
         r = evaluate_pipeline(loaded[model, g], classifier, real, a.num_images, sampler, steps, w, a.batch_size,
-                              mixed_precision="auto", progress=False, guidance_interval=interval,
-                              grid_path=grids / f"{model}_{name}")
+                              mixed_precision="auto", progress=False, guidance_interval=interval, return_images=True)
+        r["grid"] = str(class_rows_grid(r.pop("images"), loaded[model, g].unet.config.num_classes,
+                                        grids / f"{model}_{name}"))
         row = {"model": model, "sampler": sampler, "steps": steps, "guidance": guidance, "guide": guide, **r}
         row["fd_vs_seed"] = row["fd"] / seed["fd"] if seed else None
         row["classes_within_30pct"] = balanced(r["class_histogram"])

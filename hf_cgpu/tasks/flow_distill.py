@@ -5,6 +5,12 @@ teacher), trained with the shortcut objective of ``hf_cgpu.flow.shortcut`` again
 guided velocity (its scale and interval), so the saved pipeline samples in 1 or 2 Euler steps with one network
 evaluation each. The data, the sample grids, the held-out figures and the saved folder are the flow task's: the
 result is an ordinary FlowMatchPipeline folder whose saved defaults are ``sample_steps`` Euler steps, no guidance.
+
+The adversarial stage (``--adversarial_weight``, ``--init_student``: ``hf_cgpu.flow.adversarial``) adds a GAN term
+on the student's 1- and 2-step samples against the real training images: the discriminator heads and their
+optimizer are the run's second network (``TaskPlan.companions``), stepped inside ``loss`` before the student's
+gradient is taken, so the loop stays the one loop and every checkpoint holds them. ``--judge`` adds the share of the
+rarest class, as a classifier sees the samples, to every evaluation.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from pathlib import Path
 import torch
 
 from ..errors import SettingsError
+from ..evaluation.classifier import classify, load_classifier
+from ..evaluation.images import class_statistics
+from ..flow.adversarial import (FeatureHeads, discriminator_loss, generator_loss, row_steps, sample_in_steps,
+                                unet_encoder_features, unet_feature_channels)
 from ..flow.matching import FlowMatcher
 from ..flow.pipeline_flow_match import FlowMatchPipeline
 from ..flow.sample import load_pipeline_folder, saved_sampling
@@ -51,6 +61,7 @@ class FlowDistillTask(FlowMatchingTask):
                                 "no guidance model, so nothing guides it; drop --guidance_scale, or distill a folder "
                                 "saved with one (hf-cgpu sample --guidance_model ... --save_pipeline DIR)")
         self.load_data(accelerator, labels=conditional)
+        self.check_data(unet.config)
         kw = saved_sampling(teacher, 1, cfg.guidance_scale, cfg.guidance_interval, fallback_scale=2.5)
         guide = teacher.guide_unet  # a teacher folder saved with autoguidance is distilled as it samples
         self.guidance = (kw["guidance_scale"] if conditional or guide is not None else 1.0, kw["guidance_interval"])
@@ -70,8 +81,14 @@ class FlowDistillTask(FlowMatchingTask):
         self.matcher = FlowMatcher(time_sampling=cfg.time_sampling)
         self.data_hashes["teacher_weights"] = sha256_file(teacher_weights(cfg.teacher))  # a resume must see the same
         student = FlowUNet2DModel(**{**unet.config, "step_size_embedding": True})
-        missing = student.load_state_dict(unet.state_dict(), strict=False).missing_keys
-        assert all(k.startswith("step_mlp.") for k in missing), missing
+        if cfg.init_student:
+            student.load_state_dict(self.init_student(unet.config).state_dict())
+        else:
+            missing = student.load_state_dict(unet.state_dict(), strict=False).missing_keys
+            assert all(k.startswith("step_mlp.") for k in missing), missing
+        self.judge = self.load_judge(unet.config, accelerator.device)
+        self.autocast = accelerator.autocast
+        companions = self.discriminator(unet.config, accelerator) if cfg.adversarial_weight > 0 else ()
         size = self.images.shape[-1]
         labels = torch.zeros(1, dtype=torch.long) if conditional else None
         flops = counted_training_flops(student, torch.zeros(1, 3, size, size), torch.zeros(1), labels)
@@ -82,21 +99,112 @@ class FlowDistillTask(FlowMatchingTask):
         by = f" by {self.guide_name}" if self.guide_name else ""
         accelerator.print(f"distilling {cfg.teacher} (guidance {scale:g}{by}, t in {format_interval(interval)}) into "
                           f"{cfg.sample_steps}-step Euler; {len(self.images):,} training images")
+        if companions:
+            accelerator.print(f"adversarial stage: weight {cfg.adversarial_weight:g} on {cfg.adversarial_steps}-step "
+                              f"samples against real images, discriminator heads of "
+                              f"{sum(p.numel() for p in companions[0].parameters()):,} parameters on the teacher's "
+                              f"encoder at t = {cfg.disc_time:g}; shortcut term weight {cfg.distill_weight:g}")
         # the teacher's guided forward (2 rows) on every row, the student's two half steps on a quarter: ~4x a step's
-        # forward FLOPs on top of the student's own forward and backward
-        return TaskPlan(student, eval_steps=self.eval_steps(settings, accelerator), flops_per_unit=flops)
+        # forward FLOPs on top of the student's own forward and backward (the adversarial term's calls not counted)
+        return TaskPlan(student, eval_steps=self.eval_steps(settings, accelerator), flops_per_unit=flops,
+                        companions=companions)
+
+    def check_data(self, config) -> None:
+        """The real images must be the teacher's: its resolution, and its classes where it is class-conditional."""
+        size, classes = self.images.shape[-1], config.num_classes
+        if size != config.sample_size or self.images.shape[1] != config.in_channels:
+            want = f"{config.in_channels}x{config.sample_size}x{config.sample_size}"
+            raise SettingsError(f"--dataset {self.cfg.dataset} holds {self.images.shape[1]}x{size}x{size} images, the "
+                                f"teacher was trained on {want}: pass the teacher's training set")
+        if classes is not None:
+            found = len(self.class_names) if self.class_names else int(self.labels.max()) + 1
+            if found != classes:
+                raise SettingsError(f"--dataset {self.cfg.dataset} has {found} classes, the teacher {classes}: pass "
+                                    "the teacher's training set (or its --label_column)")
+
+    def init_student(self, config) -> FlowUNet2DModel:
+        """The finished student of ``--init_student``: a distilled folder of this teacher's shape."""
+        cfg = self.cfg
+        unet = load_pipeline_folder(cfg.init_student, cfg.verify, "--init_student").unet
+        if not getattr(unet.config, "step_size_embedding", False):
+            raise SettingsError(f"--init_student {cfg.init_student} is not a distilled pipeline (no step-size "
+                                "embedding): pass a flow-distill output_dir, or leave --init_student out")
+        theirs = {k: v for k, v in unet.config.items() if not k.startswith("_") and k != "step_size_embedding"}
+        ours = {k: v for k, v in config.items() if not k.startswith("_") and k != "step_size_embedding"}
+        if theirs != ours:
+            odd = sorted(k for k in ours if theirs.get(k) != ours[k])
+            raise SettingsError(f"--init_student {cfg.init_student} is a UNet of another shape than the teacher's "
+                                f"({', '.join(f'{k} {theirs.get(k)} vs {ours[k]}' for k in odd)}): pass a student "
+                                "distilled from this --teacher")
+        self.data_hashes["init_student_weights"] = sha256_file(teacher_weights(cfg.init_student))
+        return unet
+
+    def load_judge(self, config, device):
+        """The ``--judge`` classifier, checked against the teacher's classes (None without --judge)."""
+        if not self.cfg.judge:
+            return None
+        if config.num_classes is None:
+            raise SettingsError("--judge counts the classes of class-conditional samples; this teacher is "
+                                "unconditional: leave --judge out")
+        judge = load_classifier(self.cfg.judge, device)
+        if judge.config.num_classes != config.num_classes:
+            raise SettingsError(f"--judge {self.cfg.judge} tells {judge.config.num_classes} classes apart, the teacher "
+                                f"has {config.num_classes}: pass a classifier trained on the teacher's data")
+        return judge
+
+    def discriminator(self, config, accelerator) -> tuple:
+        """Trainable heads on the frozen teacher encoder's features, and their optimizer."""
+        cfg, device = self.cfg, accelerator.device
+        with torch.random.fork_rng(devices=[]):  # the heads' initial weights, the same in every run
+            torch.manual_seed(0)
+            self.disc = FeatureHeads(unet_feature_channels(config), cfg.disc_width).to(device)
+        self.disc_optimizer = torch.optim.Adam(self.disc.parameters(), lr=cfg.disc_lr, betas=(0.0, 0.99),
+                                               fused=device.type == "cuda")
+        return self.disc, self.disc_optimizer
+
+    def critic(self, generator):
+        """D(x, labels): the heads on the teacher encoder's features of x at ``disc_time`` (noise from
+        ``generator``)."""
+        def judge(x, labels):
+            with self.autocast():
+                feats = unet_encoder_features(self.teacher, x, self.cfg.disc_time, labels, generator)
+                return self.disc(feats)
+        return judge
 
     def loss(self, model, batch, generator) -> torch.Tensor:
-        def student(x, t, d, labels):
-            return model(x, t, labels, step_size=d).sample
+        """The shortcut term, plus the adversarial one: the discriminator is stepped first on this batch's real
+        images and the student's samples (detached), then the student's GAN loss goes through the frozen critic."""
+        cfg, x1, labels = self.cfg, batch["x1"], batch.get("labels")
+        total = torch.zeros((), device=x1.device)
+        if cfg.distill_weight > 0:
+            total = total + cfg.distill_weight * self.shortcut_loss(model, batch, generator)
+        if cfg.adversarial_weight > 0:
+            student = _student(model)
+            x0 = torch.empty_like(x1).normal_(generator=generator)
+            fake = sample_in_steps(student, x0, row_steps(len(x0), cfg.adversarial_step_counts, x0.device), labels)
+            critic = self.critic(generator)
+            d_loss = discriminator_loss(critic, x1, fake, labels)
+            self.disc_optimizer.zero_grad(set_to_none=True)
+            d_loss.backward()  # the heads' gradient only: the fakes are detached, the teacher is frozen
+            self.disc_optimizer.step()
+            self.disc_optimizer.zero_grad(set_to_none=True)
+            self.disc.requires_grad_(False)  # the student's term sees the heads as constants
+            try:
+                total = total + cfg.adversarial_weight * generator_loss(critic, fake, labels)
+            finally:
+                self.disc.requires_grad_(True)
+        return total
 
+    def shortcut_loss(self, model, batch, generator) -> torch.Tensor:
+        """The shortcut objective of ``batch`` against the guided teacher."""
         x1 = batch["x1"]
         t_flow = self.matcher.sample_time(self.objective.flow_rows(x1.shape[0]), x1.device, generator)
-        return self.objective.loss(student, self.teacher_fn, x1, t_flow, generator, batch.get("labels"))
+        return self.objective.loss(_student(model), self.teacher_fn, x1, t_flow, generator, batch.get("labels"))
 
     @torch.no_grad()
     def evaluate(self, model, settings, device) -> dict[str, float]:
-        """The objective on held-out images with fixed noise, times and step sizes (comparable across steps)."""
+        """The shortcut objective on held-out images with fixed noise, times and step sizes (comparable across steps;
+        the adversarial term, a game against a moving critic, is left out), and the judge's figures."""
         gen = torch.Generator(device=device).manual_seed(1234)
         n, bs, total = len(self.val_images), settings.micro_batch_size, 0.0
         for start in range(0, n, bs):
@@ -104,8 +212,43 @@ class FlowDistillTask(FlowMatchingTask):
             x1 = x1.contiguous(memory_format=torch.channels_last)
             labels = self.val_labels[start : start + bs] if self.val_labels is not None else None
             if len(x1) > 1:
-                total += self.loss(model, {"x1": x1, "labels": labels}, gen).item() * len(x1)
-        return {"val_loss": total / n}
+                total += self.shortcut_loss(model, {"x1": x1, "labels": labels}, gen).item() * len(x1)
+        figures = {"val_loss": total / n}
+        if self.cfg.adversarial_weight > 0:
+            figures["critic_gap"] = self.critic_gap(model, settings.micro_batch_size, device)
+        if self.judge is not None:
+            figures.update(self.judged(model, settings.micro_batch_size, device))
+        return figures
+
+    @torch.no_grad()
+    def critic_gap(self, model, batch_size: int, device) -> float:
+        """Mean critic score of held-out real images minus that of the student's samples of them (fixed noise, the
+        adversarial step counts): near 0 the critic no longer tells them apart, large it wins."""
+        gen = torch.Generator(device=device).manual_seed(1234)
+        x1 = (self.val_images[:batch_size].float() / 127.5 - 1.0).contiguous(memory_format=torch.channels_last)
+        labels = self.val_labels[:batch_size] if self.val_labels is not None else None
+        x0 = torch.empty_like(x1).normal_(generator=gen)
+        fake = sample_in_steps(_student(model), x0, row_steps(len(x0), self.cfg.adversarial_step_counts, device),
+                               labels)
+        critic = self.critic(gen)
+        return (critic(x1, labels).float().mean() - critic(fake, labels).float().mean()).item()
+
+    @torch.no_grad()
+    def judged(self, model, batch_size: int, device) -> dict[str, float]:
+        """The judge's view of ``judge_images`` samples (classes in turn, fixed noise, the saved default steps): the
+        rarest predicted class's share and how often the predicted class is the one asked for."""
+        pipe = self.pipeline(model)
+        pipe.set_progress_bar_config(disable=True)
+        k = model.config.num_classes
+        labels = torch.arange(self.cfg.judge_images) % k
+        gen = torch.Generator(device=device).manual_seed(4321)
+        images = []
+        for start in range(0, len(labels), batch_size):
+            out = pipe(class_labels=labels[start : start + batch_size].tolist(), generator=gen, output_type="pt")
+            images.append(out.images.float() * 2 - 1)
+        _, logits = classify(self.judge, torch.cat(images), batch_size=batch_size)
+        stats = class_statistics(logits.argmax(1), k, labels)
+        return {"rarest_class_share": stats["class_share_min"], "judged_label_accuracy": stats["label_accuracy"]}
 
     def pipeline(self, model):
         """Euler with the distilled step sizes, ``sample_steps`` steps by default, guidance baked in."""
@@ -117,6 +260,11 @@ class FlowDistillTask(FlowMatchingTask):
         return {**super().on_saved(model, output_dir, log), "teacher": self.cfg.teacher,
                 "teacher_guidance_scale": scale, "teacher_guidance_interval": format_interval(interval),
                 **({"teacher_guidance_model": self.guide_name} if self.guide_name else {})}
+
+
+def _student(model):
+    """student(x, t, d, labels): the model's average velocity over the step d it is told."""
+    return lambda x, t, d, labels: model(x, t, labels, step_size=d).sample
 
 
 def teacher_weights(folder: str, component: str = "unet") -> Path:

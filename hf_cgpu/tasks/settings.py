@@ -213,6 +213,32 @@ class FlowDistillSettings:
     """Euler steps of the sample grids and the saved pipeline's default (1 or 2 network evaluations an image)."""
     sample_every_epochs: float = 10.0
     """Write a sample grid (EMA weights) and evaluate every this many epochs (0 = every --eval_steps)."""
+    init_student: str = field(default="", metadata=FIXED)
+    """A finished flow-distill output_dir of the same --teacher to start the student from (the adversarial stage's
+    starting point: --preset cifar10-gan); empty = the teacher's weights with a zero step-size embedding."""
+    distill_weight: float = field(default=1.0, metadata=FIXED)
+    """Weight of the shortcut (regression to the teacher) term; 0 = the adversarial term alone."""
+    adversarial_weight: float = field(default=0.0, metadata=FIXED)
+    """Weight of a GAN term on the student's 1- and 2-step samples against REAL training images
+    (``hf_cgpu.flow.adversarial``): small trainable heads on the frozen teacher encoder's features judge them, trained with their own
+    optimizer inside each step and checkpointed with the run; 0 = none (no discriminator)."""
+    disc_lr: float = field(default=2e-4, metadata=FIXED)
+    """Learning rate of the discriminator heads (Adam, betas 0 and 0.99, constant)."""
+    disc_width: int = field(default=64, metadata=FIXED)
+    """Channels of each discriminator head."""
+    disc_time: float = field(default=0.8, metadata=FIXED)
+    """Time t at which the frozen teacher encoder sees real and generated images (x_t = t x + (1 - t) noise; 1 = the
+    clean image): the noise keeps the discriminator from winning on details the student cannot fix."""
+    adversarial_steps: str = field(default="1,2", metadata=FIXED)
+    """Euler step counts of the generated images the discriminator judges, in turn by row (the student's 1- and
+    2-evaluation samples)."""
+    judge: str = ""
+    """A classifier folder (``hf-cgpu train classifier``, the one ``hf-cgpu eval --classifier`` takes) with the
+    teacher's classes: every evaluation also samples --judge_images images (classes in turn, the saved default steps)
+    and reports the share of the rarest predicted class (rarest_class_share; 1/K is balanced), which the card states;
+    empty = none."""
+    judge_images: int = 1000
+    """Images judged at each evaluation with --judge."""
     verify: str = field(default="auto", metadata={"choices": lambda: VERIFY_MODES})
     """What of the teacher folder's manifest.json is checked before it is read: auto (the sizes; the SHA-256 too up to
     512 MiB), sizes, full, or off (a folder edited by hand); see docs/outputs.md."""
@@ -223,10 +249,28 @@ class FlowDistillSettings:
             raise SettingsError(f"time_sampling={self.time_sampling!r}; use uniform or logit_normal")
         if self.levels < 1 or not 0 < self.consistency_fraction < 1:
             raise SettingsError("--levels must be >= 1 and --consistency_fraction in (0, 1), e.g. 7 and 0.25")
+        if self.distill_weight < 0 or self.adversarial_weight < 0 or self.distill_weight + self.adversarial_weight == 0:
+            raise SettingsError("--distill_weight and --adversarial_weight take >= 0 and not both 0, e.g. 1 and 0.1")
+        if self.disc_lr <= 0 or self.disc_width < 8 or self.disc_width % 8 or not 0 < self.disc_time <= 1:
+            raise SettingsError("--disc_lr takes > 0, --disc_width a multiple of 8, --disc_time a value in (0, 1]")
+        if self.judge_images < 1:
+            raise SettingsError(f"--judge_images {self.judge_images}; use 1 or more, e.g. 1000")
+        self.adversarial_step_counts  # noqa: B018 - validates adversarial_steps
         if self.guidance_scale < 0 or self.sample_steps < 1:
             raise SettingsError("--guidance_scale takes >= 1 (or 0: the teacher's) and --sample_steps >= 1")
         if self.guidance_interval:
             parse_interval(self.guidance_interval)
+
+    @property
+    def adversarial_step_counts(self) -> tuple[int, ...]:
+        """``adversarial_steps`` as ints."""
+        try:
+            counts = tuple(int(n) for n in self.adversarial_steps.split(","))
+        except ValueError:
+            counts = ()
+        if not counts or min(counts) < 1:
+            raise SettingsError(f"--adversarial_steps {self.adversarial_steps!r}; give step counts >= 1, e.g. 1,2")
+        return counts
 
 
 @dataclass(frozen=True)

@@ -500,6 +500,12 @@ class Checkpointer:
             raise CheckpointError(f"{found.name} holds a pickled object that is not plain tensors and numbers ("
                                   f"{' '.join(str(err).split())[:160]}); it was not loaded: resume from another "
                                   "checkpoint or start a fresh --output_dir, and find out who wrote it") from None
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError, KeyError, FileNotFoundError) as err:  # a tensor or moment of another shape
+            raise CheckpointError(f"{found.name} does not fit this run's networks ({' '.join(str(err).split())[:200]}"
+                                  "); resume with the settings it was made with, or start a fresh --output_dir"
+                                  ) from None
         if self.ema is not None:
             self.ema.load(found / "ema.safetensors")
         if self.keeper is not None:

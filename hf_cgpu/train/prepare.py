@@ -182,7 +182,10 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "hf_device_map", None):
         model = model.to(device)  # before the optimizer, so AdamW can be fused on CUDA
     optimizer = build_optimizer(model, s)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if plan.companions and accelerator.num_processes > 1:
+        raise SettingsError(f"this run trains a second network beside the model, on one process only; launch it "
+                            f"without accelerate's {accelerator.num_processes} processes")
+    model, optimizer, *_ = accelerator.prepare(model, optimizer, *plan.companions)
     ema = EMA(accelerator.unwrap_model(model), s.ema_decay) if s.ema_decay > 0 else None
     if s.swa_start:  # the schedule's length is the run state's (``_fit`` points it there)
         ema = SWA(accelerator.unwrap_model(model), s.swa_start, lambda: s.max_steps)

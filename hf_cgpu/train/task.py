@@ -40,6 +40,11 @@ class TaskPlan:
     settings: TrainSettings | None = None
     """New TrainSettings the task chose from its data (a GPT's ``--auto``), which the run trains with and records;
     None = the ones given."""
+    companions: tuple = ()
+    """Further (module, optimizer) objects the task trains itself inside ``loss`` (a discriminator and its
+    optimizer), already on the device: accelerate prepares them after the model, so every checkpoint holds their
+    weights and moments (``model_1.safetensors``, ``optimizer_1.bin``) and a resume restores them exactly. One
+    process only."""
 
 
 class Task:
