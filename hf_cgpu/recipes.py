@@ -27,8 +27,8 @@ from typing import Any
 from .errors import SettingsError, about
 from .registry import Registry
 from .settings import TrainSettings, parse_settings
-from .tasks.settings import (ClassifierSettings, DPOSettings, FinetuneSettings, FlowDistillSettings, FlowSettings, GPTSettings,
-                             Toy2DSettings)
+from .tasks.settings import (ClassifierSettings, DPOSettings, FinetuneSettings, FlowDistillSettings, FlowSettings,
+                             GPTSettings, Toy2DSettings)
 
 
 @dataclass(frozen=True)
