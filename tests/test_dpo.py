@@ -80,7 +80,8 @@ def test_packed_pairs_score_each_answer_as_the_model_scores_it_alone():
     """Each pair's summed answer log-probabilities, packed several pairs a row or padded two rows a pair, equal the
     model's own log-softmax over the answer tokens of prompt + answer alone."""
     tok, model, task = byte_tok(CHAT), _tiny_llama(), _task()
-    pairs = [*PAIRS[:3], {"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "yo", "chosen": "ok", "rejected": "no"}]
+    pairs = [*PAIRS[:3], {"prompt": "a", "chosen": "b", "rejected": "c"},
+             {"prompt": "yo", "chosen": "ok", "rejected": "no"}]
     ds = datasets.Dataset.from_list([_plain(r) for r in pairs])
     padded, packed = build_pair_rows(ds, tok, 80), build_pair_rows(ds, tok, 80, packing=True)
     assert padded.rows_per_unit == 2 and len(padded) == 5 and padded.ids.shape == (10, 81) and not padded.n_truncated
@@ -143,8 +144,8 @@ def sft(tmp_path_factory):
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                  bos_token_id=0, eos_token_id=2)).save_pretrained(root / "base")
     tok.save_pretrained(root / "base")
-    write_jsonl(root / "sft.jsonl", [{"instruction": f"count to {i % 5}", "output": " ".join(map(str, range(i % 5 + 1)))}
-                                     for i in range(40)])
+    write_jsonl(root / "sft.jsonl", [{"instruction": f"count to {i % 5}",
+                                      "output": " ".join(map(str, range(i % 5 + 1)))} for i in range(40)])
     assert cli_main(["train", "lora", "--model", str(root / "base"), "--dataset", str(root / "sft.jsonl"),
                      "--seq_len", "48", "--micro_batch_size", "4", "--gradient_accumulation_steps", "1",
                      "--max_steps", "3", "--warmup_steps", "1", "--eval_steps", "0", "--checkpointing_steps", "0",
@@ -166,8 +167,8 @@ def dpo_args(base, adapter, data, out, *extra) -> list[str]:
     return ["train", "dpo", "--model", str(base), *(["--adapter", str(adapter)] if adapter else []),
             "--dataset", str(data), "--seq_len", "40", "--micro_batch_size", "4", "--gradient_accumulation_steps", "1",
             "--max_steps", "6", "--warmup_steps", "1", "--eval_steps", "3", "--checkpointing_steps", "3",
-            "--learning_rate", "2e-2", "--log_steps", "1", "--progress", "false", "--compile", "false", "--output_dir", str(out),
-            *extra]
+            "--learning_rate", "2e-2", "--log_steps", "1", "--progress", "false", "--compile", "false",
+            "--output_dir", str(out), *extra]
 
 
 def file_hashes(folder) -> dict[str, str]:
@@ -244,7 +245,8 @@ def test_a_resumed_dpo_run_is_bit_identical_and_refuses_another_reference(sft, t
 @pytest.mark.parametrize("bad,expected", [
     ({"prompt": "count to 3", "chosen": "0 1 2 3"}, "line 4: 'rejected' is null (or missing)"),
     ({"prompt": "count to 3", "rejected": "3 2 1 0"}, "line 4: 'chosen' is null (or missing)"),
-    ({"prompt": "count to 3", "chosen": "0 1 2 3", "rejected": "0 1 2 3"}, "line 4: 'rejected' is the same as 'chosen'"),
+    ({"prompt": "count to 3", "chosen": "0 1 2 3", "rejected": "0 1 2 3"},
+     "line 4: 'rejected' is the same as 'chosen'"),
     ({"prompt": "count " * 60, "chosen": "0", "rejected": "1"}, "line 4: 'prompt' fills the 41 tokens of a row"),
 ])
 def test_bad_pairs_are_refused_naming_file_row_and_field(sft, tmp_path, capsys, monkeypatch, bad, expected):
@@ -276,3 +278,18 @@ def test_an_adapter_of_another_base_and_a_missing_adapter_are_refused(sft, tmp_p
     assert not out.exists()
     line = error_line(dpo_args(base, adapter, data, adapter / "dpo"), capsys, monkeypatch)
     assert "the SFT adapter is the reference and is only read" in line
+
+
+# ---------------------------------------------------------------------------------------------------- the ledger
+def test_the_ledger_prices_a_pair_as_two_answers_and_names_the_reference_pass():
+    from hf_cgpu.budget.memory import ledger
+    from hf_cgpu.commands.budget import describe_run, run
+
+    flags = ["--model", "pythia-1.4b", "--micro_batch_size", "2", "--gradient_accumulation_steps", "4"]
+    dpo_shape, dpo_train, _ = describe_run([*flags, "--seq_len", "512"], task="dpo")
+    lora_shape, lora_train, _ = describe_run([*flags, "--seq_len", "1024"])
+    assert dpo_shape.seq_len == 1024 and dpo_shape.packed
+    assert (ledger(dpo_shape.model, dpo_shape.setup(dpo_train)).allocated
+            == ledger(lora_shape.model, lora_shape.setup(lora_train)).allocated)
+    text = run(["--task", "dpo", *flags, "--seq_len", "512"])
+    assert "preset lora: DPO continuing an SFT LoRA adapter" in text and "reference pass: about" in text

@@ -163,10 +163,17 @@ class DPOTask(FinetuneTask):
         started = time.perf_counter()
         self.reference = {name: self.pair_logprobs_of(model, rows, self.settings.micro_batch_size)
                           for name, rows in (("train", self.train_rows), ("validation", self.val_rows))}
+        self.reference_seconds = time.perf_counter() - started
         pairs = self.train_rows.n_pairs + self.val_rows.n_pairs
         accelerator.print(f"reference: log-probabilities of {pairs:,} pairs' answers under the policy as it starts, "
-                          f"computed once ({time.perf_counter() - started:.1f} s)")
+                          f"computed once ({self.reference_seconds:.1f} s)")
         return True
+
+    def on_saved(self, model, output_dir, log=print) -> dict[str, Any]:
+        """The reference pass's cost beside the training figures: the pairs it scored and its seconds (outside
+        train_seconds, which times the steps)."""
+        return {"reference_pairs": self.train_rows.n_pairs + self.val_rows.n_pairs,
+                "reference_seconds": round(self.reference_seconds, 2)}
 
     def pair_logprobs_of(self, model, rows: PairRows, units_per_batch: int) -> torch.Tensor:
         """(n_pairs, 2) summed answer log-probabilities of every pair of ``rows`` under ``model`` (eval mode, no
