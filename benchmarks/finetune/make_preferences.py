@@ -4,8 +4,8 @@ Each pair: the prompt asks to continue a poem given its title, author and first 
 the poem's real next line, the rejected one a line of the same length from another poem (so length says nothing
 about which is which). Train pairs come from the train split, validation pairs from the validation split, in a
 fixed order (seeded): the same files every time. Writes OUT/train.jsonl and OUT/validation.jsonl in TRL's standard
-preference format (prompt, chosen, rejected as strings); --conversational writes them as lists of {role, content} messages. The files
-are made where they are needed and never committed as data.
+preference format (prompt, chosen, rejected as strings); --conversational writes them as lists of {role, content}
+messages. The files are made where they are needed and never committed as data.
 
     python benchmarks/finetune/make_preferences.py --zh ../shared/data/zh-poetry --out /tmp/prefs --train 2000
 """

@@ -60,8 +60,8 @@ class BudgetSettings:
     min_micro_batch: int = 1
     """--autofit: smallest micro-batch of the first rung."""
     task: str = "gpt"
-    """The training command priced, whose flags the rest are: gpt, lora, flow, flow-distill or classifier (`hf-cgpu
-    train TASK`); a fine-tuning preset, --model or --config also mean lora."""
+    """The training command priced, whose flags the rest are: gpt, lora, dpo, flow, flow-distill or classifier
+    (`hf-cgpu train TASK`); a fine-tuning preset, --model or --config also mean lora."""
     card: str = ""
     """The GPU to price the run on by its public figures (e.g. "RTX 5070 Ti", "RTX 4090"; `hf-cgpu budget --card
     list` names them); empty = this machine's `hf-cgpu bench`, else an RTX 5070 Ti."""

@@ -278,10 +278,25 @@ class DPOSettings(FinetuneSettings):
     beta: float = field(default=0.1, metadata=FIXED)
     """DPO's beta: how far the policy may move from the reference (higher: less); the implicit reward of an answer is
     beta x (its log-probability under the policy - under the reference)."""
+    skip_bad_rows: bool = False
+    """Leave out preference rows that are no pair (a missing or non-text field, the same answer twice, a prompt that
+    fills a row before its answer), counted in one line per split; false: the first one is refused, naming its file,
+    row and field."""
+    seq_len: int = field(default=1024, metadata=FIXED)
+    """Tokens of the prompt and one answer (TRL's max_length); a longer answer is cut (counted)."""
+    packing: bool = field(default=True, metadata=FIXED)
+    """Several whole pairs per training row of 2 x (seq_len + 1) tokens (chosen then rejected, positions restarting at
+    each answer, so attention and the loss stay within it); false: two padded rows of seq_len + 1 tokens a pair.
+    Held-out pairs are never packed. The start-up check of train lora turns packing off on a base whose positions do
+    not restart; a --packing true given on the command line is refused there instead."""
     data_format: str = field(default="preference", metadata={"cli": False})
     """Preference rows (prompt, chosen, rejected)."""
     text_column: str = field(default="text", metadata={"cli": False})
     """Unused: preference rows have no text column."""
+    num_proc: int = field(default=0, metadata={"cli": False})
+    """Unused: preference rows are tokenized in the process."""
+    cache_dir: str = field(default="", metadata={"cli": False})
+    """Unused: preference rows are not cached."""
 
     def __post_init__(self) -> None:
         check_choice("verify", self.verify, VERIFY_MODES)
