@@ -43,7 +43,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/dpo_vs_trl"))
     p.add_argument("--work", default="/tmp/dpo_vs_trl_work")
     p.add_argument("--rows", default=",".join(ROWS), help="rows to run, in this order")
-    p.add_argument("--pairs", type=int, default=1024, help="training pairs (one pass)")
+    p.add_argument("--pairs", type=int, default=768, help="training pairs (one pass)")
     p.add_argument("--eval_pairs", type=int, default=200)
     p.add_argument("--seq_len", type=int, default=256, help="tokens of prompt + one answer (TRL's max_length)")
     p.add_argument("--micro", type=int, default=8, help="pairs per micro-batch")

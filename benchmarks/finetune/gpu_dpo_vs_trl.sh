@@ -8,7 +8,7 @@
 # -d .whl`) and .data/zh-poetry (a copy of ../shared/data/zh-poetry). Every phase has a deadline inside the call:
 # DPO_DEADLINE (default 270 s) for the DPO rows, the rest up to DEADLINE (default 510 s) for the SFT rows.
 # DPO_ROWS / SFT_ROWS pick rows, EXAMPLES the SFT examples (default 1000). SMOKE=1: the same chain at toy sizes on the
-# CPU, twice the deadlines (TRL importable: `pip install trl==1.16.0`; ZH=../shared/data/zh-poetry reads the data in
+# CPU, three times the deadlines (TRL importable: `pip install trl==1.16.0`; ZH=../shared/data/zh-poetry reads the data in
 # place). Writes 8 files to OUT: bench.log (environment and both benches' output), dpo_vs_trl.md/.jsonl, dpo_rows.log,
 # sft_vs_trl.md/.jsonl, rows.log, data.json.
 start=$(date +%s)
@@ -23,7 +23,7 @@ log=$OUT/bench.log
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"
   python3 -c "import torch,transformers,peft,trl;print('torch',torch.__version__,'transformers',transformers.__version__,'peft',peft.__version__,'trl',trl.__version__)"
 } > "$log" 2>&1
-[ "${SMOKE:-0}" = 1 ] && slow=2 || slow=1  # a shared CPU: the toy rows take minutes, not seconds
+[ "${SMOKE:-0}" = 1 ] && slow=3 || slow=1  # a shared CPU: the toy rows take minutes, not seconds
 dpo_deadline=${DPO_DEADLINE:-$((270 * slow))}
 zh=${ZH:-.data/zh-poetry}
 timeout $((dpo_deadline + 30)) python3 benchmarks/finetune/bench_dpo_vs_trl.py $smoke --zh "$zh" --out "$OUT" \
