@@ -109,7 +109,7 @@ class DPOTask(FinetuneTask):
         if not cfg.adapter:
             accelerator.print("no --adapter: a new LoRA on the base, the base itself the reference policy")
             return model
-        self._check_same_base(model)
+        self._check_same_base()
         try:
             model = load_adapter(model, Path(cfg.adapter).expanduser(), trainable=True)
         except (RuntimeError, ValueError, KeyError) as err:  # peft's size mismatch or unknown modules
@@ -123,8 +123,9 @@ class DPOTask(FinetuneTask):
                           "it is the reference policy" + (f"; {', '.join(given)} do not apply to it" if given else ""))
         return model
 
-    def _check_same_base(self, model) -> None:
-        """The adapter's recorded base (``base_model.json``: its files' digest, else the config's name) is --model."""
+    def _check_same_base(self) -> None:
+        """The base the adapter recorded (``base_model.json``: its files' digest) is --model's; an adapter without
+        that record, or a Hub base, is checked by loading it (peft refuses other shapes)."""
         cfg = self.cfg
         folder = Path(cfg.adapter).expanduser()
         record = folder / BASE_RECORD
@@ -137,16 +138,6 @@ class DPOTask(FinetuneTask):
                                 f"than --model {cfg.model} (differs in {', '.join(differ)}): a DPO run continues an "
                                 "adapter on the base it was trained on; pass that --model, or train an SFT adapter on "
                                 "this one first")
-        trained_on = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        config_type = getattr(model.config, "model_type", None)
-        adapter_type = None
-        if trained_on and Path(trained_on).expanduser().joinpath("config.json").is_file():
-            adapter_type = json.loads(Path(trained_on).expanduser().joinpath("config.json").read_text()).get(
-                "model_type")
-        if adapter_type and config_type and adapter_type != config_type:
-            raise SettingsError(f"{folder / 'adapter_config.json'}: field base_model_name_or_path names a "
-                                f"{adapter_type} base ({trained_on}), --model {cfg.model} is a {config_type}: pass "
-                                "the base the adapter was trained on")
 
     # ---- data and the reference pass
     def _load_data(self, accelerator, model) -> bool:
