@@ -110,7 +110,7 @@ for _recipe in (
            example="hf-cgpu train lora --model EleutherAI/pythia-1.4b --dataset examples/instructions.jsonl "
                    "--output_dir runs/pythia-lora"),
     Recipe("dpo", "DPO preference tuning that continues an SFT LoRA adapter, the adapter as it was the reference",
-           DPOSettings, "hf_cgpu.tasks.dpo:DPOTask", presets="dpo", default_preset="lora",
+           DPOSettings, "hf_cgpu.tasks.dpo:DPOTask", presets="dpo", default_preset="lora", script="train_dpo.py",
            example="hf-cgpu train dpo --model EleutherAI/pythia-1.4b --adapter runs/pythia-lora "
                    "--dataset prefs.jsonl --output_dir runs/pythia-dpo"),
     Recipe("classifier", "train the CIFAR-10 classifier whose features `hf-cgpu eval` scores images with",
