@@ -169,12 +169,13 @@ def save_adapter(model: nn.Module, output_dir: str | Path) -> Path:
     return output_dir
 
 
-def load_adapter(base: nn.Module, adapter_dir: str | Path):
-    """``PeftModel.from_pretrained(base, adapter_dir)`` under ``tiers.peft_quiet``."""
+def load_adapter(base: nn.Module, adapter_dir: str | Path, trainable: bool = False):
+    """``PeftModel.from_pretrained(base, adapter_dir)`` under ``tiers.peft_quiet``; ``trainable``: its adapter
+    weights (fp32) train on, the base stays frozen."""
     from peft import PeftModel
 
     with peft_quiet():
-        return PeftModel.from_pretrained(base, str(adapter_dir))
+        return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
 
 
 def merge_base(base_name_or_path: str, dtype: torch.dtype = torch.float32, quantized: bool = False,

@@ -27,8 +27,8 @@ from typing import Any
 from .errors import SettingsError, about
 from .registry import Registry
 from .settings import TrainSettings, parse_settings
-from .tasks.settings import (ClassifierSettings, FinetuneSettings, FlowDistillSettings, FlowSettings, GPTSettings,
-                             Toy2DSettings)
+from .tasks.settings import (ClassifierSettings, DPOSettings, FinetuneSettings, FlowDistillSettings, FlowSettings,
+                             GPTSettings, Toy2DSettings)
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,10 @@ for _recipe in (
            script="finetune_lora.py",
            example="hf-cgpu train lora --model EleutherAI/pythia-1.4b --dataset examples/instructions.jsonl "
                    "--output_dir runs/pythia-lora"),
+    Recipe("dpo", "DPO preference tuning that continues an SFT LoRA adapter, the adapter as it was the reference",
+           DPOSettings, "hf_cgpu.tasks.dpo:DPOTask", presets="dpo", default_preset="lora", script="train_dpo.py",
+           example="hf-cgpu train dpo --model EleutherAI/pythia-1.4b --adapter runs/pythia-lora "
+                   "--dataset prefs.jsonl --output_dir runs/pythia-dpo"),
     Recipe("classifier", "train the CIFAR-10 classifier whose features `hf-cgpu eval` scores images with",
            ClassifierSettings, "hf_cgpu.tasks.classifier:ClassifierTask", presets="classifier",
            script="train_classifier.py",

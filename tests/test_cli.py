@@ -76,7 +76,7 @@ def _settings_groups(text: str) -> str:
     """The settings part of a --help (task settings and TrainSettings), without usage, description and launch."""
     start = min(i for i in (text.find("GPTSettings:"), text.find("FlowSettings:"), text.find("FinetuneSettings:"),
                             text.find("ClassifierSettings:"), text.find("Toy2DSettings:"),
-                            text.find("FlowDistillSettings:")) if i >= 0)
+                            text.find("FlowDistillSettings:"), text.find("DPOSettings:")) if i >= 0)
     ends = [i for i in (text.find("LaunchSettings:"), text.find("\npresets:")) if i >= 0]  # the command's own parts
     return text[start:min(ends) if ends else None].rstrip()
 
@@ -162,7 +162,7 @@ def _gpt2_config(tmp) -> str:
 # (argv with {tmp} placeholders or a callable, the fix the message names); a new subcommand needs its cases here
 BAD: dict[str, list[tuple]] = {
     "train": [
-        (["train", "gtp"], "choose one of gpt, flow, flow-distill, lora, classifier"),
+        (["train", "gtp"], "choose one of gpt, flow, flow-distill, lora, dpo, classifier"),
         (["train", "gpt", "--bogus", "1"], "unrecognized arguments: --bogus"),
         (["train", "gpt", "--max_steps", "ten"], "invalid int value"),
         (["train", "gpt", "--preset", "huge"], "unknown preset 'huge'"),

@@ -29,6 +29,9 @@ TINY = {
     "lora": ["--model", "{base}", "--dataset", "{instructions}", "--seq_len", "64", "--micro_batch_size", "2",
              "--gradient_accumulation_steps", "1", "--eval_batches", "1", "--mixed_precision", "no",
              "--compile", "false", "--recompute", "false"],
+    "dpo": ["--model", "{base}", "--require_adapter", "false", "--dataset", "{preferences}", "--seq_len", "63",
+            "--micro_batch_size", "2", "--gradient_accumulation_steps", "1", "--mixed_precision", "no",
+            "--compile", "false", "--recompute", "false"],
     "classifier": ["--preset", "tiny", "--dataset", "{images}", "--limit", "32", "--test_limit", "16",
                    "--widths", "4,8,8,8", "--micro_batch_size", "4"],
     "flow2d": ["--preset", "toy", "--micro_batch_size", "64", "--num_samples", "64", "--nfe_budgets", "2"],
@@ -40,14 +43,17 @@ STEPS = ["--max_steps", "4", "--checkpointing_steps", "2", "--eval_steps", "0", 
 
 @pytest.fixture(scope="module")
 def inputs(synthetic_data, tiny_base, tmp_path_factory):
-    """What the tiny runs read: images, a teacher pipeline, a base model, instruction rows."""
+    """What the tiny runs read: images, a teacher pipeline, a base model, instruction rows, preference pairs."""
     root = tmp_path_factory.mktemp("inputs")
     rows = [{"instruction": f"repeat the word: {w}", "output": w} for w in ["red", "green", "blue", "gold"] * 4]
     (root / "instructions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs = [{"prompt": f"repeat the word: {w}", "chosen": w, "rejected": w[::-1]}
+             for w in ["red", "green", "gold"] * 5]
+    (root / "preferences.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
     assert cli_main(["train", "flow", *[a.format(images=synthetic_data) for a in TINY["flow"]], "--max_steps", "1",
                      "--checkpointing_steps", "0", "--progress", "false", "--output_dir", str(root / "teacher")]) == 0
     return {"images": synthetic_data, "teacher": root / "teacher", "base": tiny_base,
-            "instructions": root / "instructions.jsonl"}
+            "instructions": root / "instructions.jsonl", "preferences": root / "preferences.jsonl"}
 
 
 def weights(folder) -> dict[str, dict[str, torch.Tensor]]:

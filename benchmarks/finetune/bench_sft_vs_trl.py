@@ -11,6 +11,8 @@ per step and one pass over the same examples for every row. Rows, each in a fres
   ours_packed  hf-cgpu train lora --packing true
   ours_packed_recompute  the same with --recompute true --compile_mode default (the low-memory rung: the memory
                target against trl_padded is at most half its peak)
+  ours_qlora   hf-cgpu train lora --preset qlora --packing true (a 4-bit nf4 base: the memory lever)
+  ours_qlora_recompute  the same with --recompute true --compile_mode default (the least memory)
   long16k      hf-cgpu train lora at 16,384 tokens per sequence under set_per_process_memory_fraction(16 GiB),
                with the ledger's prediction beside the measured peak
 
@@ -39,7 +41,8 @@ PYTHIA = dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], hidde
               num_attention_heads=16, intermediate_size=8192, vocab_size=50304, tie_word_embeddings=False,
               max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True)
 TINY = dict(PYTHIA, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
-ROWS = ("ours_packed", "trl_padded", "trl_packed", "long16k", "ours_padded", "ours_packed_recompute")  # most telling first
+ROWS = ("ours_packed", "trl_padded", "trl_packed", "long16k", "ours_padded", "ours_packed_recompute", "ours_qlora",
+        "ours_qlora_recompute")  # most telling first
 GiB = 2**30
 
 
@@ -146,9 +149,9 @@ def prepare(a) -> dict:
 # ------------------------------------------------------------------------------------------------------ the rows
 
 
-def ours(a, info: dict, packing: bool, recompute: bool = False) -> dict:
+def ours(a, info: dict, packing: bool, recompute: bool = False, tier: str = "lora") -> dict:
     """hf-cgpu train lora over one pass of the examples: as many steps as the (packed) rows fill at ``a.batch``;
-    ``recompute``: --recompute true --compile_mode default (the preset's own otherwise)."""
+    ``recompute``: --recompute true --compile_mode default (the preset's own otherwise); ``tier``: the preset."""
     import datasets
     from transformers import AutoTokenizer
 
@@ -159,8 +162,8 @@ def ours(a, info: dict, packing: bool, recompute: bool = False) -> dict:
     ds = datasets.load_dataset("json", data_files=str(Path(info["data"]) / "train.jsonl"), split="train")
     n_rows = len(build_rows(ds, tok, a.seq_len, "instruction", packing=packing))
     micro = min(4, a.batch)
-    out = Path(a.work) / f"ours_{'packed' if packing else 'padded'}{'_recompute' if recompute else ''}"
-    argv = ["train", "lora", "--preset", "lora", "--model", info["model"], "--dataset", info["data"],
+    out = Path(a.work) / f"ours_{tier}_{'packed' if packing else 'padded'}{'_recompute' if recompute else ''}"
+    argv = ["train", "lora", "--preset", tier, "--model", info["model"], "--dataset", info["data"],
             "--seq_len", str(a.seq_len), "--packing", str(packing).lower(), "--micro_batch_size", str(micro),
             "--gradient_accumulation_steps", str(a.batch // micro), "--max_steps", str(math.ceil(n_rows / a.batch)),
             "--learning_rate", str(a.lr), "--warmup_steps", "0", "--eval_steps", "0", "--checkpointing_steps", "0",
@@ -326,7 +329,8 @@ def run_row(a, name: str) -> dict:
     if name == "long16k":
         return long16k(a, info)
     if name.startswith("ours"):
-        r = ours(a, info, "packed" in name, recompute=name.endswith("recompute"))
+        r = ours(a, info, name != "ours_padded", recompute=name.endswith("recompute"),
+                 tier="qlora" if "qlora" in name else "lora")
     else:
         r = trl(a, info, name.endswith("packed"))
     if r.get("train_seconds"):
@@ -363,6 +367,13 @@ def table(results: dict[str, dict]) -> str:
     low, padded_peak = (results.get(k, {}).get("peak_reserved_gib") for k in ("ours_packed_recompute", "trl_padded"))
     if low and padded_peak:
         lines.append(f"ours_packed_recompute / trl_padded: {low / padded_peak:.2f}x peak reserved (target <= 0.5)")
+    padded = results.get("trl_padded", {})
+    for name in ("ours_qlora", "ours_qlora_recompute"):
+        r = results.get(name, {})
+        if padded.get("response_tok_s") and r.get("response_tok_s") and r.get("peak_reserved_gib"):
+            lines.append(f"{name} / trl_padded: {r['peak_reserved_gib'] / padded['peak_reserved_gib']:.2f}x peak "
+                         f"reserved (target <= 0.5) at {r['response_tok_s'] / padded['response_tok_s']:.2f}x "
+                         "response tokens/s (target >= 2)")
     long = results.get("long16k")
     if long and long.get("peak_reserved_gib"):
         lines.append(f"long16k: peak reserved {long['peak_reserved_gib']:.2f} GiB (ledger "

@@ -7,6 +7,8 @@
 #                                                        evaluation (Euler 50, 10,000 images): /tmp/clf, /tmp/seed
 #   PART=2 bash benchmarks/quality/gpu_fewstep_gan.sh   ours (--preset cifar10, FLOW_MINUTES, default 4), its
 #                                                        distillation (--preset cifar10, DISTILL_MINUTES, default 3)
+#   PART=12 bash benchmarks/quality/gpu_fewstep_gan.sh  two calls instead of three: the judge, then PART=2 (no seed
+#                                                        recipe, so the table has no anchor row)
 #   PART=3 bash benchmarks/quality/gpu_fewstep_gan.sh   DISTILL_MORE (default 2) more minutes of that distillation
 #                                                        (exact resume), the adversarial stage from it (--preset
 #                                                        cifar10-gan, GAN_MINUTES, default 2), then the table
@@ -86,6 +88,7 @@ part1() {
   run_log "$OUT/part1.log" timeout 170 python3 recipes/train_classifier.py "${CLF[@]}" --dataset "$DATA" \
     --output_dir $R/clf --progress false
   mark "classifier trained"
+  [ "${SEED_RECIPE:-1}" = 0 ] && return  # no anchor row this time (PART=12 below)
   run_log "$OUT/part1.log" timeout "$(python3 -c "print(int($MIN * 60 + 90))")" "${SEED[@]}"
   mark "seed trained"
   run_log "$OUT/part1.log" timeout "$(left)" python3 -m hf_cgpu.cli eval $R/seed --classifier $R/clf \
@@ -129,6 +132,7 @@ part3() {
 
 case "${PART:-}" in
   1) part1 ;;
+  12) SEED_RECIPE=0 part1; part2 ;;
   2) part2 ;;
   3) part3 ;;
   *) if [ -z "${SMOKE:-}" ]; then echo "PART=1, 2 or 3 (or SMOKE=1)"; exit 2; fi

@@ -25,7 +25,7 @@ from ..budget.time import RunTime, chinchilla_tokens, step_time
 from ..errors import MissingPathError, SettingsError, about
 from ..gguf import gguf_location
 from ..settings import TrainSettings, list_presets, load_preset, parse_settings, preset_description
-from ..tasks.settings import FinetuneSettings, GPTSettings
+from ..tasks.settings import DPOSettings, FinetuneSettings, GPTSettings
 
 REFERENCE_DESCRIPTIONS = {"pythia-1.4b": "the shape of EleutherAI/pythia-1.4b (24 x 2048, vocab 50304), for the "
                                           "ledger without a download; fine-tune it with hf-cgpu train lora"}
@@ -60,8 +60,8 @@ class BudgetSettings:
     min_micro_batch: int = 1
     """--autofit: smallest micro-batch of the first rung."""
     task: str = "gpt"
-    """The command priced, whose flags the rest are: gpt, lora, flow, flow-distill or classifier (`hf-cgpu train
-    TASK`), or sample (`hf-cgpu sample RUN`); a fine-tuning preset, --model or --config also mean lora."""
+    """The command priced, whose flags the rest are: gpt, lora, dpo, flow, flow-distill or classifier (`hf-cgpu
+    train TASK`), or sample (`hf-cgpu sample RUN`); a fine-tuning preset, --model or --config also mean lora."""
     card: str = ""
     """The GPU to price the run on by its public figures (e.g. "RTX 5070 Ti", "RTX 4090"; `hf-cgpu budget --card
     list` names them); empty = this machine's `hf-cgpu bench`, else an RTX 5070 Ti."""
@@ -165,15 +165,20 @@ def finetune_preset_names() -> list[str]:
     return list_presets("finetune")
 
 
-def describe_run(argv: Sequence[str] | None = None):
+def describe_run(argv: Sequence[str] | None = None, task: str = ""):
     """Parse a training command line: (RunShape, TrainSettings, BudgetSettings). A GPT preset (the default: 124m)
     describes ``hf-cgpu train gpt``; a fine-tuning preset (lora, qlora), ``--model``, ``--config`` or a budget-only
-    shape (pythia-1.4b) describe ``hf-cgpu train lora``, with its preset's settings (lora unless another is named)."""
-    return _describe(argv)[:3]
+    shape (pythia-1.4b) describe ``hf-cgpu train lora``, with its preset's settings (lora unless another is named);
+    ``task`` dpo: ``hf-cgpu train dpo`` with its preset's."""
+    return _describe(argv, task)[:3]
 
 
-def _describe(argv: Sequence[str] | None = None):
-    """``describe_run``'s three and the lines said on the way (--auto's choice)."""
+DPO_NOTE = ("DPO: a micro-batch of N pairs is 2N answers of --seq_len tokens, priced as N rows of 2 x --seq_len; the "
+            "reference is one forward pass over every pair before the first step (no second copy of the base)")
+
+
+def _describe(argv: Sequence[str] | None = None, task: str = ""):
+    """``describe_run``'s three and the lines said on the way (--auto's choice, DPO's note)."""
     args = _rewrite(argv or [])
     preset = _preset_name(args)
     other = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in ("--config", "--model")]
@@ -182,6 +187,13 @@ def _describe(argv: Sequence[str] | None = None):
     if preset in REFERENCE_CONFIGS:  # a shape known without a download, priced as its fine-tuning
         args = [*_without_preset(args), "--model", preset]
         preset, other = "", ["--model"]
+    if task == "dpo":
+        cfg, train, opts = parse_settings((DPOSettings, TrainSettings, BudgetSettings), args, family="dpo",
+                                          description=DESCRIPTION, prog="hf-cgpu budget --task dpo",
+                                          default_preset="lora", fixed={"train_mode": "finetune"})
+        model = ModelShape.from_config_file(opts.config) if opts.config else resolve_model(cfg.model, cfg.gguf_file)
+        return (RunShape(model, 2 * cfg.seq_len, cfg.loss_chunk_size, loss_in_forward=False, packed=cfg.packing),
+                train, opts, [DPO_NOTE])
     if preset and preset not in preset_names() and not preset.endswith(".json"):
         raise SettingsError(f"unknown preset {preset!r}: choose one of {', '.join(preset_names())} or pass "
                             "--config PATH")
@@ -356,7 +368,7 @@ def fmt_duration(seconds: float) -> str:
 
 IMAGE_TASKS = ("flow", "flow-distill", "classifier")
 """``hf-cgpu train`` tasks the image ledger (``budget.images``) prices."""
-TASKS = ("gpt", "lora", *IMAGE_TASKS, "sample")
+TASKS = ("gpt", "lora", "dpo", *IMAGE_TASKS, "sample")
 """What ``--task`` names: a training command's task, or ``sample`` (``hf-cgpu sample MODEL_DIR``'s flags)."""
 
 
@@ -420,13 +432,13 @@ def run(argv: Sequence[str] | None = None) -> str:
         return image_report(task, argv)
     if task == "sample":
         return sample_report(argv)
-    run_shape, train, opts, notes = _describe(argv)
+    run_shape, train, opts, notes = _describe(argv, task)
     shape = run_shape.model
     positions = shape.positions_note(run_shape.seq_len)  # refused as training refuses it
     cap = parse_memory(train.memory_cap or DEFAULT_MEMORY_CAP)
     setup = run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp)  # a GPT preset: no adapter tier
     out = [f"hf-cgpu budget: {shape.describe()}", f"  {setup.describe()}", ""]
-    family = "gpt" if run_shape.pretrain else "finetune"
+    family = "gpt" if run_shape.pretrain else "dpo" if task == "dpo" else "finetune"
     preset = _preset_name(_rewrite(argv or [])) or (DEFAULT_PRESET if run_shape.pretrain else "lora")
     described = [(f"preset {preset}", preset_description(preset, family)),
                  (f"shape {shape.name}", REFERENCE_DESCRIPTIONS.get(shape.name, ""))]
@@ -467,6 +479,10 @@ def run(argv: Sequence[str] | None = None) -> str:
     card = budget_card(opts, train)
     rt = lm_run_time(shape, setup, train, card, opts.eval_micro_batches)
     out.append(format_time(rt, setup.tokens_per_step, setup.processes, fitted=train.fit_schedule_to_time))
+    if task == "dpo":  # a forward is about a third of a training step's work
+        pairs = setup.micro_batch_size * setup.gradient_accumulation_steps * setup.processes
+        out.append(f"  reference pass: about {rt.step.seconds / pairs / 3 * 1000:,.0f} s per 1,000 training pairs, "
+                   "once before the first step (and again on a resume)")
     if not setup.adapters:
         out.append(format_chinchilla(shape, setup, rt.step))
     return "\n".join(out)
@@ -494,7 +510,7 @@ def price(task: str, argv: Sequence[str], card: Card) -> dict[str, Any]:
         return {"allocated_gib": led.allocated / GiB, "reserved_gib": led.reserved / GiB,
                 "total_gib": led.total / GiB, "fits": led.fits, "step_s": rt.step.seconds, "bound": rt.step.bound,
                 "steps": rt.steps, "parts": "/".join(f"{r.seconds * 1e3:.1f}" for r in rt.step.rows)}
-    run_shape, train, opts, _ = _describe(list(argv))
+    run_shape, train, opts, _ = _describe(list(argv), task)
     return price_card(run_shape, run_shape.setup(train, processes=opts.num_processes, fsdp=opts.fsdp), train, card)
 
 

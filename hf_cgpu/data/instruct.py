@@ -57,21 +57,21 @@ def text_field(row: dict[str, Any], field: str, optional: bool = False, name: st
     raise RowError(name, f"is {json_kind(value)}, not a string")
 
 
-def _messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    msgs = row.get("messages")
-    chats = "whose 'messages' is no list of {role, content} objects"
+def _messages(row: dict[str, Any], key: str = "messages") -> list[dict[str, str]]:
+    """``row[key]`` as a list of ``{role, content}`` messages; a ``RowError`` naming ``key[i].field`` otherwise."""
+    msgs = row.get(key)
+    chats = f"whose {key!r} is no list of {{role, content}} objects"
     if not isinstance(msgs, list) or not msgs:
-        raise RowError("messages", f"must be a non-empty list of {{role, content}} objects, not {json_kind(msgs)}",
-                       chats)
+        raise RowError(key, f"must be a non-empty list of {{role, content}} objects, not {json_kind(msgs)}", chats)
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
-            raise RowError(f"messages[{i}]", f"must be a {{role, content}} object, not {json_kind(m)}", chats)
-        for key in ("role", "content"):
-            if key not in m:
-                raise RowError(f"messages[{i}].{key}", "is missing (a message is a {role, content} object)")
-        out.append({"role": text_field(m, "role", name=f"messages[{i}].role"),
-                    "content": text_field(m, "content", name=f"messages[{i}].content")})
+            raise RowError(f"{key}[{i}]", f"must be a {{role, content}} object, not {json_kind(m)}", chats)
+        for field in ("role", "content"):
+            if field not in m:
+                raise RowError(f"{key}[{i}].{field}", "is missing (a message is a {role, content} object)")
+        out.append({"role": text_field(m, "role", name=f"{key}[{i}].role"),
+                    "content": text_field(m, "content", name=f"{key}[{i}].content")})
     return out
 
 
@@ -191,13 +191,17 @@ def render(tokenizer, messages: list[dict[str, str]], append_eos: bool = False) 
     return prompt + answer + eos, [(len(prompt), len(prompt) + len(answer) + len(eos))]
 
 
-def encode(tokenizer, messages: list[dict[str, str]], append_eos: bool = False) -> tuple[list[int], list[bool], int]:
+def encode(tokenizer, messages: list[dict[str, str]], append_eos: bool = False,
+           skip_answers: int = 0) -> tuple[list[int], list[bool], int]:
     """Token ids, a target flag per token (its characters start inside an assistant span), and the characters of
-    the answers (their content; end-of-turn markers are scored but not counted as characters)."""
+    the answers (their content; end-of-turn markers are scored but not counted as characters). ``skip_answers``: the
+    first so many assistant turns are context (a preference pair's prompt), not targets."""
     full, spans = render(tokenizer, messages, append_eos)
+    spans = spans[skip_answers:]
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     flags = [any(a <= start < b for a, b in spans) and end > start for start, end in enc["offset_mapping"]]
-    return enc["input_ids"], flags, sum(len(m["content"]) for m in messages if answers(tokenizer, m["role"]))
+    answered = [m for m in messages if answers(tokenizer, m["role"])][skip_answers:]
+    return enc["input_ids"], flags, sum(len(m["content"]) for m in answered)
 
 
 @dataclass
@@ -327,9 +331,25 @@ def instruction_splits(source: str | None, data_format: str = "auto", text_colum
         )
     if named_as_train(source):
         (log or _stderr)(named_as_train(source))
+    convert = INSTRUCTION_FORMATS[fmt].to_messages
+
+    def check(row):
+        if err := no_answer(tokenizer, convert(row)):
+            raise err
+
+    return checked_splits(splits, source, check, skip_bad_rows, log, validation_fraction, seed), fmt
+
+
+def checked_splits(splits: dict[str, datasets.Dataset], source: str, check: Callable[[dict[str, Any]], Any],
+                   skip_bad_rows: bool = False, log: Callable[[str], None] | None = None,
+                   validation_fraction: float = 0.05, seed: int = 0) -> dict[str, datasets.Dataset]:
+    """``splits`` of ``source`` with every row passed through ``check`` (which raises ``RowError`` for a row it
+    refuses: one line naming file, row and field, or with ``skip_bad_rows`` left out and counted), and a validation
+    split carved from train where there is none (``validation_fraction`` of the rows, at least ``MIN_HELD_OUT``: a
+    quarter of a smaller set)."""
+    log = log or _stderr
     files = split_files(source)
-    splits = {split: _usable_rows(ds, fmt, split, files.get(split, []), source, skip_bad_rows, log or _stderr,
-                                  tokenizer)
+    splits = {split: _usable_rows(ds, check, split, files.get(split, []), source, skip_bad_rows, log)
               for split, ds in splits.items()}
     if "validation" not in splits:
         n = len(splits["train"])
@@ -338,29 +358,26 @@ def instruction_splits(source: str | None, data_format: str = "auto", text_colum
         held = max(1, round(validation_fraction * n), min(MIN_HELD_OUT, n // 4))
         cut = splits["train"].train_test_split(test_size=held, seed=seed)
         splits = {"train": cut["train"], "validation": cut["test"]}
-        (log or _stderr)(f"note: {source!r} has no validation split: {len(cut['test']):,} of its {n:,} examples are "
-                         "held out as one (the same examples in every run and in hf-cgpu eval)")
-    return splits, fmt
+        log(f"note: {source!r} has no validation split: {len(cut['test']):,} of its {n:,} examples are held out as "
+            "one (the same examples in every run and in hf-cgpu eval)")
+    return splits
 
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def _usable_rows(ds: datasets.Dataset, fmt: str, split: str, files: list, source: str, skip: bool,
-                 log: Callable[[str], None], tokenizer=None) -> datasets.Dataset:
-    """``ds`` without the rows ``fmt`` cannot turn into a chat with an assistant turn: refused, naming the first,
-    unless ``skip``."""
+def _usable_rows(ds: datasets.Dataset, check: Callable[[dict[str, Any]], Any], split: str, files: list, source: str,
+                 skip: bool, log: Callable[[str], None]) -> datasets.Dataset:
+    """``ds`` without the rows ``check`` refuses (a ``RowError``): refused, naming the first, unless ``skip``."""
 
     def where(i: int) -> str:
         return locate_row(files, i) or f"row {i} of the {split} split of {source}"
 
-    convert = INSTRUCTION_FORMATS[fmt].to_messages
     bad: dict[int, RowError] = {}
     for i, row in enumerate(ds):
         try:
-            if err := no_answer(tokenizer, convert(row)):
-                raise err
+            check(row)
         except RowError as err:
             if not skip:
                 raise DataError(f"{where(i)}: {err}; fix or remove that row, or pass --skip_bad_rows true to leave "

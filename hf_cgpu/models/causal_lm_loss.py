@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .cgpt.modeling_cgpt import chunked_cross_entropy
 
@@ -88,17 +89,7 @@ def causal_lm_loss_from_hidden(
     call it under `accelerator.autocast()`. Heads with LoRA adapters, logit soft-capping or logit
     scaling are rejected because the chunked loss would silently skip them.
     """
-    lm = unwrap_model(model)
-    config = getattr(lm, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale"):
-        if getattr(config, attr, None) not in (None, 1.0):
-            raise NotImplementedError(f"{type(lm).__name__} uses {attr}: use the model's own labels= loss")
-    head = lm.get_output_embeddings()
-    if head is None or hasattr(head, "base_layer"):
-        raise ValueError("the output head is missing or has LoRA adapters: use the model's own labels= loss")
-    backbone = _backbone(lm)
-    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **backbone_kwargs)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, T, d)
+    hidden, head = _hidden_and_head(model, input_ids, attention_mask, **backbone_kwargs)
     return chunked_causal_lm_loss(
         hidden,
         head.weight,
@@ -111,4 +102,44 @@ def causal_lm_loss_from_hidden(
     )
 
 
-__all__ = ["causal_lm_loss_from_hidden", "chunked_causal_lm_loss", "unwrap_model"]
+def _hidden_and_head(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     **backbone_kwargs: Any) -> tuple[torch.Tensor, nn.Module]:
+    """The backbone's last hidden states (B, T, d) and the output head, for a loss that applies the head in chunks."""
+    lm = unwrap_model(model)
+    config = getattr(lm, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, attr, None) not in (None, 1.0):
+            raise NotImplementedError(f"{type(lm).__name__} uses {attr}: use the model's own labels= loss")
+    head = lm.get_output_embeddings()
+    if head is None or hasattr(head, "base_layer"):
+        raise ValueError("the output head is missing or has LoRA adapters: use the model's own labels= loss")
+    backbone = _backbone(lm)
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **backbone_kwargs)
+    return (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]), head
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                    ignore_index: int) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()  # (n, V): matmul in the operands' dtype, softmax in fp32
+    return -F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
+
+
+def token_logprobs_from_hidden(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
+                               chunk_size: int = 1024, ignore_index: int = -100,
+                               **backbone_kwargs: Any) -> torch.Tensor:
+    """(B, T) fp32 log-probability of each already aligned target (0 where ``ignore_index``), the head applied in
+    checkpointed chunks of ``chunk_size`` tokens as ``causal_lm_loss_from_hidden`` does: the (B, T, vocab) logits never
+    exist at once. Call it under ``accelerator.autocast()``."""
+    hidden, head = _hidden_and_head(model, input_ids, **backbone_kwargs)
+    flat, labels = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1).to(hidden.device)
+    bias, parts = getattr(head, "bias", None), []
+    for start in range(0, flat.shape[0], chunk_size):
+        args = (flat[start : start + chunk_size], head.weight, bias, labels[start : start + chunk_size], ignore_index)
+        if torch.is_grad_enabled() and flat.requires_grad:
+            parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(*args))
+    return torch.cat(parts).reshape(targets.shape)
+
+
+__all__ = ["causal_lm_loss_from_hidden", "chunked_causal_lm_loss", "token_logprobs_from_hidden", "unwrap_model"]

@@ -62,13 +62,15 @@ class FinetuneTask(PackedTokensTask):
             pool = ThreadPoolExecutor(1, thread_name_prefix="hf_cgpu-base-digest")
             self.base_digest = pool.submit(base_digest, self.base)
             pool.shutdown(wait=False)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.base, trust_remote_code=cfg.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_source(),
+                                                       trust_remote_code=cfg.trust_remote_code)
         if self.tokenizer.eos_token_id is None:  # which file lost it, else that documents could not be separated
             raise DataError(no_eos_message(self.tokenizer, f"tokenizer of {cfg.model}"))
         self.end_of_turn = self.tokenizer.eos_token_id  # an instruction run: what closes its template's turns
         device_map = {"": accelerator.device} if settings.tier == "qlora" and accelerator.device.type == "cuda" else None
         model = load_base_model(self.base, settings.tier, device_map=device_map, trust_remote_code=cfg.trust_remote_code,
                                 device=accelerator.device)
+        model = self._start_from(model, accelerator)
         if settings.tier == "lora" and model.dtype == torch.float32:
             accelerator.print("lora on a CPU without bf16 arithmetic (AVX512-BF16, AMX): the frozen base is kept in "
                               "fp32, where bf16 matmuls would be emulated several times slower")
@@ -80,19 +82,30 @@ class FinetuneTask(PackedTokensTask):
             accelerator.print(note)
         self.instruct = self._load_data(accelerator, model)
         _, total = count_parameters(model)
-        if self.instruct:
-            rows = self.train_rows
-            dropped = (f" ({rows.n_cut_to_prompt} of them before their first response token: left out, raise "
-                       "--seq_len to train on them)" if rows.n_cut_to_prompt else "")
-            data = (f"{rows.n_examples:,} instruction examples ({self.fmt} rows, chat template: "
-                    f"{'yes' if getattr(self.tokenizer, 'chat_template', None) else 'no'}), "
-                    f"{rows.n_truncated} longer than {cfg.seq_len + 1} tokens cut{dropped}; {self._layout()}; "
-                    "loss on the responses only")
-        else:
-            data = f"{self.train_data.n_tokens:,} tokens of text, windows of {cfg.seq_len}"
-        accelerator.print(f"{cfg.model}: {total / 1e6:.0f}M parameters, tier {settings.tier}; train {data}")
+        accelerator.print(f"{cfg.model}: {total / 1e6:.0f}M parameters, tier {settings.tier}; "
+                          f"train {self._data_summary()}")
         # a pretrained base starts well below ln(vocab): no label-leak check
         return TaskPlan(model, shape=self._run_shape(shape))
+
+    def _tokenizer_source(self) -> str:
+        """Where the tokenizer loads from: the base."""
+        return self.base
+
+    def _start_from(self, model, accelerator):
+        """The model training starts from, given the base as loaded: the base (the tiers add the adapters)."""
+        return model
+
+    def _data_summary(self) -> str:
+        cfg = self.cfg
+        if not self.instruct:
+            return f"{self.train_data.n_tokens:,} tokens of text, windows of {cfg.seq_len}"
+        rows = self.train_rows
+        dropped = (f" ({rows.n_cut_to_prompt} of them before their first response token: left out, raise "
+                   "--seq_len to train on them)" if rows.n_cut_to_prompt else "")
+        return (f"{rows.n_examples:,} instruction examples ({self.fmt} rows, chat template: "
+                f"{'yes' if getattr(self.tokenizer, 'chat_template', None) else 'no'}), "
+                f"{rows.n_truncated} longer than {cfg.seq_len + 1} tokens cut{dropped}; {self._layout()}; "
+                "loss on the responses only")
 
     def _load_data(self, accelerator, model) -> bool:
         """Instruction rows (True) or a packed text stream (False), by ``data_format`` and the columns."""

@@ -14,7 +14,7 @@ from ..errors import SettingsError
 from ..flow.samplers import check_sampler, parse_interval, sampler_names
 from ..models import cgpt
 from ..models.cgpt.options_cgpt import CgptOptions
-from ..options import ATTN_IMPLEMENTATIONS, DATA_ORDERS, TIME_SAMPLINGS, VERIFY_MODES, check_choice
+from ..options import ADAPTER_TIERS, ATTN_IMPLEMENTATIONS, DATA_ORDERS, TIME_SAMPLINGS, VERIFY_MODES, check_choice
 from ..settings import FIXED
 
 
@@ -332,6 +332,65 @@ class FinetuneSettings:
 
 
 @dataclass(frozen=True)
+class DPOSettings(FinetuneSettings):
+    """Base model, SFT adapter, preference data and loss of a DPO run (``hf-cgpu train dpo``)."""
+
+    dataset: str = ""
+    """Preference rows: prompt, chosen and rejected, each a string or a list of {role, content} messages (TRL's
+    formats), in JSON lines or parquet files (a folder, files, or a Hub id); a validation split is carved when there is
+    none."""
+    adapter: str = field(default="", metadata=FIXED)
+    """The SFT adapter to continue: the output_dir of `hf-cgpu train lora` on --model. Training starts from it, and
+    as it is it is the reference policy (its log-probabilities computed once, before the first step); the folder is
+    only read. Empty: a new LoRA on --model, the base as the reference (needs --require_adapter false)."""
+    require_adapter: bool = field(default=True, metadata=FIXED)
+    """Refuse a run without --adapter: preference tuning continues a fine-tuned model, and a DPO run pointed at a bare
+    base usually forgot its SFT adapter; false: train a new LoRA on the base."""
+    beta: float = field(default=0.1, metadata=FIXED)
+    """DPO's beta: how far the policy may move from the reference (higher: less); the implicit reward of an answer is
+    beta x (its log-probability under the policy - under the reference)."""
+    skip_bad_rows: bool = False
+    """Leave out preference rows that are no pair (a missing or non-text field, the same answer twice, a prompt that
+    fills a row before its answer), counted in one line per split; false: the first one is refused, naming its file,
+    row and field."""
+    seq_len: int = field(default=1024, metadata=FIXED)
+    """Tokens of the prompt and one answer (TRL's max_length); a longer answer is cut (counted)."""
+    packing: bool = field(default=True, metadata=FIXED)
+    """Several whole pairs per training row of 2 x (seq_len + 1) tokens (chosen then rejected, positions restarting at
+    each answer, so attention and the loss stay within it); false: two padded rows of seq_len + 1 tokens a pair.
+    Held-out pairs are never packed. The start-up check of train lora turns packing off on a base whose positions do
+    not restart; a --packing true given on the command line is refused there instead."""
+    data_format: str = field(default="preference", metadata={"cli": False})
+    """Preference rows (prompt, chosen, rejected)."""
+    text_column: str = field(default="text", metadata={"cli": False})
+    """Unused: preference rows have no text column."""
+    num_proc: int = field(default=0, metadata={"cli": False})
+    """Unused: preference rows are tokenized in the process."""
+    cache_dir: str = field(default="", metadata={"cli": False})
+    """Unused: preference rows are not cached."""
+
+    def __post_init__(self) -> None:
+        check_choice("verify", self.verify, VERIFY_MODES)
+        if self.merge_dtype not in ("bfloat16", "float32", "float16"):
+            raise SettingsError(f"merge_dtype={self.merge_dtype!r}; choose bfloat16, float16 or float32")
+        if self.beta <= 0:
+            raise SettingsError(f"--beta {self.beta}; use a positive value, e.g. 0.1")
+
+    def check_with(self, train: Any) -> None:
+        """An adapter tier, a dataset, and an SFT adapter where --require_adapter asks for one."""
+        if train.tier not in ADAPTER_TIERS:
+            raise SettingsError(f"--tier {train.tier}: DPO trains an adapter on a frozen base, whose reference "
+                                "log-probabilities are computed once; use --tier lora or qlora")
+        if not self.dataset:
+            raise SettingsError("--dataset is empty: pass preference rows (prompt, chosen, rejected), e.g. "
+                                "benchmarks/finetune/make_preferences.py's output")
+        if not self.adapter and self.require_adapter:
+            raise SettingsError(f"--adapter is empty and this preset (tier {train.tier}) continues an SFT adapter: "
+                                "pass --adapter DIR (the output_dir of hf-cgpu train lora on --model), or "
+                                "--require_adapter false to train a new LoRA on the bare base")
+
+
+@dataclass(frozen=True)
 class ClassifierSettings:
     """Data, shape and augmentation of a classifier run."""
 
@@ -431,5 +490,5 @@ class Toy2DSettings:
         return budgets
 
 
-__all__ = ["ClassifierSettings", "FinetuneSettings", "FlowDistillSettings", "FlowSettings", "GPTSettings",
+__all__ = ["ClassifierSettings", "DPOSettings", "FinetuneSettings", "FlowDistillSettings", "FlowSettings", "GPTSettings",
            "Toy2DSettings"]

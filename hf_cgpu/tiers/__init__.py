@@ -34,7 +34,7 @@ def apply_tiers(model: nn.Module, settings: Any, compile: bool | None = None, ba
     compile = s.compile if compile is None else compile
     if s.tier == "qlora" and not is_4bit(model):
         raise SettingsError("tier qlora needs a 4-bit base: load it with load_base_model(name, tier='qlora')")
-    if s.tier in ADAPTER_TIERS:
+    if s.tier in ADAPTER_TIERS and not hasattr(model, "peft_config"):  # a PeftModel: its loaded adapter is trained
         targets = [m for m in s.lora_target_modules.split(",") if m] or None
         model = apply_lora(model, r=s.lora_r, alpha=s.lora_alpha, dropout=s.lora_dropout, target_modules=targets)
     if s.recompute:
