@@ -137,8 +137,8 @@ def test_the_image_tasks_have_a_budget_answer():
     assert "adversarial term" not in run(["--task", "flow-distill", "--preset", "cifar10"])
     gan = run(["--task", "flow-distill", "--preset", "cifar10-gan"])  # what the ledger leaves out is said
     assert "images/s per GPU" in gan and "note: the adversarial term (--adversarial_weight) is not priced" in gan
-    with pytest.raises(SettingsError, match="^--task 'dpo': the ledger prices gpt, lora, flow"):
-        run(["--task", "dpo"])
+    with pytest.raises(SettingsError, match="^--task 'toy2d': the ledger prices gpt, lora, dpo, flow"):
+        run(["--task", "toy2d"])
 
 
 def test_a_cpu_run_that_cannot_fit_the_machines_memory_is_refused_before_its_first_step():

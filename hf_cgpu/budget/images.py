@@ -926,6 +926,15 @@ def _passes(train) -> float:
     return ELEMENTWISE_PASSES["compiled" if train.compile else "eager"]
 
 
+def unpriced(task: str, cfg) -> str:
+    """What of ``train TASK`` with ``cfg`` the image ledger leaves out (empty: nothing): its figures are then a lower
+    bound."""
+    if task == "flow-distill" and getattr(cfg, "adversarial_weight", 0) > 0:
+        return ("the adversarial term (--adversarial_weight) is not priced: its student calls with a backward on the "
+                "1- and 2-step samples, the teacher encoder's calls and the discriminator heads come on top")
+    return ""
+
+
 def image_step_work(task: str, cfg, train, teacher_config: dict[str, Any] | None = None, guide: bool = False,
                     guidance_scale: float | None = None) -> StepWork:
     """The work of one optimizer step of ``train TASK`` (every micro-batch), arguments as ``image_ledger``'s.
@@ -1013,5 +1022,5 @@ def sample_work(unet: dict[str, Any], num_images: int, steps: int, sampler: str 
 __all__ = ["AUTOCAST", "CUDA_GRAPH_POOL_SHARE", "Conv", "Dense", "DistillRows", "FP32_PRODUCT_COST", "ImageLedger",
            "ImageNet", "Inference", "PipelineInfo", "Saved", "TASKS", "cifar_resnet", "classifier_inference",
            "distill_rows", "evaluations_per_image", "flow_unet", "guidance_mode", "image_ledger", "image_step_work",
-           "read_pipeline", "sample_memory", "sample_work", "sampler_calls", "task_net", "unet_config",
+           "read_pipeline", "sample_memory", "sample_work", "sampler_calls", "task_net", "unet_config", "unpriced",
            "unet_inference"]

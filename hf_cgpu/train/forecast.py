@@ -26,6 +26,8 @@ class Forecast:
     time: RunTime
     reserved_bytes: float | None
     """Peak reserved memory per GPU (None on a CPU, where the ledger prices no allocator)."""
+    unpriced: str = ""
+    """What of the run the ledger leaves out (its figures are then a lower bound); empty: nothing."""
 
     @property
     def step_seconds(self) -> float:
@@ -36,13 +38,16 @@ class Forecast:
         steps = (f"; --max_minutes {self.time.minutes:g} holds ~{self.time.steps:,} steps"
                  if self.time.limited_by_minutes else "")
         memory = f", {self.reserved_bytes / GiB:.2f} GiB reserved" if self.reserved_bytes is not None else ""
-        return f"ledger: about {self.step_seconds:.4g} s a step{memory} on {self.card}{steps} (hf-cgpu budget)"
+        bound = f"; a lower bound: {self.unpriced}" if self.unpriced else ""
+        return f"ledger: about {self.step_seconds:.4g} s a step{memory} on {self.card}{steps} (hf-cgpu budget){bound}"
 
-    def checked(self, results: dict[str, Any]) -> dict[str, Any]:
+    def checked(self, results: dict[str, Any], start_step: int = 0) -> dict[str, Any]:
         """The prediction beside the run's measurement (``results``: all_results.json's figures): the mean step
-        after each process's first, peak reserved memory, steps done in --max_minutes."""
+        after each process's first, peak reserved memory, steps done in this process's --max_minutes (a resumed
+        run's from ``start_step``)."""
         measured = results.get("step_seconds")
-        out: dict[str, Any] = {"card": self.card, "step_seconds": round(self.step_seconds, 5),
+        out: dict[str, Any] = {"card": self.card, **({"unpriced": self.unpriced} if self.unpriced else {}),
+                               "step_seconds": round(self.step_seconds, 5),
                                "measured_step_seconds": round(measured, 5) if measured else None,
                                "step_error": round(self.step_seconds / measured - 1, 4) if measured else None}
         reserved = results.get("peak_reserved_gib")
@@ -51,7 +56,7 @@ class Forecast:
             out.update(reserved_gib=round(predicted, 3), measured_reserved_gib=round(reserved, 3),
                        reserved_error=round(predicted / reserved - 1, 4))
         if self.time.limited_by_minutes:
-            out.update(steps_in_minutes=self.time.steps, measured_steps=results.get("steps"))
+            out.update(steps_in_minutes=self.time.steps, measured_steps=(results.get("steps") or 0) - start_step)
         return out
 
 
@@ -66,11 +71,16 @@ def forecast(task, plan, settings, accelerator) -> Forecast | None:
         rt = lm_run_time(shape.model, setup, settings, card, task.eval_micro_batches(settings))
         reserved = ledger(shape.model, setup).reserved if gpu else None
     elif task.ledger_task is not None:
-        from ..budget.images import image_ledger
+        from ..budget.images import image_ledger, unpriced
 
         extra = teacher_extra(task.cfg)
         rt = image_run_time(task.ledger_task, task.cfg, settings, card, extra)
         reserved = image_ledger(task.ledger_task, task.cfg, settings, **extra).reserved if gpu else None
+        return Forecast(_card_label(card), rt, reserved, unpriced(task.ledger_task, task.cfg))
     else:
         return None
-    return Forecast(f"{card.name} ({card.source.split(':')[0]})", rt, reserved)
+    return Forecast(_card_label(card), rt, reserved)
+
+
+def _card_label(card) -> str:
+    return f"{card.name} ({card.source.split(':')[0]})"

@@ -155,6 +155,7 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     if task.train_mode == "finetune" and state.step == 0:  # the base it starts from: base_* in all_results
         with metrics.paused():
             validator.run(0)
+    start_step = state.step
     try:
         with Stopping(s.max_minutes, catch_signals=True) as stopping, metrics.progress(state.step):
             _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer, stopping)
@@ -164,7 +165,7 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     except BaseException:
         checkpointer.close(raise_errors=False)
         raise
-    return _finish(run, task, state, metrics, validator, keeper, checkpointer, predicted)
+    return _finish(run, task, state, metrics, validator, keeper, checkpointer, (predicted, start_step))
 
 
 def _forecast(run: Run, task: Task) -> Forecast | None:
@@ -309,7 +310,8 @@ def _ladder_setup(run: Run) -> TrainSetup:
 
 
 def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator: Validator,
-            keeper: BestKeeper, checkpointer: Checkpointer, predicted: Forecast | None = None) -> dict[str, Any]:
+            keeper: BestKeeper, checkpointer: Checkpointer,
+            forecast_from: tuple[Forecast | None, int] = (None, 0)) -> dict[str, Any]:
     """The final evaluation (EMA weights), the best weights if asked, and what the run leaves on disk; weights that
     are not finite are never evaluated, saved or sealed."""
     acc, s = run.accelerator, run.settings
@@ -327,8 +329,9 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
         "batch_changes": state.batch_changes, "mixed_precision": acc.mixed_precision,
         **({"card": task.card} if task.card else {}),
         **({"schedule_steps": state.last_step(s)} if s.fit_schedule_to_time else {})})
-    if predicted is not None:
-        results["ledger"] = predicted.checked(results)
+    predicted, start_step = forecast_from
+    if predicted is not None:  # beside what this process measured (a resumed run: from the step it resumed at)
+        results["ledger"] = predicted.checked(results, start_step)
     if acc.num_processes > 1:
         results["processes_peak_memory"] = peak_memory_per_process(acc, peak_memory(acc.device))
     if warning := against_base(results):
