@@ -25,13 +25,12 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sft_vs_trl import CHAT, PYTHIA, TINY, GiB, StepClock  # noqa: E402
+from bench_sft_vs_trl import CHAT, PYTHIA, TINY, GiB, StepClock, run_rows  # noqa: E402
 from make_preferences import pairs, poems, write  # noqa: E402
 
 ROWS = ("ours", "trl", "ours_packed")
@@ -219,31 +218,8 @@ def main() -> None:
     print(f"prepared in {time.monotonic() - start:.0f} s: {info}", flush=True)
     with open(out / "dpo_vs_trl.jsonl", "a") as fh:
         fh.write(json.dumps({"row": "data", **info}) + "\n")
-    results: dict[str, dict] = {}
-    for name in [r for r in a.rows.split(",") if r]:
-        left = a.deadline - (time.monotonic() - start)
-        if left < 30:
-            results[name] = {"skipped": "deadline"}
-            continue
-        cmd = [sys.executable, __file__, "--row", name, *sys.argv[1:]]
-        t0 = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-            log = proc.stdout + proc.stderr
-            row = next((json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")),
-                       {"error": log.strip().splitlines()[-1] if log.strip() else f"exit {proc.returncode}"})
-        except subprocess.TimeoutExpired as e:  # its output comes as bytes
-            log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                          for x in (e.stdout, e.stderr))
-            row = {"error": "deadline"}
-        with open(out / "dpo_rows.log", "a") as fh:  # one file for every row's log (OUT takes 8 files)
-            fh.write(f"===== {name}\n{log[-100_000:]}\n")
-        row["wall_s"] = time.monotonic() - t0
-        results[name] = row
-        print(f"{name}: {row}", flush=True)
-        with open(out / "dpo_vs_trl.jsonl", "a") as fh:
-            fh.write(json.dumps({"row": name, **row}) + "\n")
-        (out / "dpo_vs_trl.md").write_text(table(results) + "\n")
+    results = run_rows(__file__, [r for r in a.rows.split(",") if r], a.deadline - (time.monotonic() - start), out,
+                       "dpo_rows.log", "dpo_vs_trl", table)
     print(table(results))
 
 

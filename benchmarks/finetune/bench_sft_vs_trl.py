@@ -382,6 +382,39 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def run_rows(script: str, names, seconds: float, out: Path, log_name: str, stem: str, table) -> dict[str, dict]:
+    """Each row of ``names`` as ``script --row NAME`` in a fresh process (its peak memory its own) within ``seconds``
+    in all; every row's log appended to ``out/log_name``, its figures to ``out/stem.jsonl`` and the table so far to
+    ``out/stem.md`` as each row ends (a deadline keeps the finished rows). Returns the rows by name."""
+    start = time.monotonic()
+    results: dict[str, dict] = {}
+    for name in names:
+        left = seconds - (time.monotonic() - start)
+        if left < 30:
+            results[name] = {"skipped": "deadline"}
+            continue
+        cmd = [sys.executable, script, "--row", name, *sys.argv[1:]]
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+            log = proc.stdout + proc.stderr
+            row = next((json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")),
+                       {"error": log.strip().splitlines()[-1] if log.strip() else f"exit {proc.returncode}"})
+        except subprocess.TimeoutExpired as e:  # its output comes as bytes
+            log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                          for x in (e.stdout, e.stderr))
+            row = {"error": "deadline"}
+        with open(out / log_name, "a") as fh:  # one file for every row's log (OUT takes 8 files)
+            fh.write(f"===== {name}\n{log[-100_000:]}\n")
+        row["wall_s"] = time.monotonic() - t0
+        results[name] = row
+        print(f"{name}: {row}", flush=True)
+        with open(out / f"{stem}.jsonl", "a") as fh:
+            fh.write(json.dumps({"row": name, **row}) + "\n")
+        (out / f"{stem}.md").write_text(table(results) + "\n")
+    return results
+
+
 def main() -> None:
     a = parse()
     if a.row:
@@ -393,31 +426,8 @@ def main() -> None:
     info = prepare(a)
     (out / "data.json").write_text(json.dumps(info, indent=2))
     print(f"prepared in {time.monotonic() - start:.0f} s: {info}", flush=True)
-    results: dict[str, dict] = {}
-    for name in a.order:
-        left = a.deadline - (time.monotonic() - start)
-        if left < 30:
-            results[name] = {"skipped": "deadline"}
-            continue
-        cmd = [sys.executable, __file__, "--row", name, *[x for x in sys.argv[1:]]]
-        t0 = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-            log = proc.stdout + proc.stderr
-            row = next((json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")),
-                       {"error": log.strip().splitlines()[-1] if log.strip() else f"exit {proc.returncode}"})
-        except subprocess.TimeoutExpired as e:  # its output comes as bytes
-            log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                          for x in (e.stdout, e.stderr))
-            row = {"error": "deadline"}
-        with open(out / "rows.log", "a") as fh:  # one file for every row's log (OUT takes 8 files)
-            fh.write(f"===== {name}\n{log[-100_000:]}\n")
-        row["wall_s"] = time.monotonic() - t0
-        results[name] = row
-        print(f"{name}: {row}", flush=True)
-        with open(out / "sft_vs_trl.jsonl", "a") as fh:
-            fh.write(json.dumps({"row": name, **row}) + "\n")
-        (out / "sft_vs_trl.md").write_text(table(results) + "\n")
+    results = run_rows(__file__, a.order, a.deadline - (time.monotonic() - start), out, "rows.log", "sft_vs_trl",
+                       table)
     print(table(results))
 
 
