@@ -47,8 +47,8 @@ class Forecast:
         run's from ``start_step``)."""
         measured = results.get("step_seconds")
         out: dict[str, Any] = {"card": self.card, **({"unpriced": self.unpriced} if self.unpriced else {}),
-                               "step_seconds": round(self.step_seconds, 5),
-                               "measured_step_seconds": round(measured, 5) if measured else None,
+                               "step_seconds": float(f"{self.step_seconds:.6g}"),
+                               "measured_step_seconds": float(f"{measured:.6g}") if measured else None,
                                "step_error": round(self.step_seconds / measured - 1, 4) if measured else None}
         reserved = results.get("peak_reserved_gib")
         if self.reserved_bytes is not None and reserved:
