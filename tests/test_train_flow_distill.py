@@ -161,7 +161,7 @@ def test_bad_teacher_is_one_line_and_exit_2(runs, synthetic_data, tmp_path, caps
         assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("run", ["student", "gan"])
+@pytest.mark.parametrize("run", ["student", pytest.param("gan", marks=pytest.mark.slow)])
 def test_loads_through_diffusers_without_hf_cgpu(run, request, tmp_path):
     """The distilled folder, and the adversarial stage's (its discriminator stays in the checkpoints): plain diffusers
     samples them as hf_cgpu does."""
@@ -273,6 +273,7 @@ def gan(runs, synthetic_data):
     return runs / "gan"
 
 
+@pytest.mark.slow  # trains the adversarial stage (the slow tier: `-m slow`)
 def test_the_adversarial_stage_trains_a_discriminator_and_starts_from_the_student(gan, runs):
     """The checkpoints hold the heads and their optimizer beside the student; the student moved from its start."""
     results = json.loads((gan / "all_results.json").read_text())
@@ -289,6 +290,7 @@ def test_the_adversarial_stage_trains_a_discriminator_and_starts_from_the_studen
     assert set(start) == set(end) and any(not torch.equal(start[k], end[k]) for k in start)
 
 
+@pytest.mark.slow  # trains the adversarial stage (the slow tier: `-m slow`)
 def test_the_adversarial_stage_resumes_bit_identical(gan, runs, synthetic_data, tmp_path):
     """Killed after step 6 and resumed: the discriminator's weights and moments come back, so every later loss and
     the saved student are the uninterrupted run's, bit for bit."""
@@ -327,6 +329,7 @@ def test_a_discriminator_checkpoint_that_does_not_fit_is_one_line(gan, runs, syn
     assert sorted(str(p.relative_to(cut)) for p in cut.rglob("*")) == before
 
 
+@pytest.mark.slow  # trains the adversarial stage (the slow tier: `-m slow`)
 def test_bad_inputs_of_the_adversarial_stage_are_one_line(runs, synthetic_data, tmp_path, capsys):
     """A student folder of another kind or shape, a teacher of another resolution than the real images, real images
     of other classes, a judge of other classes: one line, exit 2, no output folder."""
@@ -377,6 +380,7 @@ def test_bad_inputs_of_the_adversarial_stage_are_one_line(runs, synthetic_data, 
     datasets.enable_progress_bars()
 
 
+@pytest.mark.slow  # trains the adversarial stage (the slow tier: `-m slow`)
 def test_the_judge_reports_the_rarest_class_and_the_card_states_it(runs, synthetic_data, tmp_path):
     """A judge that sees class 3 everywhere: the rarest class holds 0% of the samples, the asked class is found in a
     tenth of them; both reach all_results.json, and the card says the rarest class's share."""
