@@ -55,7 +55,7 @@ def in_training(pred):
 # ---------------------------------------------------------------------------------------------------- runs
 
 
-MEASURED = ("_per_s", "seconds", "peak_rss", "mfu", "recompiles")  # timings and memory: they differ run to run
+MEASURED = ("_per_s", "seconds", "peak_rss", "mfu", "recompiles", "ledger")  # timings, memory: differ run to run
 NOT_THE_MODEL = {"all_results.json", "history.json", "training_curves.png"}  # compared without what is measured
 
 
