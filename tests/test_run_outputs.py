@@ -129,8 +129,8 @@ def test_the_forecast_counts_a_resumed_processs_own_steps_and_says_what_it_leave
     from hf_cgpu.train.forecast import Forecast
 
     time = SimpleNamespace(step=SimpleNamespace(seconds=0.1), steps=4000, minutes=7.0, limited_by_minutes=True)
-    f = Forecast("H100 (bench)", time, 2**30, unpriced="the adversarial term")
-    led = f.checked({"steps": 9000, "step_seconds": 0.125, "peak_reserved_gib": 1.25}, start_step=5000)
+    f = Forecast("H100 (bench)", time, 2**30, unpriced="the adversarial term", start_step=5000)
+    led = f.checked({"steps": 9000, "step_seconds": 0.125, "peak_reserved_gib": 1.25})
     assert led["measured_steps"] == 4000 and led["steps_in_minutes"] == 4000  # this process's, not the run's total
     assert led["step_error"] == pytest.approx(0.1 / 0.125 - 1) and led["reserved_error"] == pytest.approx(-0.2)
     assert led["unpriced"] == "the adversarial term" and "a lower bound: the adversarial term" in f.line()

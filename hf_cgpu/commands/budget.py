@@ -534,7 +534,7 @@ def sample_job(argv: Sequence[str]):
     --task sample MODEL_DIR ARGV``: the steps, sampler, guidance and interval ``hf-cgpu sample`` would use, the
     folder's saved defaults where a flag leaves them open."""
     from ..budget.images import read_pipeline
-    from ..flow.sample_settings import SampleSettings, resolve_sampling
+    from ..flow.sample_settings import SampleSettings
     from ..settings import build_parser
 
     parser = build_parser((SampleSettings, SamplePrice), prog="hf-cgpu budget --task sample", description=DESCRIPTION)
@@ -550,8 +550,7 @@ def sample_job(argv: Sequence[str]):
     conditional = bool(info.unet.get("num_classes"))
     saved = {"num_inference_steps": info.steps, "guidance_scale": info.guidance_scale,
              "guidance_interval": info.guidance_interval}
-    kw = resolve_sampling(saved, conditional, guide, s.num_inference_steps,
-                          s.guidance_scale if (s.class_labels or guide) else 1.0, s.guidance_interval, 2.5)
+    kw = s.sampling_of(saved, conditional, guide)
     sampler = s.scheduler or info.sampler
     if not sampler:
         raise SettingsError(f"{folder} saved a scheduler that is not one of hf_cgpu's samplers: pass --scheduler "

@@ -28,6 +28,8 @@ class Forecast:
     """Peak reserved memory per GPU (None on a CPU, where the ledger prices no allocator)."""
     unpriced: str = ""
     """What of the run the ledger leaves out (its figures are then a lower bound); empty: nothing."""
+    start_step: int = 0
+    """The step this process starts at (a resumed run's checkpoint): its minutes hold the steps after it."""
 
     @property
     def step_seconds(self) -> float:
@@ -41,10 +43,10 @@ class Forecast:
         bound = f"; a lower bound: {self.unpriced}" if self.unpriced else ""
         return f"ledger: about {self.step_seconds:.4g} s a step{memory} on {self.card}{steps} (hf-cgpu budget){bound}"
 
-    def checked(self, results: dict[str, Any], start_step: int = 0) -> dict[str, Any]:
+    def checked(self, results: dict[str, Any]) -> dict[str, Any]:
         """The prediction beside the run's measurement (``results``: all_results.json's figures): the mean step
-        after each process's first, peak reserved memory, steps done in this process's --max_minutes (a resumed
-        run's from ``start_step``)."""
+        after each process's first, peak reserved memory, steps done in this process's --max_minutes (from
+        ``start_step``)."""
         measured = results.get("step_seconds")
         out: dict[str, Any] = {"card": self.card, **({"unpriced": self.unpriced} if self.unpriced else {}),
                                "step_seconds": float(f"{self.step_seconds:.6g}"),
@@ -56,31 +58,27 @@ class Forecast:
             out.update(reserved_gib=round(predicted, 3), measured_reserved_gib=round(reserved, 3),
                        reserved_error=round(predicted / reserved - 1, 4))
         if self.time.limited_by_minutes:
-            out.update(steps_in_minutes=self.time.steps, measured_steps=(results.get("steps") or 0) - start_step)
+            out.update(steps_in_minutes=self.time.steps, measured_steps=(results.get("steps") or 0) - self.start_step)
         return out
 
 
-def forecast(task, plan, settings, accelerator) -> Forecast | None:
-    """The ledger's figures for this run, or None where the ledger does not price the task (a language model whose
-    shape the task does not declare, the 2D toy)."""
+def forecast(task, plan, settings, accelerator, start_step: int = 0) -> Forecast | None:
+    """The ledger's figures for this run (a process that starts at ``start_step``), or None where the ledger does
+    not price the task (a language model whose shape the task does not declare, the 2D toy)."""
     card = run_card(settings.peak_tflops, accelerator.device)
+    label = f"{card.name} ({card.source.split(':')[0]})"
     gpu = accelerator.device.type == "cuda"
     if plan.shape is not None:
         shape = plan.shape
         setup = shape.setup(settings, processes=accelerator.num_processes)
         rt = lm_run_time(shape.model, setup, settings, card, task.eval_micro_batches(settings))
         reserved = ledger(shape.model, setup).reserved if gpu else None
-    elif task.ledger_task is not None:
-        from ..budget.images import image_ledger, unpriced
-
-        extra = teacher_extra(task.cfg)
-        rt = image_run_time(task.ledger_task, task.cfg, settings, card, extra)
-        reserved = image_ledger(task.ledger_task, task.cfg, settings, **extra).reserved if gpu else None
-        return Forecast(_card_label(card), rt, reserved, unpriced(task.ledger_task, task.cfg))
-    else:
+        return Forecast(label, rt, reserved, start_step=start_step)
+    if task.ledger_task is None:
         return None
-    return Forecast(_card_label(card), rt, reserved)
+    from ..budget.images import image_ledger, unpriced
 
-
-def _card_label(card) -> str:
-    return f"{card.name} ({card.source.split(':')[0]})"
+    extra = teacher_extra(task.cfg)
+    rt = image_run_time(task.ledger_task, task.cfg, settings, card, extra)
+    reserved = image_ledger(task.ledger_task, task.cfg, settings, **extra).reserved if gpu else None
+    return Forecast(label, rt, reserved, unpriced(task.ledger_task, task.cfg), start_step)

@@ -129,7 +129,6 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
                         save=s.save_best or s.load_best_at_end, write=task.save_best)
     metrics = Metrics(acc, s, task.unit, run.flops_per_unit, training_peak(s.peak_tflops, acc.device, acc.print))
     metrics.watch_start_up(started, run.recompiles)
-    predicted = _forecast(run, task)
     checkpointer = Checkpointer(acc, run.output_dir, s.checkpointing_steps, s.checkpoints_total_limit, ema, keeper,
                                 metrics.write, model=run.model, optimizer=optimizer, metrics=metrics)
     if pusher is not None:
@@ -138,6 +137,7 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     fingerprint = run_fingerprint(run.model_config, task.data_fingerprint(), *settings_of_run)
     fresh = TrainState.start(s, fingerprint, acc.num_processes)
     state = checkpointer.resume(s.resume_from_checkpoint, fresh, settings_of_run)
+    predicted = _forecast(run, task, state.step)
     if isinstance(ema, SWA):  # the average starts at its fraction of the schedule this run trains (fitted or not)
         ema.last_step = lambda: state.last_step(s)
         fitted = " of the schedule once it is fitted" if s.fit_schedule_to_time else ""
@@ -155,7 +155,6 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     if task.train_mode == "finetune" and state.step == 0:  # the base it starts from: base_* in all_results
         with metrics.paused():
             validator.run(0)
-    start_step = state.step
     try:
         with Stopping(s.max_minutes, catch_signals=True) as stopping, metrics.progress(state.step):
             _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer, stopping)
@@ -165,13 +164,14 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     except BaseException:
         checkpointer.close(raise_errors=False)
         raise
-    return _finish(run, task, state, metrics, validator, keeper, checkpointer, (predicted, start_step))
+    return _finish(run, task, state, metrics, validator, keeper, checkpointer, predicted)
 
 
-def _forecast(run: Run, task: Task) -> Forecast | None:
-    """The ledger's figures for this run, said once (a run the ledger cannot price says why and trains on)."""
+def _forecast(run: Run, task: Task, start_step: int) -> Forecast | None:
+    """The ledger's figures for this process of the run (from ``start_step``), said once (a run the ledger cannot
+    price says why and trains on)."""
     try:
-        predicted = forecast(task, run.plan, run.settings, run.accelerator)
+        predicted = forecast(task, run.plan, run.settings, run.accelerator, start_step)
     except UserError as err:
         run.accelerator.print(f"ledger: this run is not priced ({err})")
         return None
@@ -310,8 +310,7 @@ def _ladder_setup(run: Run) -> TrainSetup:
 
 
 def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator: Validator,
-            keeper: BestKeeper, checkpointer: Checkpointer,
-            forecast_from: tuple[Forecast | None, int] = (None, 0)) -> dict[str, Any]:
+            keeper: BestKeeper, checkpointer: Checkpointer, predicted: Forecast | None = None) -> dict[str, Any]:
     """The final evaluation (EMA weights), the best weights if asked, and what the run leaves on disk; weights that
     are not finite are never evaluated, saved or sealed."""
     acc, s = run.accelerator, run.settings
@@ -329,9 +328,8 @@ def _finish(run: Run, task: Task, state: TrainState, metrics: Metrics, validator
         "batch_changes": state.batch_changes, "mixed_precision": acc.mixed_precision,
         **({"card": task.card} if task.card else {}),
         **({"schedule_steps": state.last_step(s)} if s.fit_schedule_to_time else {})})
-    predicted, start_step = forecast_from
     if predicted is not None:  # beside what this process measured (a resumed run: from the step it resumed at)
-        results["ledger"] = predicted.checked(results, start_step)
+        results["ledger"] = predicted.checked(results)
     if acc.num_processes > 1:
         results["processes_peak_memory"] = peak_memory_per_process(acc, peak_memory(acc.device))
     if warning := against_base(results):
