@@ -180,6 +180,11 @@ class TrainSettings:
     on)."""
     peak_tflops: float = 0.0
     """bf16 peak used as the MFU denominator; 0 = what `hf-cgpu bench` measured on this machine, else none."""
+    emulate_card: str = field(default="", metadata=FIXED)
+    """Train as a named card would in --max_minutes (e.g. "RTX 5070 Ti"; `hf-cgpu budget --card` takes the same
+    names): the run trains the steps the ledger says that card holds in the minutes, its schedule fitted to them (this
+    machine's clock ends nothing), with the allocator capped at that card's memory less the CUDA context, and --preset
+    auto chooses for that card; all_results.json and the model card say it was emulated. Needs --max_minutes."""
     ema_decay: float = field(default=0.0, metadata=FIXED)
     """Exponential moving average of the weights (0 = off); the image recipe uses 0.9999-ish. Warm-up
     min(decay, (1 + step) / (10 + step)): the decay itself applies from step (10 decay - 1) / (1 - decay) on
@@ -242,6 +247,13 @@ class TrainSettings:
                                 "(or drop --swa_start)")
         if self.early_stopping_patience < 0 or self.eval_batches < 0:
             raise SettingsError("early_stopping_patience and eval_batches must be >= 0")
+        if self.emulate_card:
+            from .budget.card import find_card
+
+            find_card(self.emulate_card)  # an unknown name: one line listing the known ones
+            if self.max_minutes <= 0:
+                raise SettingsError(f"--emulate_card {self.emulate_card!r} trains the steps that card holds in the "
+                                    "minutes: add --max_minutes M")
         if self.fit_schedule_to_time and self.max_minutes <= 0:
             raise SettingsError("--fit_schedule_to_time needs the minutes to fit into: add --max_minutes M")
         if self.hub_strategy not in ("end", "checkpoint"):

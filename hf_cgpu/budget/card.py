@@ -147,9 +147,6 @@ def find_card(name: str) -> Card:
                         "machine with the card (the ledger then uses its measured figures)")
 
 
-
-
-
 def card_of_device(device_name: str) -> Card | None:
     """The named card whose name is in a CUDA device name ('NVIDIA GeForce RTX 5070 Ti' -> RTX 5070 Ti; the longest
     match, so an RTX 5070 Ti is not an RTX 5070), or None."""
@@ -158,11 +155,13 @@ def card_of_device(device_name: str) -> Card | None:
     return max(found, key=lambda kc: kc[0])[1] if found else None
 
 
-def run_card(peak_tflops: float, device) -> Card:
-    """The card a training run on ``device`` is priced on: this GPU's stored ``hf-cgpu bench``, else its public
-    figures where it is a named card, else ``DEFAULT_CARD``'s; on the CPU, ``CPU``. ``peak_tflops`` (--peak_tflops)
-    replaces the matmul rate."""
-    if getattr(device, "type", str(device)) != "cuda":
+def run_card(peak_tflops: float, device, emulate: str = "") -> Card:
+    """The card a training run on ``device`` is priced on: the card it emulates (``emulate``: --emulate_card), else
+    this GPU's stored ``hf-cgpu bench``, else its public figures where it is a named card, else ``DEFAULT_CARD``'s; on
+    the CPU, ``CPU``. ``peak_tflops`` (--peak_tflops) replaces the matmul rate."""
+    if emulate:
+        card = find_card(emulate)
+    elif getattr(device, "type", str(device)) != "cuda":
         card = CPU
     else:
         import torch

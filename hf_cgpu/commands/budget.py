@@ -582,9 +582,9 @@ def sample_report(argv: Sequence[str]) -> str:
 
 
 def budget_card(opts: BudgetSettings, train) -> Card:
-    """--card, else this machine's bench, else the 16 GB card hf_cgpu is made for; --peak_tflops replaces the
-    matmul rate."""
-    return with_peak(resolve_card(opts.card), train.peak_tflops)
+    """--card, else the run's --emulate_card, else this machine's bench, else the 16 GB card hf_cgpu is made for;
+    --peak_tflops replaces the matmul rate."""
+    return with_peak(resolve_card(opts.card or getattr(train, "emulate_card", "")), train.peak_tflops)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -305,6 +305,10 @@ def _time_parts(results: dict[str, Any]) -> list[str]:
     minutes = seconds / 60
     parts = [f"trained in {minutes:.1f} minutes" if minutes < 120 else f"trained in {minutes / 60:.1f} hours"]
     led = results.get("ledger") or {}
+    if isinstance(led, dict) and led.get("emulated"):
+        return [f"emulated: the {results.get('steps', '?')} steps the ledger (`hf-cgpu budget`) gives "
+                f"{led.get('card', 'the card')} in {led.get('minutes', '?')} minutes, trained on another GPU in "
+                f"{minutes:.1f} minutes"]
     if isinstance(led, dict) and led.get("measured_step_seconds") and led.get("step_seconds"):
         parts.append(f"{led['measured_step_seconds']:.3g} s a step, where the ledger (`hf-cgpu budget`) predicted "
                      f"{led['step_seconds']:.3g} s on {led.get('card', 'this card')}")

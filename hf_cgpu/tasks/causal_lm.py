@@ -202,7 +202,7 @@ class CausalLMTask(PackedTokensTask):
 
     def _auto(self, settings: TrainSettings, accelerator, vocab: int):
         """(GPTSettings, TrainSettings, the line) of ``--auto`` for the packed training split on this card."""
-        card = run_card(settings.peak_tflops, accelerator.device)
+        card = run_card(settings.peak_tflops, accelerator.device, settings.emulate_card)
         return resolve_auto(self.cfg, settings, self.train_data.n_tokens, card, Path(settings.output_dir), vocab,
                             accelerator.num_processes, save=accelerator.is_main_process,
                             device_type=accelerator.device.type)

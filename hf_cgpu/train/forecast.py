@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..budget.card import run_card
-from ..budget.memory import GiB, ledger
+from ..budget.card import find_card, run_card
+from ..budget.memory import CUDA_CONTEXT_BYTES, GiB, ledger
 from ..budget.runs import image_run_time, lm_run_time, teacher_extra
 from ..budget.time import RunTime
+from ..errors import SettingsError
+from .schedule import fitted_warmup
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class Forecast:
     """What of the run the ledger leaves out (its figures are then a lower bound); empty: nothing."""
     start_step: int = 0
     """The step this process starts at (a resumed run's checkpoint): its minutes hold the steps after it."""
+    emulated: bool = False
+    """--emulate_card: the card priced is not this machine's, and the run trains the steps the card holds."""
 
     @property
     def step_seconds(self) -> float:
@@ -41,7 +45,8 @@ class Forecast:
                  if self.time.limited_by_minutes else "")
         memory = f", {self.reserved_bytes / GiB:.2f} GiB reserved" if self.reserved_bytes is not None else ""
         bound = f"; a lower bound: {self.unpriced}" if self.unpriced else ""
-        return f"ledger: about {self.step_seconds:.4g} s a step{memory} on {self.card}{steps} (hf-cgpu budget){bound}"
+        head = "ledger (emulated card)" if self.emulated else "ledger"
+        return f"{head}: about {self.step_seconds:.4g} s a step{memory} on {self.card}{steps} (hf-cgpu budget){bound}"
 
     def checked(self, results: dict[str, Any]) -> dict[str, Any]:
         """The prediction beside the run's measurement (``results``: all_results.json's figures): the mean step
@@ -52,6 +57,8 @@ class Forecast:
                                "step_seconds": float(f"{self.step_seconds:.6g}"),
                                "measured_step_seconds": float(f"{measured:.6g}") if measured else None,
                                "step_error": round(self.step_seconds / measured - 1, 4) if measured else None}
+        if self.emulated:  # the step was measured on another card than the one priced: no error to state
+            out.update(emulated=True, minutes=self.time.minutes, step_error=None)
         reserved = results.get("peak_reserved_gib")
         if self.reserved_bytes is not None and reserved:
             predicted = self.reserved_bytes / GiB
@@ -65,15 +72,16 @@ class Forecast:
 def forecast(task, plan, settings, accelerator, start_step: int = 0) -> Forecast | None:
     """The ledger's figures for this run (a process that starts at ``start_step``), or None where the ledger does
     not price the task (a language model whose shape the task does not declare, the 2D toy)."""
-    card = run_card(settings.peak_tflops, accelerator.device)
+    card = run_card(settings.peak_tflops, accelerator.device, settings.emulate_card)
     label = f"{card.name} ({card.source.split(':')[0]})"
+    emulated = bool(settings.emulate_card)
     gpu = accelerator.device.type == "cuda"
     if plan.shape is not None:
         shape = plan.shape
         setup = shape.setup(settings, processes=accelerator.num_processes)
         rt = lm_run_time(shape.model, setup, settings, card, task.eval_micro_batches(settings))
         reserved = ledger(shape.model, setup).reserved if gpu else None
-        return Forecast(label, rt, reserved, start_step=start_step)
+        return Forecast(label, rt, reserved, start_step=start_step, emulated=emulated)
     if task.ledger_task is None:
         return None
     from ..budget.images import image_ledger, unpriced
@@ -81,4 +89,35 @@ def forecast(task, plan, settings, accelerator, start_step: int = 0) -> Forecast
     extra = teacher_extra(task.cfg)
     rt = image_run_time(task.ledger_task, task.cfg, settings, card, extra)
     reserved = image_ledger(task.ledger_task, task.cfg, settings, **extra).reserved if gpu else None
-    return Forecast(label, rt, reserved, unpriced(task.ledger_task, task.cfg), start_step)
+    return Forecast(label, rt, reserved, unpriced(task.ledger_task, task.cfg), start_step, emulated)
+
+
+def emulate(predicted: Forecast | None, settings, state, log=print) -> None:
+    """--emulate_card on a fresh run: the schedule's length fixed to the steps the ledger gives that card in
+    --max_minutes (a resumed run keeps the length its checkpoint holds); its warmup cut as --fit_schedule_to_time
+    cuts it where the length cannot hold it."""
+    if state.schedule_steps:
+        return
+    if predicted is None:
+        raise SettingsError("--emulate_card trains the steps the ledger gives the card, and the ledger does not price "
+                            "this run: drop --emulate_card")
+    length = max(1, min(settings.max_steps, predicted.time.steps))
+    warmup = fitted_warmup(0, length, settings.warmup_steps)
+    state.schedule_steps = length
+    state.schedule_warmup = warmup if warmup != settings.warmup_steps else 0
+    log(f"emulating {predicted.card}: the {length:,} steps the ledger gives it in --max_minutes "
+        f"{settings.max_minutes:g}, the cosine fitted to them; this machine's clock ends nothing")
+
+
+def cap_memory(settings, device, log=print) -> None:
+    """--emulate_card on CUDA: the caching allocator capped at the card's memory less the CUDA context (which lies
+    outside it), so a run that would not fit that card fails here as it would there."""
+    if not settings.emulate_card or getattr(device, "type", "") != "cuda":
+        return
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = find_card(settings.emulate_card).memory_gib * GiB - CUDA_CONTEXT_BYTES
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    log(f"emulating {settings.emulate_card}: memory capped at {min(cap, total) / GiB:.2f} GiB of this GPU's "
+        f"{total / GiB:.1f}")

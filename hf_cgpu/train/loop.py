@@ -36,7 +36,7 @@ from .checkpoint import Checkpointer, TrainState, list_checkpoints, nonfinite_te
 from .guards import Guards, Verdict, diagnosis, diverged, free_after_oom
 from .ema import SWA, ema_weights
 from .fingerprint import run_fingerprint
-from .forecast import Forecast, forecast
+from .forecast import Forecast, emulate, forecast
 from .metrics import Metrics, peak_memory
 from .outdir import LOCK_NAME
 from .parallel import end_processes, full_model, gather_list, is_sharded, peak_memory_per_process
@@ -138,6 +138,8 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     fresh = TrainState.start(s, fingerprint, acc.num_processes)
     state = checkpointer.resume(s.resume_from_checkpoint, fresh, settings_of_run)
     predicted = _forecast(run, task, state.step)
+    if s.emulate_card:
+        emulate(predicted, s, state, acc.print)
     if isinstance(ema, SWA):  # the average starts at its fraction of the schedule this run trains (fitted or not)
         ema.last_step = lambda: state.last_step(s)
         fitted = " of the schedule once it is fitted" if s.fit_schedule_to_time else ""
@@ -156,7 +158,8 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
         with metrics.paused():
             validator.run(0)
     try:
-        with Stopping(s.max_minutes, catch_signals=True) as stopping, metrics.progress(state.step):
+        minutes = 0 if s.emulate_card else s.max_minutes  # an emulated card's minutes are its steps
+        with Stopping(minutes, catch_signals=True) as stopping, metrics.progress(state.step):
             _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer, stopping)
             metrics.end_training()
             checkpointer.save_if_new(state)

@@ -16,7 +16,9 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from ..budget import autofit_settings, flops_per_token
+from ..budget.card import find_card
 from ..budget.ladder import GRAPHS_RECOMPUTE_NOTE
+from ..budget.memory import GiB
 from ..errors import SettingsError
 from ..optim import build_optimizer
 from ..options import CUDA_GRAPH_MODES
@@ -26,6 +28,7 @@ from ..tiers import apply_tiers
 from .compiled import RecompileWatch, use_compile_cache
 from .ema import EMA, SWA
 from .fingerprint import saved_config
+from .forecast import cap_memory
 from .outdir import RunLock, check_free_space, checkpoint_bytes, claim, entries, undo_start
 from .parallel import kind, make_accelerator, template_of
 from .task import Task, TaskPlan
@@ -129,7 +132,7 @@ def check_cpu_run(setup, shape, s: TrainSettings, log=print, available: int | No
     fit this machine's free memory (the kernel would kill it mid-step, saying nothing), and say how long a step
     takes on a CPU where the minutes would hold few steps."""
     from ..budget.card import CPU
-    from ..budget.memory import GiB, host_ledger
+    from ..budget.memory import host_ledger
     from ..budget.time import step_time
     from ..budget.work import lm_step_work
 
@@ -154,11 +157,14 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
                           f" = micro_batch_size {s.micro_batch_size} x gradient_accumulation_steps "
                           f"{s.gradient_accumulation_steps} x {accelerator.num_processes} processes")
     set_seed(s.seed)
+    cap_memory(s, device, accelerator.print)
     plan = task.setup(s, accelerator)
     s = plan.settings or s  # chosen from the data (--auto) before anything reads them
     model_config = saved_config(plan.model)
     if s.autofit:
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        if s.emulate_card:
+            memory = find_card(s.emulate_card).memory_gib * GiB
         s = autofit_settings(s, plan.shape, memory, accelerator.print, processes=accelerator.num_processes,
                              parallel=kind(accelerator))
     if device.type == "cpu" and plan.shape is not None and s.tier == "full":
