@@ -54,13 +54,13 @@ def packed(monkeypatch):
     return seen
 
 
-def _grads(family: str, policy: str) -> dict[str, torch.Tensor]:
+def _grads(family: str, policy: str, backend: str = "") -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = MODELS[family]()
     tier = "full" if family == "cgpt" else "lora"
     settings = TrainSettings(tier=tier, train_mode="pretrain" if tier == "full" else "finetune", recompute=True,
                              recompute_policy=policy, lora_r=4, lora_alpha=8)
-    model = apply_tiers(model, settings, compile=False)
+    model = apply_tiers(model, settings, compile=bool(backend), backend=backend or "inductor")
     for n, p in model.named_parameters():
         if "lora_B" in n:  # non-zero B: every adapter is on the gradient path
             torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(n)))
@@ -86,6 +86,16 @@ def test_offload_keeps_the_gradients_of_full_recompute(family, packed):
     assert len(stashed) == layers  # every block's input, and nothing inside the blocks
     for t, s in stashed:
         assert torch.equal(s.host, t) and s.host.data_ptr() != t.data_ptr()  # a copy, not the same storage
+
+
+@pytest.mark.slow
+def test_offload_in_compiled_blocks_keeps_the_gradients(packed):
+    """Compile mode default: the checkpoint (and its hooks) inside each compiled block still offloads."""
+    full = _grads("gptneox", "full")
+    compiled = _grads("gptneox", "offload", backend="aot_eager")
+    assert len([s for _, s in packed if not isinstance(s, torch.Tensor)]) == 2
+    for name in full:
+        assert torch.equal(compiled[name], full[name]), name
 
 
 def _pythia(policy: str, recompute: bool = True, **run) -> TrainSetup:

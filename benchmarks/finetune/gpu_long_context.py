@@ -53,7 +53,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--make_base", action="store_true", help="(internal) save the random base and exit")
     a = p.parse_args()
     if a.smoke and a.seqs == p.get_default("seqs"):
-        a.seqs = "64,128,256"
+        a.seqs = "64,128"
     return a
 
 
