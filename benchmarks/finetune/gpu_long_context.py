@@ -12,8 +12,9 @@ one row of random tokens, AdamW on the adapters. Rows (config x sequence length,
 
 Each row runs --steps training steps in a fresh process under ``torch.cuda.set_per_process_memory_fraction`` for
 --cap_gib (an out-of-memory ends only that row, and the config's longer rows are skipped), and records whether it fit,
-peak allocated and reserved, the median step seconds after the first, tokens/s, and the ledger's allocated and
-reserved for the same run (``budget.memory.ledger``). The rows go shortest first, the configs interleaved, within
+peak allocated and reserved (and the process's peak resident host memory), the median step seconds after the first,
+tokens/s, and the ledger's allocated, reserved and pinned host bytes for the same run (``budget.memory.ledger``).
+The rows go shortest first, the configs interleaved, within
 --deadline seconds in all (each row bounded by what is left and by --row_limit). Writes OUT/long_context.md (the
 table), OUT/long_context.json and OUT/rows.log. --smoke: a tiny shape on the CPU, the same chain.
 """
@@ -118,12 +119,17 @@ def run_row(a, config: str, seq: int) -> dict:
 
 
 def _peaks(cuda: bool) -> dict:
+    """Peak device memory, and the process's peak resident host memory (pinned offload buffers, the loaded base,
+    the CUDA libraries)."""
+    import resource
+
     import torch
 
+    rss = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB}
     if not cuda:
-        return {}
+        return rss
     return {"peak_alloc_gib": torch.cuda.max_memory_allocated() / GiB,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB}
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB, **rss}
 
 
 def predicted(a, config: str, seq: int) -> dict:
@@ -167,7 +173,7 @@ def table(results: list[dict], cap_gib: float) -> str:
     lines = [f"Pythia-1.4B shape, micro-batch 1, LoRA r16 on every linear, loss chunks of {LOSS_CHUNK}, cap "
              f"{cap_gib:g} GiB (set_per_process_memory_fraction)", "",
              "| config | seq | fits | peak alloc GiB | peak reserved GiB | ledger alloc GiB | ledger reserved GiB | "
-             "ledger host GiB | reserved / ledger | step s | tokens/s | note |", "|---" * 12 + "|"]
+             "ledger host GiB | peak RSS GiB | reserved / ledger | step s | tokens/s | note |", "|---" * 13 + "|"]
     for r in results:
         fits = {True: "yes", False: "OOM"}.get(r.get("fits"), "-")
         ratio = (r["peak_reserved_gib"] / r["ledger_reserved_gib"]
@@ -176,6 +182,7 @@ def table(results: list[dict], cap_gib: float) -> str:
         lines.append(f"| {r['config']} | {r['seq']:,} | {fits} | {f(r.get('peak_alloc_gib'), '.2f')} | "
                      f"{f(r.get('peak_reserved_gib'), '.2f')} | {f(r.get('ledger_alloc_gib'), '.2f')} | "
                      f"{f(r.get('ledger_reserved_gib'), '.2f')} | {f(r.get('ledger_host_gib'), '.2f')} | "
+                     f"{f(r.get('peak_rss_gib'), '.2f')} | "
                      f"{f(ratio, '.3f')} | {f(r.get('step_s'), '.2f')} | {f(r.get('tokens_per_s'), ',.0f')} | {note} |")
     lines.append("")
     for config in dict.fromkeys(r["config"] for r in results):
