@@ -22,7 +22,7 @@ from hf_cgpu.errors import SettingsError
 from hf_cgpu.models.causal_lm_loss import causal_lm_loss_from_hidden
 from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 from hf_cgpu.settings import TrainSettings
-from hf_cgpu.tiers import apply_tiers
+from hf_cgpu.tiers import apply_tiers, load_base_model
 from hf_cgpu.tiers.recompute import HostOffload
 
 
@@ -54,10 +54,11 @@ def packed(monkeypatch):
     return seen
 
 
-def _grads(family: str, policy: str, backend: str = "") -> dict[str, torch.Tensor]:
+def _grads(family: str, policy: str, backend: str = "", base: str = "") -> dict[str, torch.Tensor]:
+    """One step's gradients of ``family`` (a tiny model made here, or with ``base`` the QLoRA of that folder)."""
     torch.manual_seed(0)
-    model = MODELS[family]()
-    tier = "full" if family == "cgpt" else "lora"
+    model = load_base_model(base, "qlora") if base else MODELS[family]()
+    tier = "qlora" if base else ("full" if family == "cgpt" else "lora")
     settings = TrainSettings(tier=tier, train_mode="pretrain" if tier == "full" else "finetune", recompute=True,
                              recompute_policy=policy, lora_r=4, lora_alpha=8)
     model = apply_tiers(model, settings, compile=bool(backend), backend=backend or "inductor")
@@ -86,6 +87,16 @@ def test_offload_keeps_the_gradients_of_full_recompute(family, packed):
     assert len(stashed) == layers  # every block's input, and nothing inside the blocks
     for t, s in stashed:
         assert torch.equal(s.host, t) and s.host.data_ptr() != t.data_ptr()  # a copy, not the same storage
+
+
+def test_offload_keeps_the_qlora_gradients(neox_dir, packed):
+    """A 4-bit base (bitsandbytes' nf4 linears, on the CPU here): the same mechanism, the same gradients."""
+    full = _grads("gptneox", "full", base=str(neox_dir))
+    offloaded = _grads("gptneox", "offload", base=str(neox_dir))
+    assert full.keys() == offloaded.keys() and all("lora_" in n for n in full) and full
+    for name in full:
+        assert torch.equal(offloaded[name], full[name]), name
+    assert len([s for _, s in packed if not isinstance(s, torch.Tensor)]) == 2
 
 
 @pytest.mark.slow
