@@ -21,8 +21,9 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "ma
 """torch.compile modes ``--compile_mode`` takes (``default`` is torch.compile's own)."""
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 """The compile modes that replay the compiled code as CUDA graphs (on CUDA)."""
-RECOMPUTE_POLICIES = ("full", "selective")
-"""What the backward of a checkpointed block re-runs: everything (full) or only the cheap ops (selective)."""
+RECOMPUTE_POLICIES = ("full", "selective", "offload")
+"""What the backward of a checkpointed block re-runs: everything (full, and offload: full with each block's input
+kept in host memory) or only the cheap ops (selective)."""
 MIXED_PRECISIONS = ("auto", "bf16", "no")
 """auto: bf16 autocast where the GPU has it, else fp32."""
 DATA_ORDERS = ("shifted", "random", "fixed")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ArgumentParser, MissingPathError, SettingsError
 from .optim import optimizer_choices, optimizer_settings, optimizer_spec
-from .options import COMPILE_MODES, MIXED_PRECISIONS, RECOMPUTE_POLICIES, check_choice, check_tier
+from .options import COMPILE_MODES, CUDA_GRAPH_MODES, MIXED_PRECISIONS, RECOMPUTE_POLICIES, check_choice, check_tier
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -133,9 +133,11 @@ class TrainSettings:
     recompute: bool = False
     """Activation checkpointing of every block: far less activation memory for one more forward in the backward."""
     recompute_policy: str = "full"
-    """With --recompute: full (the backward re-runs each block: the least memory) or selective (keeps the matmul and
-    attention outputs and re-runs only norms, activations and casts: less time, more memory). Without --compile
-    selective runs a Python policy on every op and is slower than full."""
+    """With --recompute: full (the backward re-runs each block: the least memory), selective (keeps the matmul and
+    attention outputs and re-runs only norms, activations and casts: less time, more memory) or offload (full, with
+    each block's input kept in pinned host memory, copied on a side stream: long sequences; not under CUDA graphs, so
+    a preset's reduce-overhead / max-autotune becomes compile mode default). Without --compile selective runs a
+    Python policy on every op and is slower than full."""
     tier: str = field(default="full", metadata=FIXED)
     """Memory tier: full (AdamW), adamw8bit (bitsandbytes 8-bit states), lora (frozen base + adapters), qlora."""
     lora_r: int = field(default=16, metadata=FIXED)
@@ -218,11 +220,24 @@ class TrainSettings:
     """The flags given on the command line, comma-separated (set by the parser; empty for settings made in code): a
     note about a setting's value is for the person who typed it, not for a preset's choice."""
 
+    def _check_offload(self) -> None:
+        """Offload's host copies run in autograd hooks, which a CUDA graph's replay skips: a typed CUDA-graph compile
+        mode is refused, a preset's becomes ``default``."""
+        if not (self.recompute and self.recompute_policy == "offload" and self.compile
+                and self.compile_mode in CUDA_GRAPH_MODES):
+            return
+        if {"compile_mode", "compile"} & set(self.given_flags.split(",")):
+            raise SettingsError(f"--recompute_policy offload copies block inputs to host memory in autograd hooks, "
+                                f"which --compile_mode {self.compile_mode} (CUDA graphs) never replays: use "
+                                "--compile_mode default, --compile false or --recompute_policy full")
+        object.__setattr__(self, "compile_mode", "default")
+
     def __post_init__(self) -> None:
         check_types(self)
         check_tier(self.tier, self.train_mode)
         check_choice("compile_mode", self.compile_mode, COMPILE_MODES)
         check_choice("recompute_policy", self.recompute_policy, RECOMPUTE_POLICIES)
+        self._check_offload()
         if self.mixed_precision not in MIXED_PRECISIONS:
             raise SettingsError(f"mixed_precision={self.mixed_precision!r}; use auto, bf16 or no (fp16 needs loss "
                                 "scaling)")

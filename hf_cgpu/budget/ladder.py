@@ -71,7 +71,7 @@ LADDER: tuple[Rung, ...] = (
          lambda b, a: f"micro-batch {b.micro_batch_size} -> {a.micro_batch_size}, accumulation "
                       f"{b.gradient_accumulation_steps} -> {a.gradient_accumulation_steps}"),
     Rung("recompute", "--recompute",
-         lambda s, tokens, floor: None if s.recompute_mode == "full"
+         lambda s, tokens, floor: None if s.reruns_forward
          else dataclasses.replace(s, recompute=True, recompute_policy="full"),
          lambda b, a: "full recompute" if b.recompute else "recompute on", grow_back=True),
     Rung("sequence", "a shorter --seq_len", _halve_sequence, lambda b, a: f"sequence {b.seq_len} -> {a.seq_len}"),

@@ -94,6 +94,10 @@ FSDP_UNSHARDED_BLOCKS = 2
 bf16 parameters (accelerate's bf16 policy: param_dtype bf16) and, in backward, their bf16 gradients before the
 reduce-scatter. Structural (torch's FSDP2 prefetches one unit ahead), not yet measured on GPUs."""
 
+OFFLOAD_DEVICE_BLOCK_INPUTS = 2
+"""Block inputs on the device under --recompute_policy offload during the backward: the block being re-run and the one
+before it, fetched back from host memory while this one runs (``tiers.recompute.HostOffload``)."""
+
 # ---- outside the tensors -----------------------------------------------------------------------------------------
 WORKSPACE_BYTES = 128 * MiB
 """cuBLAS + cuBLASLt workspaces (32 MiB each per stream on sm_90 and newer, allocated through PyTorch's caching
@@ -269,8 +273,8 @@ def host_ledger(shape: ModelShape, setup: TrainSetup) -> Ledger:
         shape = dataclasses.replace(shape, attention="eager")
     led = ledger(shape, setup, regime=FP32_REGIME)
     cast = next(r.bytes for r in led.rows if r.key == "autocast_copies")  # fp32 weights are used as they are
-    return dataclasses.replace(led, allocated=led.allocated - cast, total=led.allocated - cast, fragmentation=0.0,
-                               reserved=led.allocated - cast, cuda_context=0.0)
+    held = led.allocated - cast + led.host_pinned  # offloaded block inputs are copies in the same memory
+    return dataclasses.replace(led, allocated=held, total=held, fragmentation=0.0, reserved=held, cuda_context=0.0)
 
 
 def _group_input_bytes(shape: ModelShape, setup: TrainSetup, r: Regime) -> float:
@@ -374,11 +378,16 @@ class ActivationBytes:
     """What every block keeps under selective recompute (+ the final norm and head inputs)."""
     selective_layer: float = 0.0
     """One block's re-run norms and activations during the backward under selective recompute."""
+    offload: float = 0.0
+    """On the device under offload: ``OFFLOAD_DEVICE_BLOCK_INPUTS`` block inputs (+ the final norm and head inputs)."""
+    host: float = 0.0
+    """In pinned host memory under offload: every block's input."""
 
     def kept(self, setup: TrainSetup) -> tuple[float, float]:
         """(activations alive at the start of the backward, one block's tensors re-created in it) for ``setup``."""
         return {"off": (self.no_recompute, 0.0), "full": (self.recompute, self.recompute_layer),
-                "selective": (self.selective, self.selective_layer)}[setup.recompute_mode]
+                "selective": (self.selective, self.selective_layer),
+                "offload": (self.offload, self.recompute_layer)}[setup.recompute_mode]
 
 
 def activation_bytes(shape: ModelShape, setup: TrainSetup, r: Regime | None = None) -> ActivationBytes:
@@ -387,13 +396,16 @@ def activation_bytes(shape: ModelShape, setup: TrainSetup, r: Regime | None = No
     per_layer = layer_activation_bytes_per_token(shape, setup, r) * ACTIVATION_SCALE
     outside = outside_blocks_bytes_per_token(shape, setup, r) * tokens
     kept = min(per_layer, selective_kept_bytes_per_token(shape, setup, r) * ACTIVATION_SCALE)
+    block_input = r.resid * shape.d_model * tokens
     return ActivationBytes(
         no_recompute=shape.depth * per_layer * tokens + outside,
-        recompute=shape.depth * r.resid * shape.d_model * tokens + outside,
+        recompute=shape.depth * block_input + outside,
         recompute_layer=per_layer * tokens,
         per_token_per_layer=per_layer,
         selective=shape.depth * kept * tokens + outside,
         selective_layer=(per_layer - kept) * tokens,
+        offload=min(OFFLOAD_DEVICE_BLOCK_INPUTS, shape.depth) * block_input + outside,
+        host=shape.depth * block_input,
     )
 
 
@@ -474,10 +486,12 @@ class Ledger(Totals):
     activations_no_recompute: float
     activations_recompute: float
     memory_cap: float | None = None
+    host_pinned: float = 0.0
+    """Pinned host memory (not on the card): the block inputs --recompute_policy offload keeps there."""
 
     def extra_figures(self) -> dict[str, float]:
         return {"activations_no_recompute": self.activations_no_recompute,
-                "activations_recompute": self.activations_recompute}
+                "activations_recompute": self.activations_recompute, "host_pinned": self.host_pinned}
 
 
 def parallel_rows(shape: ModelShape, setup: TrainSetup, rows: list[Row], st: StateBytes) -> list[Row]:
@@ -536,6 +550,10 @@ def ledger(
     if setup.recompute_mode == "selective":
         act_note = (f"block inputs, projection and attention outputs; without recompute {fmt_gib(act.no_recompute)} "
                     f"({per_d:.1f} x d/token/layer)")
+    elif setup.recompute_mode == "offload":
+        act_note = (f"{min(OFFLOAD_DEVICE_BLOCK_INPUTS, shape.depth)} block inputs (the re-run one and the next, "
+                    f"fetched back); all {shape.depth} in host memory ({fmt_gib(act.host)}); on the card with full "
+                    f"recompute {fmt_gib(act.recompute)}")
     elif setup.recompute:
         act_note = f"block inputs only; without recompute {fmt_gib(act.no_recompute)} ({per_d:.1f} x d/token/layer)"
     else:
@@ -580,7 +598,7 @@ def ledger(
         shape=shape, setup=setup, rows=tuple(rows), allocated=allocated, fragmentation=fragmentation,
         reserved=reserved, cuda_context=CUDA_CONTEXT_BYTES, total=reserved + CUDA_CONTEXT_BYTES, peak_phase=phase,
         activations_no_recompute=act.no_recompute, activations_recompute=act.recompute + act.recompute_layer,
-        memory_cap=memory_cap,
+        memory_cap=memory_cap, host_pinned=act.host if setup.recompute_mode == "offload" else 0.0,
     )
 
 

@@ -443,12 +443,18 @@ class TrainSetup(TrainSettings):
 
     @property
     def recompute_mode(self) -> str:
-        """off, full or selective: what the backward re-runs."""
+        """off, full, selective or offload: what the backward re-runs."""
         return self.recompute_policy if self.recompute else "off"
 
     @property
+    def reruns_forward(self) -> bool:
+        """The backward re-runs each block's whole forward (full recompute, offloaded or not)."""
+        return self.recompute_mode in ("full", "offload")
+
+    @property
     def recompute_words(self) -> str:
-        return {"off": "no recompute", "full": "recompute", "selective": "selective recompute"}[self.recompute_mode]
+        return {"off": "no recompute", "full": "recompute", "selective": "selective recompute",
+                "offload": "recompute, block inputs in host memory"}[self.recompute_mode]
 
     @property
     def adapters(self) -> bool:

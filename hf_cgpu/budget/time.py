@@ -41,7 +41,7 @@ def flops_per_token(shape: ModelShape, setup: TrainSetup, count_recompute: bool 
     else:
         flops = 6.0 * n + attn
         extra = 2.0 * n + attn / 3
-    return flops + (extra if setup.recompute_mode == "full" and count_recompute else 0.0)  # selective: no matmul
+    return flops + (extra if setup.reruns_forward and count_recompute else 0.0)  # selective: no matmul
 
 
 def attention_flops_per_token(shape: ModelShape, seq_len: int) -> float:
@@ -94,6 +94,8 @@ peft's wrappers around every op (set A's host-bound LoRA runs: 33.5 and 39.8 us 
 a compiled graph launches its kernels from generated code."""
 COMPILE_SECONDS = {"base": 12.0, "per_layer": 4.6}
 """A cold torch.compile of a training step: seconds before the first step, plus per block it unrolls."""
+HOST_LINK_GBS = 25.0
+"""Host<->device copy rate assumed for activation offload: a PCIe 4.0/5.0 x16 link's sustained pinned-memory figure."""
 CHECKPOINT_WRITE_GBS = 1.0
 """GB/s a checkpoint is written at (safetensors + torch.save to a local disk, fsynced)."""
 
@@ -119,15 +121,20 @@ class StepTime:
     work: StepWork
     optimizer_device_seconds: float = 0.0
     optimizer_host_seconds: float = 0.0
+    copy_seconds: float = 0.0
+    """Host<->device copies of the forward and backward (offload), on a side stream beside the compute."""
 
     @property
     def seconds(self) -> float:
-        """The device runs behind the host's launches: each phase takes the longer of the two."""
-        return (max(self.device_seconds, self.host_seconds)
+        """The device runs behind the host's launches and beside the side stream's copies: each phase takes the
+        longest of them."""
+        return (max(self.device_seconds, self.host_seconds, self.copy_seconds)
                 + max(self.optimizer_device_seconds, self.optimizer_host_seconds))
 
     @property
     def bound(self) -> str:
+        if self.copy_seconds > max(self.device_seconds, self.host_seconds):
+            return "copy-bound (host<->device link)"
         return "launch-bound (host)" if self.host_seconds > self.device_seconds else "device-bound"
 
     @property
@@ -171,7 +178,12 @@ def step_time(work: StepWork, card: Card, cuda_graphs: bool = False) -> StepTime
         TimeRow("kernels", "kernel overhead", kernels,
                 f"{work.kernels + work.optimizer_kernels:,.0f} kernels x {per_kernel * 1e6:.1f} us"),
     )
-    return StepTime(rows, device - opt_device, host, card, work, opt_device, opt_host)
+    copies = work.host_copy_bytes / (HOST_LINK_GBS * 1e9)
+    if copies:
+        rows += (TimeRow("host_copies", "host copies (beside)", copies,
+                         f"{work.host_copy_bytes / 1e9:.2f} GB of block inputs out and back at {HOST_LINK_GBS:g} GB/s "
+                         "on a side stream: the step takes the longer of these and the compute"),)
+    return StepTime(rows, device - opt_device, host, card, work, opt_device, opt_host, copies)
 
 
 def _gemm_seconds(g: Gemm, card: Card) -> float:

@@ -100,6 +100,9 @@ class StepWork:
     """The step runs compiled (fused kernels, launched from generated code)."""
     optimizer_kernels: float = 0.0
     """Kernels of the optimizer step, clip and zeroing: launched eagerly after the backward, so a phase of their own."""
+    host_copy_bytes: float = 0.0
+    """Bytes copied between host and device memory (--recompute_policy offload: every block input out in the forward
+    and back in the backward), on a side stream beside the compute."""
     notes: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -122,7 +125,7 @@ def lm_step_work(shape: ModelShape, setup: TrainSetup) -> StepWork:
     """The work of one optimizer step of a causal LM run (pretraining or fine-tuning, every tier)."""
     micro = setup.gradient_accumulation_steps
     t = float(setup.tokens_per_micro_batch)
-    forwards = 2.0 if setup.recompute_mode == "full" else 1.0
+    forwards = 2.0 if setup.reruns_forward else 1.0
     layers = shape.depth
     trainable_base = not setup.adapters
     adapted = {lin.name for lin in adapted_linears(shape, setup.lora_targets)} if setup.adapters else set()
@@ -173,8 +176,10 @@ def lm_step_work(shape: ModelShape, setup: TrainSetup) -> StepWork:
         model_flops -= 2.0 * shape.matmul_params_per_token * t * micro
     if setup.packed and shape.family == "gpt" and shape.attention == "sdpa":
         attention *= MASKED_ATTENTION_SLOWDOWN
+    offload = setup.recompute_mode == "offload"
+    offloaded = 2.0 * layers * regime(setup).resid * shape.d_model * t * micro if offload else 0.0
     return StepWork(tuple(gemms), attention, tuple(memory), kernels, model_flops, t * micro, setup.seq_len, compiled,
-                    optimizer_kernels=OPTIMIZER_KERNELS.get(opt_kind, 20))
+                    optimizer_kernels=OPTIMIZER_KERNELS.get(opt_kind, 20), host_copy_bytes=offloaded)
 
 
 def muon_gemms(shape: ModelShape, iterations: int = 5) -> list[Gemm]:

@@ -295,6 +295,9 @@ def format_ledger(led: Ledger) -> str:
                  "blocks that the peak's tensors cannot reuse")
     lines.append(f"  {'CUDA context':<{label_w}}{led.cuda_context / GiB:>8.2f}   outside the allocator")
     lines.append(f"  {'= total on the card':<{label_w}}{led.total / GiB:>8.2f}")
+    if getattr(led, "host_pinned", 0.0):
+        lines.append(f"  {'host memory':<{label_w}}{led.host_pinned / GiB:>8.2f}   pinned, not on the card: every "
+                     "block's input (--recompute_policy offload)")
     if led.memory_cap is not None:
         spare = led.memory_cap - led.total
         verdict = f"FITS ({fmt_gib(spare)} spare)" if led.fits else f"DOES NOT FIT ({fmt_gib(-spare)} over)"
