@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from hf_cgpu.commands.budget import run as budget
 from hf_cgpu.data.corpus import builtin_corpus
 from hf_cgpu.data.tokenizer import train_tokenizer
 from hf_cgpu.errors import CheckpointError, SettingsError
@@ -104,6 +105,11 @@ def test_off_by_default_the_loss_is_the_plain_one_and_bad_values_are_refused():
         GPTSettings(mtp_heads=2, teacher="runs/x")
 
 
+def test_the_ledger_says_it_leaves_the_heads_out():
+    assert "--mtp_heads 2) are not priced" in budget(["--preset", "tiny", "--mtp_heads", "2"]).splitlines()[-1]
+    assert "not priced" not in budget(["--preset", "tiny"])
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     """A small parquet corpus and a tokenizer of it."""
@@ -143,7 +149,9 @@ def test_the_saved_model_is_the_plain_model_and_the_heads_are_in_the_checkpoints
     config = json.loads((mtp / "config.json").read_text())
     assert config == json.loads((plain / "config.json").read_text()) and not any("mtp" in k for k in config)
     assert type(CgptForCausalLM.from_pretrained(str(mtp))) is CgptForCausalLM
-    assert json.loads((mtp / "all_results.json").read_text())["settings"]["mtp_heads"] == 2
+    results = json.loads((mtp / "all_results.json").read_text())
+    assert results["settings"]["mtp_heads"] == 2 and "multi-token heads" in results["ledger"]["unpriced"]
+    assert "unpriced" not in json.loads((plain / "all_results.json").read_text())["ledger"]
     assert "`mtp_heads` | 2" in (mtp / "README.md").read_text()
     heads = load_file(mtp / "checkpoints" / "step_0000004" / "model_1.safetensors")
     assert sorted(heads) == ["norms.0.weight", "norms.1.weight", "projs.0.weight", "projs.1.weight"]

@@ -144,7 +144,15 @@ class GPTSettings(CgptOptions):
         kwargs = self.model_config_kwargs(vocab_size or self.vocab_size, eos_token_id=0)
         shape = ModelShape.from_config({"model_type": "cgpt", **kwargs}, name or "cgpt")
         return RunShape(shape, self.seq_len, self.loss_chunk_size, train_mode=self.train_mode,
-                        packed=self.document_masking)
+                        packed=self.document_masking, unpriced=self.unpriced())
+
+    def unpriced(self) -> str:
+        """What of this run the ledger leaves out (empty: nothing)."""
+        if not self.mtp_heads:
+            return ""
+        return (f"the multi-token heads (--mtp_heads {self.mtp_heads}) are not priced: their d x d products and "
+                f"{self.mtp_heads} more LM-head products and cross-entropies a micro-batch, until --mtp_anneal "
+                f"{self.mtp_anneal:g} of the schedule, come on top")
 
 
 @dataclass(frozen=True)
