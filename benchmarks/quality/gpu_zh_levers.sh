@@ -136,13 +136,14 @@ for name, r in rows.items():
     best = min(((b, s) for s, b in c.items() if s > 0), default=(None, None))
     kd = "--teacher" in r["flags"]
     note = " (+ teacher's)" if kd and teacher else ""
-    gap = "-" if kd else f(r.get("val_train_gap"))  # its training loss holds the KL term: no gap to read
+    extra_term = kd or "--mtp_heads" in r["flags"]  # its training loss holds the KL or the heads' term
+    gap = "-" if extra_term else f(r.get("val_train_gap"))
     lines.append(f"| {name} | `{r['flags']}` | {r.get('steps', '-')} | {f(c.get(at))} | {f(best[0])} ({best[1]}) | "
                  f"{f(r.get('eval_val_bpc'))} | {gap} | {r.get('first_step_at_target') or '-'} | "
                  f"{f(r.get('train_seconds'), '.0f')}{note} |" + (f" error: {r['error']}" if "error" in r else ""))
 lines.append("\ntrain/val gap: the saved weights' validation loss minus the training loss of the logging window at "
              "their step (with --input_noise the training loss is on the replaced inputs; a --teacher run's holds the "
-             "KL term, so it has none).")
+             "KL term, an --mtp_heads run's the heads' term until --mtp_anneal, so they have none).")
 if teacher:
     lines.append(f"The teacher of the kd runs is the base run of phase A: {teacher:.0f} s of training on the shared "
                  "GPU.")
