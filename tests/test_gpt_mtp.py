@@ -22,7 +22,7 @@ from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 from hf_cgpu.settings import TrainSettings
 from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
 from hf_cgpu.tasks.mtp import mtp_targets, mtp_weight
-from hf_cgpu.train import fit
+from hf_cgpu.train import TaskPlan, fit
 
 DOCS = builtin_corpus()
 
@@ -103,6 +103,14 @@ def test_off_by_default_the_loss_is_the_plain_one_and_bad_values_are_refused():
             GPTSettings(**bad)
     with pytest.raises(SettingsError, match=r"--mtp_heads and --teacher .* --mtp_heads 0"):
         GPTSettings(mtp_heads=2, teacher="runs/x")
+
+
+def test_a_companion_without_its_own_optimizer_is_trained_by_the_run_s():
+    """Heads with no optimizer among the companions join the run's; a discriminator with its own stays out of it."""
+    heads, disc = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    plan = TaskPlan(torch.nn.Linear(2, 2), companions=(disc, torch.optim.Adam(disc.parameters()), heads))
+    assert plan.joint_modules == [heads]
+    assert TaskPlan(torch.nn.Linear(2, 2)).joint_modules == []
 
 
 def test_the_ledger_says_it_leaves_the_heads_out():
