@@ -269,9 +269,9 @@ class CausalLMTask(PackedTokensTask):
 
     def loss(self, model, batch, generator) -> torch.Tensor:
         """The training loss: the plain one, or with ``input_noise`` (inputs replaced, targets and document positions
-        those of the true text), ``--teacher`` (distillation) and ``--mtp_heads`` while their weight is above 0."""
-        weight = self.mtp_now
-        if not (self.cfg.input_noise or self.distiller or weight):
+        those of the true text), ``--teacher`` (distillation) and ``--mtp_heads`` (their term while its weight is above
+        0; the model called the same way throughout, so a compiled one does not recompile when it reaches 0)."""
+        if not (self.cfg.input_noise or self.distiller or self.mtp is not None):
             return super().loss(model, batch, generator)
         block = batch["input_ids"]  # (B, S + 1): position t predicts token t + 1
         inputs, targets = block[:, :-1], block[:, 1:]
@@ -281,8 +281,8 @@ class CausalLMTask(PackedTokensTask):
         if self.distiller is not None:
             return self.distiller.loss(model, inputs, positions, targets)
         out = model(input_ids=inputs, position_ids=positions, shift_labels=targets, use_cache=False,
-                    return_logits=False, **({"output_hidden_states": True} if weight else {}))
-        if not weight:
+                    return_logits=False, **({"output_hidden_states": True} if self.mtp is not None else {}))
+        if not self.mtp_now:
             return out.loss
         from accelerate.utils import extract_model_from_parallel
 
@@ -290,7 +290,7 @@ class CausalLMTask(PackedTokensTask):
         with self.autocast():  # hidden states after the final norm: what the LM head reads
             extra = mtp_loss(self.mtp, out.hidden_states[-1], bare.lm_head.weight, block,
                              self.tokenizer.eos_token_id, bare.config.loss_chunk_size, bare.config.logit_softcap)
-        return out.loss + weight * extra
+        return out.loss + self.mtp_now * extra
 
     def save_pretrained(self, model, output_dir: Path) -> None:
         model.save_pretrained(str(output_dir))
