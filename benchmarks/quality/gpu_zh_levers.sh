@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call (nvidia-h100-x1 or nvidia-h200, <= ~9.5 minutes): the zh-poetry-modern preset against the levers for
-# many epochs of a small corpus (--input_noise, --swa_start, --teacher, --weight_decay_end) at EQUAL STEPS, several
-# runs at once on the one GPU (small models leave an H100 idle; sharing it makes wall time meaningless, so everything
-# is read by step).
+# many epochs of a small corpus (--input_noise, --swa_start, --teacher, --weight_decay_end, --mtp_heads) at EQUAL
+# STEPS, several runs at once on the one GPU (small models leave an H100 idle; sharing it makes wall time
+# meaningless, so everything is read by step).
 #
 #   bash benchmarks/quality/gpu_zh_levers.sh                # on the GPU machine
 #   SMOKE=1 OUT=/tmp/levers_out bash benchmarks/quality/gpu_zh_levers.sh   # the same chain on the CPU, tiny preset
@@ -40,6 +40,7 @@ A1=${A1-base:} A2=${A2-noise:--input_noise 0.05} A3=${A3-swa:--ema_decay 0 --swa
 B1=${B1-kd:--teacher $W/base --distill_weight 0.5} B2=${B2-all:--input_noise 0.05 --ema_decay 0 --swa_start 0.7}
 B3=${B3-wd_ramp:--weight_decay_end 3 --weight_decay_hold 0.5}
 B4=${B4-}  # e.g. B4="kd_all:--teacher /tmp/levers/base --input_noise 0.05 --ema_decay 0 --swa_start 0.7"
+# or the multi-token heads, annealed out by half the schedule: B4="mtp:--mtp_heads 2 --mtp_weight 0.3 --mtp_anneal 0.5"
 export A1 A2 A3 A4 B1 B2 B3 B4  # the table names each run's flags
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   python3 -c "import torch,transformers;print('torch',torch.__version__,'transformers',transformers.__version__)"
@@ -135,13 +136,14 @@ for name, r in rows.items():
     best = min(((b, s) for s, b in c.items() if s > 0), default=(None, None))
     kd = "--teacher" in r["flags"]
     note = " (+ teacher's)" if kd and teacher else ""
-    gap = "-" if kd else f(r.get("val_train_gap"))  # its training loss holds the KL term: no gap to read
+    extra_term = kd or "--mtp_heads" in r["flags"]  # its training loss holds the KL or the heads' term
+    gap = "-" if extra_term else f(r.get("val_train_gap"))
     lines.append(f"| {name} | `{r['flags']}` | {r.get('steps', '-')} | {f(c.get(at))} | {f(best[0])} ({best[1]}) | "
                  f"{f(r.get('eval_val_bpc'))} | {gap} | {r.get('first_step_at_target') or '-'} | "
                  f"{f(r.get('train_seconds'), '.0f')}{note} |" + (f" error: {r['error']}" if "error" in r else ""))
 lines.append("\ntrain/val gap: the saved weights' validation loss minus the training loss of the logging window at "
              "their step (with --input_noise the training loss is on the replaced inputs; a --teacher run's holds the "
-             "KL term, so it has none).")
+             "KL term, an --mtp_heads run's the heads' term until --mtp_anneal, so they have none).")
 if teacher:
     lines.append(f"The teacher of the kd runs is the base run of phase A: {teacher:.0f} s of training on the shared "
                  "GPU.")

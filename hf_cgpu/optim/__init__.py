@@ -15,6 +15,7 @@ code only when a run starts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SettingsError
@@ -58,8 +59,11 @@ def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Par
     return named
 
 
-def build_optimizer(model: torch.nn.Module, settings: Any, fused: bool | None = None) -> torch.optim.Optimizer:
-    """The optimizer ``settings.optimizer`` names, over the trainable parameters of ``model``.
+def build_optimizer(model: torch.nn.Module, settings: Any, fused: bool | None = None,
+                    also: Sequence[torch.nn.Module] = ()) -> torch.optim.Optimizer:
+    """The optimizer ``settings.optimizer`` names, over the trainable parameters of ``model`` and of the modules
+    ``also`` trained with it (a task's companion heads; grouped as parameters outside the model: AdamW, decayed where
+    2-D).
 
     ``fused=None`` uses torch's fused kernels when every parameter is on CUDA (the loop then skips a non-finite step on
     the device, ``train.update``); not on the CPU, where the fused AdamW's OpenMP region hangs in a forked child.
@@ -70,6 +74,7 @@ def build_optimizer(model: torch.nn.Module, settings: Any, fused: bool | None = 
         what = "the 8-bit optimizer" if settings.tier == "adamw8bit" else f"optimizer {settings.optimizer}"
         raise SettingsError(f"{what} got no trainable parameters (all requires_grad=False): apply LoRA "
                             "(hf_cgpu.tiers.apply_tiers) for adapter tiers or unfreeze the model for full/adamw8bit")
+    named += [(f"companion_{i}.{name}", p) for i, m in enumerate(also) for name, p in trainable_parameters(m)]
     if fused is None:
         fused = all(p.is_cuda for _, p in named)
     optimizer = spec.builder()(model, named, settings, fused)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -27,16 +28,17 @@ from ..train import TaskPlan
 from ..train.parallel import is_sharded
 from ..train.schedule import calibration_step
 from .auto import resolve as resolve_auto
+from .mtp import MTPHeads, mtp_loss, mtp_weight
 from .packed import PackedTokensTask
 from .settings import GPTSettings
 from .teachers import Distiller
 
 
-def cgpt_run_shape(config: CgptConfig, name: str = "") -> RunShape:
+def cgpt_run_shape(config: CgptConfig, name: str = "", unpriced: str = "") -> RunShape:
     """Our GPT's run shape: the sequence is its position table, the loss chunk its config's, the loss in forward, a
-    mask per row when it keeps attention within documents."""
+    mask per row when it keeps attention within documents; ``unpriced``: what of the run the ledger leaves out."""
     return RunShape(ModelShape.from_config(config, name or "cgpt"), config.n_positions, config.loss_chunk_size,
-                    train_mode="pretrain", packed=bool(getattr(config, "document_masking", False)))
+                    train_mode="pretrain", packed=bool(getattr(config, "document_masking", False)), unpriced=unpriced)
 
 
 MANY_EPOCHS = 4
@@ -150,6 +152,10 @@ class CausalLMTask(PackedTokensTask):
         self.tokenizer = None
         self.data_order = cfg.data_order
         self.distiller: Distiller | None = None
+        self.mtp: MTPHeads | None = None
+        self.mtp_now = 0.0
+        """The multi-token heads' weight at the step under way (``at_step``); 0: the plain loss."""
+        self.autocast = contextlib.nullcontext
 
     # ---- data and model
     def setup(self, settings: TrainSettings, accelerator) -> TaskPlan:
@@ -198,7 +204,30 @@ class CausalLMTask(PackedTokensTask):
                                        cfg.distill_weight, cfg.distill_temperature, accelerator.autocast,
                                        compile=settings.compile and accelerator.device.type == "cuda")
             accelerator.print(self.distiller.describe())
-        return TaskPlan(model, expected_initial_loss=math.log(vocab), shape=cgpt_run_shape(config), settings=chosen)
+        if cfg.mtp_heads:
+            if is_sharded(accelerator):
+                raise SettingsError("--mtp_heads reads the model's LM head beside its forward, and FSDP2 shards it: "
+                                    "train it on one GPU, or set --mtp_heads 0")
+            self.mtp, self.autocast = self.make_heads(config, accelerator.device), accelerator.autocast
+            accelerator.print(f"multi-token prediction: {cfg.mtp_heads} extra head{'s' * (cfg.mtp_heads > 1)} "
+                              f"({sum(p.numel() for p in self.mtp.parameters()):,} parameters, not saved with the "
+                              f"model) predict tokens t+2..t+{cfg.mtp_heads + 1} through the LM head; their loss "
+                              f"weighs {cfg.mtp_weight:g}, falling to 0 at {cfg.mtp_anneal:g} of the schedule")
+        return TaskPlan(model, expected_initial_loss=math.log(vocab), settings=chosen,
+                        shape=cgpt_run_shape(config, unpriced=cfg.unpriced()),
+                        companions=(self.mtp,) if self.mtp is not None else ())
+
+    def make_heads(self, config: CgptConfig, device) -> MTPHeads:
+        """The ``--mtp_heads`` heads for a model of ``config`` on ``device``, the same initial weights in every run
+        (drawn aside: the model's and the data's draws stay those of a run without them)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return MTPHeads(config.n_embd, self.cfg.mtp_heads).to(device)
+
+    def at_step(self, step: int, last_step: int) -> None:
+        """The multi-token heads' weight for ``step`` on the schedule of ``last_step`` steps."""
+        if self.mtp is not None:
+            self.mtp_now = mtp_weight(step, last_step, self.cfg.mtp_weight, self.cfg.mtp_anneal)
 
     def _auto(self, settings: TrainSettings, accelerator, vocab: int):
         """(GPTSettings, TrainSettings, the line) of ``--auto`` for the packed training split on this card."""
@@ -240,8 +269,9 @@ class CausalLMTask(PackedTokensTask):
 
     def loss(self, model, batch, generator) -> torch.Tensor:
         """The training loss: the plain one, or with ``input_noise`` (inputs replaced, targets and document positions
-        those of the true text) and ``--teacher`` (distillation)."""
-        if not (self.cfg.input_noise or self.distiller):
+        those of the true text), ``--teacher`` (distillation) and ``--mtp_heads`` (their term while its weight is above
+        0; the model called the same way throughout, so a compiled one does not recompile when it reaches 0)."""
+        if not (self.cfg.input_noise or self.distiller or self.mtp is not None):
             return super().loss(model, batch, generator)
         block = batch["input_ids"]  # (B, S + 1): position t predicts token t + 1
         inputs, targets = block[:, :-1], block[:, 1:]
@@ -250,8 +280,17 @@ class CausalLMTask(PackedTokensTask):
             inputs = replace_tokens(inputs, self.cfg.input_noise, len(self.tokenizer), generator)
         if self.distiller is not None:
             return self.distiller.loss(model, inputs, positions, targets)
-        return model(input_ids=inputs, position_ids=positions, shift_labels=targets, use_cache=False,
-                     return_logits=False).loss
+        out = model(input_ids=inputs, position_ids=positions, shift_labels=targets, use_cache=False,
+                    return_logits=False, **({"output_hidden_states": True} if self.mtp is not None else {}))
+        if not self.mtp_now:
+            return out.loss
+        from accelerate.utils import extract_model_from_parallel
+
+        bare = extract_model_from_parallel(model)
+        with self.autocast():  # hidden states after the final norm: what the LM head reads
+            extra = mtp_loss(self.mtp, out.hidden_states[-1], bare.lm_head.weight, block,
+                             self.tokenizer.eos_token_id, bare.config.loss_chunk_size, bare.config.logit_softcap)
+        return out.loss + self.mtp_now * extra
 
     def save_pretrained(self, model, output_dir: Path) -> None:
         model.save_pretrained(str(output_dir))

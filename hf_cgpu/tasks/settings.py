@@ -75,6 +75,17 @@ class GPTSettings(CgptOptions):
     distill_temperature: float = field(default=1.0, metadata=FIXED)
     """Temperature T of the teachers' and the student's softmax in the distillation term (--teacher); the term is
     scaled by T^2 so that its gradients keep their size."""
+    mtp_heads: int = field(default=0, metadata=FIXED)
+    """Multi-token prediction: this many extra heads, head k predicting token t + 1 + k from the final hidden state at
+    position t (a residual d x d linear on an RMSNorm) through the model's own LM head, their mean cross-entropy added
+    to the loss with --mtp_weight, annealed out by --mtp_anneal. A target in another document (after an EOS) or past
+    the row's end is not scored. The heads train with the model and are held in every checkpoint, but the saved model
+    is the plain one (0 = off; e.g. 2)."""
+    mtp_weight: float = field(default=0.3, metadata=FIXED)
+    """Weight of the multi-token heads' mean loss at step 0 (--mtp_heads), > 0."""
+    mtp_anneal: float = field(default=0.5, metadata=FIXED)
+    """Fraction of the schedule's steps (as --fit_schedule_to_time fixes them) over which --mtp_weight falls linearly
+    to 0; the loss is the plain one from there on, in (0, 1]."""
     auto: bool = False
     """Choose the model shape, dropout, weight decay and schedule (warm-up, the cosine fitted to the minutes) from
     the training split's token count and --max_minutes by one rule (hf_cgpu/budget/auto.py), as preset values: a
@@ -103,6 +114,13 @@ class GPTSettings(CgptOptions):
             raise SettingsError(f"--distill_weight {self.distill_weight} / --distill_temperature "
                                 f"{self.distill_temperature}; use a weight in (0, 1] and a temperature > 0, e.g. 0.5 "
                                 "and 1")
+        if self.mtp_heads and self.teachers:
+            raise SettingsError("--mtp_heads and --teacher do not combine (the distillation loss makes its own "
+                                "forward): keep one, e.g. --mtp_heads 0")
+        if self.mtp_heads < 0 or self.mtp_weight <= 0 or not 0 < self.mtp_anneal <= 1:
+            raise SettingsError(f"--mtp_heads {self.mtp_heads} / --mtp_weight {self.mtp_weight:g} / --mtp_anneal "
+                                f"{self.mtp_anneal:g}; use heads >= 0 (0 = off), a weight > 0 and a fraction of the "
+                                "schedule in (0, 1], e.g. 2, 0.3 and 0.5")
 
     @property
     def teachers(self) -> list[str]:
@@ -126,7 +144,15 @@ class GPTSettings(CgptOptions):
         kwargs = self.model_config_kwargs(vocab_size or self.vocab_size, eos_token_id=0)
         shape = ModelShape.from_config({"model_type": "cgpt", **kwargs}, name or "cgpt")
         return RunShape(shape, self.seq_len, self.loss_chunk_size, train_mode=self.train_mode,
-                        packed=self.document_masking)
+                        packed=self.document_masking, unpriced=self.unpriced())
+
+    def unpriced(self) -> str:
+        """What of this run the ledger leaves out (empty: nothing)."""
+        if not self.mtp_heads:
+            return ""
+        return (f"the multi-token heads (--mtp_heads {self.mtp_heads}) are not priced: their d x d products and "
+                f"{self.mtp_heads} more LM-head products and cross-entropies a micro-batch, until --mtp_anneal "
+                f"{self.mtp_anneal:g} of the schedule, come on top")
 
 
 @dataclass(frozen=True)

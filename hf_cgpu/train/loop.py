@@ -149,7 +149,8 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
         metrics.write(threads)
     order = task.sample_order(s.seed)
     stepper = Stepper(task, run.model, acc, order, s.seed, s.max_grad_norm,
-                      cuda_graphs=s.compile and acc.device.type == "cuda" and s.compile_mode in CUDA_GRAPH_MODES)
+                      cuda_graphs=s.compile and acc.device.type == "cuda" and s.compile_mode in CUDA_GRAPH_MODES,
+                      also=run.plan.joint_modules)
     every = s.eval_steps if run.plan.eval_steps is None else run.plan.eval_steps
     validator = Validator(task, run.model, acc, ema, s, keeper, metrics, every, run.output_dir, run.template)
     guards = Guards(s, run.plan.expected_initial_loss, state.step, oom_advice(_ladder_setup(run)), metrics.write,
@@ -193,6 +194,7 @@ def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, gu
         while state.step < state.last_step(s):
             step, lr = state.step, state.lr(state.step, s)
             set_lr(optimizer, lr, state.weight_decay_factor(step, s))
+            stepper.task.at_step(step, state.last_step(s))
             try:
                 result = stepper.run(step, state.micro_batch_size, state.gradient_accumulation_steps)
             except torch.cuda.OutOfMemoryError:

@@ -187,7 +187,7 @@ def _prepare(task: Task, s: TrainSettings, accelerator: Accelerator, out_dir: Pa
     template = template_of(accelerator, model)  # on the CPU, before prepare shards the parameters in place
     if not getattr(model, "is_loaded_in_4bit", False) and not getattr(model, "hf_device_map", None):
         model = model.to(device)  # before the optimizer, so AdamW can be fused on CUDA
-    optimizer = build_optimizer(model, s)
+    optimizer = build_optimizer(model, s, also=plan.joint_modules)
     if plan.companions and accelerator.num_processes > 1:
         raise SettingsError(f"this run trains a second network beside the model, on one process only; launch it "
                             f"without accelerate's {accelerator.num_processes} processes")

@@ -58,12 +58,14 @@ def before_graphed_micro_batch(params: list[torch.nn.Parameter], index: int, acc
 
 class Stepper:
     """Forward/backward of step ``k``: its samples from ``order``, every random draw seeded by ``(seed, k)``.
-    ``cuda_graphs``: the model runs under CUDA graphs (see ``before_graphed_micro_batch``)."""
+    ``cuda_graphs``: the model runs under CUDA graphs (see ``before_graphed_micro_batch``); ``also``: modules the run's
+    optimizer trains with the model (``TaskPlan.joint_modules``), their gradients clipped with the model's."""
 
-    def __init__(self, task, model, accelerator, order, seed: int, max_grad_norm: float, cuda_graphs: bool = False):
+    def __init__(self, task, model, accelerator, order, seed: int, max_grad_norm: float, cuda_graphs: bool = False,
+                 also=()):
         self.task, self.model, self.accelerator, self.order = task, model, accelerator, order
         self.seed, self.max_grad_norm, self.cuda_graphs = seed, max_grad_norm, cuda_graphs
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.trainable = [p for m in (model, *also) for p in m.parameters() if p.requires_grad]
 
     def run(self, step: int, micro_batch_size: int, accumulation: int) -> StepResult:
         acc, device = self.accelerator, self.accelerator.device

@@ -41,10 +41,21 @@ class TaskPlan:
     """New TrainSettings the task chose from its data (a GPT's ``--auto``), which the run trains with and records;
     None = the ones given."""
     companions: tuple = ()
-    """Further (module, optimizer) objects the task trains itself inside ``loss`` (a discriminator and its
-    optimizer), already on the device: accelerate prepares them after the model, so every checkpoint holds their
-    weights and moments (``model_1.safetensors``, ``optimizer_1.bin``) and a resume restores them exactly. One
-    process only."""
+    """Further modules and optimizers trained beside the model, already on the device, never saved with it: a module
+    with its optimizer here is stepped by the task itself inside ``loss`` (a discriminator); a module whose
+    parameters no optimizer here holds is trained by the run's optimizer with the model, clipped with it and on its
+    schedule (a GPT's multi-token heads: ``joint_modules``). Accelerate prepares them after the model, so every
+    checkpoint holds their weights and moments (``model_1.safetensors``, ``optimizer_1.bin``) and a resume restores
+    them exactly. One process only."""
+
+    @property
+    def joint_modules(self) -> list[torch.nn.Module]:
+        """The companion modules the run's optimizer trains with the model (none of their parameters in a companion
+        optimizer)."""
+        own = {id(p) for o in self.companions if isinstance(o, torch.optim.Optimizer)
+               for group in o.param_groups for p in group["params"]}
+        return [m for m in self.companions if isinstance(m, torch.nn.Module)
+                and not any(id(p) in own for p in m.parameters())]
 
 
 class Task:
@@ -87,6 +98,11 @@ class Task:
     def loss(self, model: torch.nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
         """Scalar fp32 loss of ``batch`` (random draws only from ``generator``)."""
         raise NotImplementedError
+
+    def at_step(self, step: int, last_step: int) -> None:
+        """Called before optimizer step ``step``'s forward and backward with the schedule's last step (as
+        ``--fit_schedule_to_time`` fixes it): a task whose loss follows the schedule reads them here. Default:
+        nothing."""
 
     def units(self, batch: dict) -> int:
         """Throughput units in ``batch`` (tokens, images)."""
