@@ -118,6 +118,7 @@ def cap_memory(settings, device, log=print) -> None:
 
     total = torch.cuda.get_device_properties(device).total_memory
     cap = find_card(settings.emulate_card).memory_gib * GiB - CUDA_CONTEXT_BYTES
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # it takes no bare "cuda"
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
     log(f"emulating {settings.emulate_card}: memory capped at {min(cap, total) / GiB:.2f} GiB of this GPU's "
         f"{total / GiB:.1f}")
