@@ -12,7 +12,7 @@ from transformers import GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY_VOCAB, tiny_neox_config
 from hf_cgpu.budget import TrainSetup
-from hf_cgpu.budget.memory import ledger
+from hf_cgpu.budget.memory import activation_bytes, ledger
 from hf_cgpu.budget.time import HOST_LINK_GBS, flops_per_token, step_time
 from hf_cgpu.budget.card import find_card
 from hf_cgpu.budget.work import lm_step_work
@@ -124,6 +124,18 @@ def test_ledger_offload_keeps_two_block_inputs_on_the_card_and_every_one_in_host
     assert off.row("recompute_layer") == full.row("recompute_layer")
     assert off.allocated == full.allocated - 22 * block_input
     assert off.as_dict()["host_pinned"] == off.host_pinned
+
+
+def test_the_rebuilt_blocks_backward_holds_its_gradients_and_offload_reserves_its_copy_pool():
+    """The arithmetic of the two fitted terms, pinned: 31 x d bytes a token beside a re-run block of a frozen base,
+    and offload's copy-stream pool on top of the allocator's usual reserve."""
+    shape = preset_shape("pythia-1.4b")
+    full, off = ledger(shape, _pythia("full")), ledger(shape, _pythia("offload"))
+    grads = 31 * 2048 * 32768
+    assert full.row("recompute_layer") == activation_bytes(shape, _pythia("full")).recompute_layer + grads
+    assert full.reserved == pytest.approx(1.04 * full.allocated, rel=1e-9)
+    assert off.reserved == pytest.approx(1.20 * off.allocated, rel=1e-9)
+    assert not ledger(shape, dataclasses.replace(_pythia("offload"), seq_len=131072), memory_cap=16 * 2**30).fits
 
 
 def test_time_adds_the_copies_beside_the_compute(monkeypatch):

@@ -94,6 +94,15 @@ FSDP_UNSHARDED_BLOCKS = 2
 bf16 parameters (accelerate's bf16 policy: param_dtype bf16) and, in backward, their bf16 gradients before the
 reduce-scatter. Structural (torch's FSDP2 prefetches one unit ahead), not yet measured on GPUs."""
 
+RECOMPUTE_BACKWARD_BYTES_PER_TOKEN = {"adapters": 31.0}
+"""x d bytes per token the re-run block's backward holds beside its re-created activations (the gradients of its
+intermediates and of its input) with a frozen base (LoRA, QLoRA). Fitted: peak allocated minus the rows above on the
+Pythia-1.4B shape at 16k-64k tokens, full recompute and offload, LoRA and QLoRA (28-32 x d; benchmarks/RESULTS.md,
+long context)."""
+OFFLOAD_FRAGMENTATION_FRACTION = 0.16
+"""Reserved beyond ``FRAGMENTATION_FRACTION`` under --recompute_policy offload: the block inputs fetched back on the
+copy stream come from that stream's own pool, which the compute stream's tensors cannot reuse. Fitted: LoRA offload on
+the Pythia-1.4B shape reserved 1.17-1.26 x its peak allocated at 16k-64k tokens."""
 OFFLOAD_DEVICE_BLOCK_INPUTS = 2
 """Block inputs on the device under --recompute_policy offload during the backward: the block being re-run and the one
 before it, fetched back from host memory while this one runs (``tiers.recompute.HostOffload``)."""
@@ -546,6 +555,8 @@ def ledger(
     accumulate = setup.gradient_accumulation_steps > 1
     grads_at_peak = st.gradients if accumulate else 0.0
     activations, recompute_layer = act.kept(setup)
+    backward_grads = (RECOMPUTE_BACKWARD_BYTES_PER_TOKEN["adapters"] * shape.d_model * setup.tokens_per_micro_batch
+                      if setup.recompute and setup.adapters else 0.0)
     per_d = act.per_token_per_layer / shape.d_model
     if setup.recompute_mode == "selective":
         act_note = (f"block inputs, projection and attention outputs; without recompute {fmt_gib(act.no_recompute)} "
@@ -570,14 +581,16 @@ def ledger(
             "fp32 4 B per trainable param (--ema_decay)" if setup.ema else "none (--ema_decay 0)"),
         Row("autocast_copies", "autocast weight copies", st.autocast_copies, st.notes.get("autocast_copies", "none")),
         Row("activations", "activations", activations, act_note),
-        Row("recompute_layer", "recomputed block", recompute_layer,
-            "one block's activations re-created in backward" if setup.recompute else "no recompute"),
+        Row("recompute_layer", "recomputed block", recompute_layer + backward_grads,
+            ("one block's activations re-created in backward" + (
+                f" + {fmt_gib(backward_grads)} of its gradients" if backward_grads else ""))
+            if setup.recompute else "no recompute"),
         Row("logits", "logits + loss", logits, logits_note),
         packed_mask_row(shape, setup),
         Row("workspace", "workspace (cuBLAS etc.)", WORKSPACE_BYTES, "cuBLAS/cuBLASLt workspaces, SDPA scratch"),
     ]
     if setup.recompute:  # the loss's backward frees the logits before the first block is re-run
-        rows.append(Row("overlap", "not at the same time", -min(logits, recompute_layer),
+        rows.append(Row("overlap", "not at the same time", -min(logits, recompute_layer + backward_grads),
                         "recomputed block and logits never coexist: only the larger counts"))
     rows = parallel_rows(shape, setup, rows, st)
     states = sum(r.bytes for r in rows if r.key in ("weights", "optimizer", "master", "ema", "ddp_buckets"))  # FSDP2
@@ -589,7 +602,8 @@ def ledger(
         allocated, phase = optimizer_step, "optimizer step"
     else:
         allocated, phase = backward_start, "backward start"
-    fragmentation = FRAGMENTATION_FRACTION * allocated
+    fragmentation = (FRAGMENTATION_FRACTION + (OFFLOAD_FRAGMENTATION_FRACTION if setup.recompute_mode == "offload"
+                                               else 0.0)) * allocated
     if not setup.loss_chunk_size:
         kind = "compiled" if setup.compiled_loss else "eager"
         fragmentation += LOGITS_RESERVE_BYTES[kind] * setup.tokens_per_micro_batch * shape.vocab_size
