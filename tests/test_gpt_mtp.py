@@ -150,6 +150,7 @@ def runs(inputs):
     return inputs / "plain", inputs / "mtp"
 
 
+@pytest.mark.slow  # a trained run: the slow tier
 def test_the_saved_model_is_the_plain_model_and_the_heads_are_in_the_checkpoints(runs):
     plain, mtp = runs
     a, b = load_file(plain / "model.safetensors"), load_file(mtp / "model.safetensors")
@@ -167,6 +168,7 @@ def test_the_saved_model_is_the_plain_model_and_the_heads_are_in_the_checkpoints
     assert not (plain / "checkpoints" / "step_0000004" / "model_1.safetensors").exists()
 
 
+@pytest.mark.slow  # a trained run: the slow tier
 def test_a_run_with_the_heads_resumes_bit_identical_and_a_changed_setting_is_refused(inputs, runs):
     _, mtp = runs
     cut = inputs / "cut"
