@@ -101,6 +101,23 @@ COLOURS = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 13
            (145, 30, 180), (70, 240, 240), (240, 50, 230), (128, 128, 0), (255, 255, 255)]
 
 
+def small_text_corpus(root, docs, tokenizers=("tok",)):
+    """``root/data`` (train: docs 0-14, validation: docs 15-29, parquet) and a 300-token tokenizer per name in
+    ``tokenizers`` (the first trained on docs 0-39, each next one on the following docs); returns ``root``."""
+    import datasets
+
+    from hf_cgpu.data.tokenizer import train_tokenizer
+
+    data = root / "data"
+    data.mkdir()
+    for split, part in (("train", docs[:15]), ("validation", docs[15:30])):
+        datasets.Dataset.from_dict({"text": part}).to_parquet(data / f"{split}.parquet")
+    for i, name in enumerate(tokenizers):
+        part = docs[:40] if i == 0 else docs[40 * i:]
+        train_tokenizer(part, vocab_size=300, show_progress=False).save_pretrained(root / name)
+    return root
+
+
 def synthetic_images(n: int, seed: int):
     """Class k = a 32x32 image of colour k, a darker square at a random place, and pixel noise."""
     import numpy as np

@@ -11,9 +11,9 @@ import json
 import shutil
 from contextlib import nullcontext
 
-import datasets
 import pytest
 import torch
+from conftest import small_text_corpus
 from safetensors.torch import load_file
 
 from hf_cgpu.data.corpus import builtin_corpus
@@ -137,14 +137,7 @@ def test_chunked_kl_is_the_kl_of_the_full_logits_and_zero_for_the_same_model():
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     """A small parquet corpus, a tokenizer of it and another one of the same size."""
-    root = tmp_path_factory.mktemp("levers")
-    data = root / "data"
-    data.mkdir()
-    for split, part in (("train", DOCS[:15]), ("validation", DOCS[15:30])):
-        datasets.Dataset.from_dict({"text": part}).to_parquet(data / f"{split}.parquet")
-    for name, docs in (("tok", DOCS[:40]), ("other_tok", DOCS[40:])):
-        train_tokenizer(docs, vocab_size=300, show_progress=False).save_pretrained(root / name)
-    return root
+    return small_text_corpus(tmp_path_factory.mktemp("levers"), DOCS, ("tok", "other_tok"))
 
 
 GPT = dict(n_layer=1, n_embd=32, n_head=2, seq_len=32, loss_chunk_size=8, max_new_tokens=1, prompts="a")

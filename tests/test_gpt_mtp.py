@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import shutil
 
-import datasets
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import small_text_corpus
 from safetensors.torch import load_file
 
 from hf_cgpu.commands.budget import run as budget
@@ -121,13 +121,7 @@ def test_the_ledger_says_it_leaves_the_heads_out():
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     """A small parquet corpus and a tokenizer of it."""
-    root = tmp_path_factory.mktemp("mtp")
-    data = root / "data"
-    data.mkdir()
-    for split, part in (("train", DOCS[:15]), ("validation", DOCS[15:30])):
-        datasets.Dataset.from_dict({"text": part}).to_parquet(data / f"{split}.parquet")
-    train_tokenizer(DOCS[:40], vocab_size=300, show_progress=False).save_pretrained(root / "tok")
-    return root
+    return small_text_corpus(tmp_path_factory.mktemp("mtp"), DOCS)
 
 
 GPT = dict(n_layer=1, n_embd=32, n_head=2, seq_len=32, loss_chunk_size=8, max_new_tokens=1, prompts="a",
