@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sft_vs_trl import CHAT, PYTHIA, TINY, GiB, StepClock, run_rows  # noqa: E402
 from make_preferences import pairs, poems, write  # noqa: E402
 
-ROWS = ("ours", "trl", "ours_packed")
+ROWS = ("ours", "trl", "ours_packed", "ours_low")
+LOW_MEMORY = ["--recompute", "true", "--compile_mode", "default"]
+"""``ours_low``: packed pairs, every block re-run in the backward, no CUDA graphs (their pool holds memory)."""
 
 
 def parse() -> argparse.Namespace:
@@ -95,7 +97,7 @@ def prepare(a) -> dict:
     return info
 
 
-def ours(a, info: dict, packing: bool) -> dict:
+def ours(a, info: dict, packing: bool, extra: tuple[str, ...] = (), label: str = "") -> dict:
     """hf-cgpu train dpo over one pass of the pairs: as many steps as the units (a pair, or a packed row of pairs)
     fill at ``a.batch``."""
     import datasets
@@ -109,14 +111,14 @@ def ours(a, info: dict, packing: bool) -> dict:
     _, append = prepare_chat(tok, info["model"], lambda line: None)
     ds = datasets.load_dataset("json", data_files=str(Path(info["data"]) / "train.jsonl"), split="train")
     units = len(build_pair_rows(ds, tok, a.seq_len, append, packing=packing))
-    out = Path(a.work) / f"ours_{'packed' if packing else 'padded'}"
+    out = Path(a.work) / (label or f"ours_{'packed' if packing else 'padded'}")
     argv = ["train", "dpo", "--preset", "lora", "--require_adapter", "false", "--model", info["model"],
             "--dataset", info["data"], "--seq_len", str(a.seq_len), "--packing", str(packing).lower(),
             "--micro_batch_size", str(a.micro), "--gradient_accumulation_steps", str(a.batch // a.micro),
             "--max_steps", str(math.ceil(units / a.batch)), "--learning_rate", str(a.lr), "--beta", str(a.beta),
             "--warmup_steps", "0", "--eval_steps", "0", "--checkpointing_steps", "0", "--progress", "false",
             "--compile", a.compile, "--lora_r", "16", "--lora_alpha", "32", "--output_dir", str(out),
-            "--overwrite_output_dir", "true"]
+            "--overwrite_output_dir", "true", *extra]
     clock = StepClock().watch_our_loop()
     code = cli_main(argv)
     r = json.loads((out / "all_results.json").read_text())
@@ -167,7 +169,12 @@ def trl(a, info: dict) -> dict:
 
 def run_row(a, name: str) -> dict:
     info = prepare(a)
-    r = trl(a, info) if name == "trl" else ours(a, info, packing=name == "ours_packed")
+    if name == "trl":
+        r = trl(a, info)
+    elif name == "ours_low":
+        r = ours(a, info, packing=True, extra=tuple(LOW_MEMORY), label=name)
+    else:
+        r = ours(a, info, packing=name == "ours_packed")
     if r.get("train_seconds"):
         r["pairs_per_s"] = info["pairs"] / r["train_seconds"]
         if r.get("reference_seconds") is not None:
@@ -191,7 +198,7 @@ def table(results: dict[str, dict]) -> str:
                      f"{f(r.get('peak_alloc_gib'), '.2f')} | {f(r.get('reward_accuracy'), '.3f')} | "
                      f"{f(r.get('reward_margin'), '.3f')} | {r.get('steps')} | {f(r.get('train_seconds'), '.1f')} |")
     base = results.get("trl", {})
-    for name in ("ours", "ours_packed"):
+    for name in ("ours", "ours_packed", "ours_low"):
         r = results.get(name, {})
         if base.get("pairs_per_s") and r.get("pairs_per_s"):
             line = f"\n{name} / trl: {r['pairs_per_s'] / base['pairs_per_s']:.2f}x pairs/s (target >= 2)"

@@ -7,7 +7,8 @@
 # Carry .whl (../shared/tools/device-wheels.sh plus trl-1.16.0-py3-none-any.whl: `pip download trl==1.16.0 --no-deps
 # -d .whl`) and .data/zh-poetry (a copy of ../shared/data/zh-poetry). Every phase has a deadline inside the call:
 # DPO_DEADLINE (default 300 s) for the DPO rows, the rest up to DEADLINE (default 530 s) for the SFT rows.
-# DPO_ROWS / SFT_ROWS pick rows, EXAMPLES the SFT examples (default 1000). SMOKE=1: the same chain at toy sizes on the
+# DPO_ROWS / SFT_ROWS pick rows (DPO: ours, trl, ours_packed, ours_low = packed + recompute, no CUDA graphs),
+# EXAMPLES the SFT examples (default 1000). SMOKE=1: the same chain at toy sizes on the
 # CPU, three times the deadlines (TRL importable: `pip install trl==1.16.0`; ZH=../shared/data/zh-poetry reads the data in
 # place). Writes 8 files to OUT: bench.log (environment and both benches' output), dpo_vs_trl.md/.jsonl, dpo_rows.log,
 # sft_vs_trl.md/.jsonl, rows.log, data.json.

@@ -18,6 +18,9 @@
 # the distillation). Phase A's saved models are scored by `hf-cgpu eval` while phase B trains, phase B's after it
 # (what is left of the deadline). STEPS (default 200) is what three runs at once are expected to reach in a phase:
 # levers.md shows the steps each reached (a run cut by its minutes compares at the last step all reached).
+# CORPUS=tenth|third: train on that share of the training split (benchmarks/quality/auto_corpora.py, validation
+# unchanged), so a short schedule reaches the many epochs of the 7-minute preset: e.g. CORPUS=third STEPS=600 (about 11
+# epochs of a third) puts the levers in the regime they are for; the 200-step default on the whole corpus is ~1 epoch.
 # Carried: .whl (../shared/tools/device-wheels.sh) and .data/zh-poetry (a copy of ../shared/data/zh-poetry).
 # Writes to $OUT (6 files): levers.md (the table: steps, best validation bits/char and its step, the saved model's
 # bits/char as hf-cgpu eval scores it, the train/val gap, first evaluated step at or below TARGET_BPC), levers.json
@@ -36,6 +39,13 @@ fi
 DEADLINE=${DEADLINE:-570} TARGET_BPC=${TARGET_BPC:-5.74} RESERVE=${RESERVE:-45}  # RESERVE > the 25 s of grace below
 export TOKENIZERS_PARALLELISM=true TARGET_BPC
 OUT=${OUT:-/tmp/levers_out}; W=/tmp/levers; rm -rf $W; mkdir -p "$OUT" $W/eval
+if [ -n "${CORPUS:-}" ]; then  # a share of the training split, the validation split whole
+  src=${DATA:-../shared/data/zh-poetry}
+  python3 benchmarks/quality/auto_corpora.py --src "$src" --out $W/corpora ${SMOKE:+--limit 2000} > /dev/null \
+    || { echo "auto_corpora.py failed on $src"; exit 1; }
+  DATA=$W/corpora/$CORPUS
+  [ -f "$DATA/train.parquet" ] || { echo "CORPUS=$CORPUS: use tenth, third or all"; exit 2; }
+fi
 A1=${A1-base:} A2=${A2-noise:--input_noise 0.05} A3=${A3-swa:--ema_decay 0 --swa_start 0.7} A4=${A4-}
 B1=${B1-kd:--teacher $W/base --distill_weight 0.5} B2=${B2-all:--input_noise 0.05 --ema_decay 0 --swa_start 0.7}
 B3=${B3-wd_ramp:--weight_decay_end 3 --weight_decay_hold 0.5}
@@ -44,7 +54,7 @@ B4=${B4-}  # e.g. B4="kd_all:--teacher /tmp/levers/base --input_noise 0.05 --ema
 export A1 A2 A3 A4 B1 B2 B3 B4  # the table names each run's flags
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   python3 -c "import torch,transformers;print('torch',torch.__version__,'transformers',transformers.__version__)"
-  echo "PRESET=$PRESET STEPS=$STEPS EVAL=$EVAL DEADLINE=$DEADLINE EXTRA=${EXTRA:-}"
+  echo "PRESET=$PRESET STEPS=$STEPS EVAL=$EVAL DEADLINE=$DEADLINE CORPUS=${CORPUS:-all} DATA=$DATA EXTRA=${EXTRA:-}"
   for v in A1 A2 A3 A4 B1 B2 B3 B4; do [ -n "${!v}" ] && echo "$v=${!v}"; done
 } > $OUT/env.txt 2>&1
 common=(--preset "$PRESET" ${DATA:+--dataset $DATA} --progress false --checkpointing_steps 0 --max_new_tokens 8
