@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sft_vs_trl import CHAT, PYTHIA, TINY, GiB, StepClock, run_rows  # noqa: E402
+from bench_sft_vs_trl import CHAT, PYTHIA, TINY, GiB, StepClock, bench_main  # noqa: E402
 from make_preferences import pairs, poems, write  # noqa: E402
 
 ROWS = ("ours", "trl", "ours_packed", "ours_low")
@@ -213,21 +213,16 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    a = parse()
-    if a.row:
-        print("ROW " + json.dumps(run_row(a, a.row)), flush=True)
-        return
-    start = time.monotonic()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    info = prepare(a)
-    print(f"prepared in {time.monotonic() - start:.0f} s: {info}", flush=True)
+def record(out: Path, info: dict) -> None:
+    """The data's figures as the first line of dpo_vs_trl.jsonl (OUT takes 8 files)."""
     with open(out / "dpo_vs_trl.jsonl", "a") as fh:
         fh.write(json.dumps({"row": "data", **info}) + "\n")
-    results = run_rows(__file__, [r for r in a.rows.split(",") if r], a.deadline - (time.monotonic() - start), out,
-                       "dpo_rows.log", "dpo_vs_trl", table)
-    print(table(results))
+
+
+def main() -> None:
+    a = parse()
+    bench_main(__file__, a, run_row, prepare, [r for r in a.rows.split(",") if r], "dpo_rows.log", "dpo_vs_trl",
+               table, record)
 
 
 if __name__ == "__main__":

@@ -415,8 +415,10 @@ def run_rows(script: str, names, seconds: float, out: Path, log_name: str, stem:
     return results
 
 
-def main() -> None:
-    a = parse()
+def bench_main(script: str, a, run_row, prepare, names, log_name: str, stem: str, table, record) -> None:
+    """A bench's entry point: with ``--row NAME``, that row in this process, its figures on a ``ROW`` line (what
+    ``run_rows`` reads); else the data once (``prepare``, kept by ``record(out, info)``), then every row of ``names`` in
+    its own process within ``a.deadline`` seconds of the start, and the table."""
     if a.row:
         print("ROW " + json.dumps(run_row(a, a.row)), flush=True)
         return
@@ -424,11 +426,16 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     info = prepare(a)
-    (out / "data.json").write_text(json.dumps(info, indent=2))
+    record(out, info)
     print(f"prepared in {time.monotonic() - start:.0f} s: {info}", flush=True)
-    results = run_rows(__file__, a.order, a.deadline - (time.monotonic() - start), out, "rows.log", "sft_vs_trl",
-                       table)
+    results = run_rows(script, names, a.deadline - (time.monotonic() - start), out, log_name, stem, table)
     print(table(results))
+
+
+def main() -> None:
+    a = parse()
+    bench_main(__file__, a, run_row, prepare, a.order, "rows.log", "sft_vs_trl", table,
+               lambda out, info: (out / "data.json").write_text(json.dumps(info, indent=2)))
 
 
 if __name__ == "__main__":
