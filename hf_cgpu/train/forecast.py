@@ -16,7 +16,7 @@ from ..budget.memory import CUDA_CONTEXT_BYTES, GiB, ledger
 from ..budget.runs import image_run_time, lm_run_time, teacher_extra
 from ..budget.time import RunTime
 from ..errors import SettingsError
-from .schedule import fitted_warmup
+from .schedule import fix_length
 
 
 @dataclass(frozen=True)
@@ -102,9 +102,7 @@ def emulate(predicted: Forecast | None, settings, state, log=print) -> None:
         raise SettingsError("--emulate_card trains the steps the ledger gives the card, and the ledger does not price "
                             "this run: drop --emulate_card")
     length = max(1, min(settings.max_steps, predicted.time.steps))
-    warmup = fitted_warmup(0, length, settings.warmup_steps)
-    state.schedule_steps = length
-    state.schedule_warmup = warmup if warmup != settings.warmup_steps else 0
+    fix_length(state, settings, 0, length)
     log(f"emulating {predicted.card}: the {length:,} steps the ledger gives it in --max_minutes "
         f"{settings.max_minutes:g}, the cosine fitted to them; this machine's clock ends nothing")
 

@@ -59,6 +59,15 @@ def fitted_warmup(step: int, length: int, warmup: int) -> int:
     return warmup if length - warmup >= warmup else min(warmup, max(step, length // 2))
 
 
+def fix_length(state, settings, step: int, length: int) -> int:
+    """Fix the schedule's length at ``step`` to ``length`` steps in ``state`` (kept by the checkpoint), with the warmup
+    ``fitted_warmup`` allows; returns the warmup where it was cut, else 0."""
+    warmup = fitted_warmup(step, length, settings.warmup_steps)
+    state.schedule_steps = length
+    state.schedule_warmup = warmup if warmup != settings.warmup_steps else 0
+    return state.schedule_warmup
+
+
 class TimeFit:
     """``--fit_schedule_to_time``: times the steps of this process from the end of its first one (compilation is not
     a step's cost) to ``calibration_step``, then fixes ``state.schedule_steps`` (the same on every process).
@@ -91,15 +100,14 @@ class TimeFit:
             return None
         per_step = (t - self.t0) / (step - self.step0)
         length = _share(accelerator, fitted_length(step, per_step, deadline - t, self.settings.max_steps))
-        warmup = fitted_warmup(step, length, self.settings.warmup_steps)
-        state.schedule_steps, self.enabled = length, False
-        state.schedule_warmup = warmup if warmup != self.settings.warmup_steps else 0
+        warmup = fix_length(state, self.settings, step, length)
+        self.enabled = False
         why = (f" (step {self.at:,}, the end of the timing, would come after half of them)"
                if step < min(self.at, self.settings.max_steps) else "")
         return (f"schedule fitted to --max_minutes {self.settings.max_minutes:g}{why}: {per_step:.3f} s per step "
                 f"over steps {self.step0}-{step}, {deadline - t:,.0f} s left -> the cosine ends at step {length:,}"
                 + (f" (max_steps {self.settings.max_steps:,})" if length < self.settings.max_steps else "")
-                + (f", warmup cut to {warmup:,} steps" if state.schedule_warmup else ""))
+                + (f", warmup cut to {warmup:,} steps" if warmup else ""))
 
     def unfitted(self) -> str:
         """The note for a deadline that came before any step was timed ('' when the schedule was fixed)."""
