@@ -28,44 +28,21 @@
 # Writes under $OUT (at most 8 files): timeline.txt, env.txt, PART=1: classifier.log, seed.log, seed_eval.json;
 # PART=2/3: ours.log and distill.log (each ends with the run's all_results; the table's progress is appended to
 # distill.log), fewstep.md (the table), fewstep.json (its rows), grids.tar (one picture grid per row).
-if [ -n "${SMOKE:-}" ]; then source benchmarks/gpu_env.sh --cpu; else source benchmarks/gpu_env.sh --gpu || exit 1; fi
-T0=$(date +%s)
-DEADLINE=${DEADLINE_S:-560}
-mark() { echo "$(( $(date +%s) - T0 ))s PART=${PART:-all} $*" >> "$OUT/timeline.txt"; }
-left() { local l=$(( DEADLINE - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
-DATA=${DATA:-.data/cifar10}
-R=/tmp  # where the runs live between the calls (SMOKE: a fresh temporary folder)
-MIN=${FLOW_MINUTES:-4}
-DISTILL_MINUTES=${DISTILL_MINUTES:-3}
+source benchmarks/quality/fewstep_common.sh
 TABLE_S=${TABLE_S:-60}
-DISTILL_GUIDANCE=(--guidance_scale "${DISTILL_SCALE:-2.0}" --guidance_interval "${DISTILL_INTERVAL:-0.25:0.8}")
-REF=(--split train --real_limit 10000)
-CLF=(--preset cifar10 --max_minutes 2)
-SEED=(python3 benchmarks/quality/bench_seed_image.py --dataset "$DATA" --minutes "$MIN" --output_dir $R/seed)
 KEEP=(--checkpoints_total_limit 50)  # every checkpoint stays: the table's autoguidance takes an early one as the guide
 OURS=(--preset cifar10 --max_minutes "$MIN" --checkpointing_steps 3000 "${KEEP[@]}")
 DISTILL=(--preset cifar10 "${KEEP[@]}")
 TABLE=(--num_images "${NUM_IMAGES:-5000}")
-SEED_IMAGES=10000
-if [ -n "${SMOKE:-}" ]; then  # CPU: the same chain at toy sizes; a tiny unconditional flow run stands in for the seed
-  R=$(mktemp -d)
-  CLF=(--preset tiny --max_steps 5)
-  SEED=(python3 -m hf_cgpu.cli train flow --preset tiny --class_conditional false --dataset "$DATA" --max_steps 4
-        --checkpointing_steps 0 --output_dir $R/seed)
+if [ -n "${SMOKE:-}" ]; then  # CPU: the same chain at toy sizes (fewstep_common.sh: the classifier, the seed, R)
   OURS=(--preset tiny --max_steps 6 --checkpointing_steps 2 "${KEEP[@]}" --limit 256)
   DISTILL=(--preset tiny --limit 64 "${KEEP[@]}")
-  REF=(--split train --real_limit 300)
   TABLE=(--num_images 40 --batch_size 20 --evaluations 1,2,4,6 --ag_base 6 --ag_scales 2)
-  SEED_IMAGES=40
-  DEADLINE=${DEADLINE_S:-1800}
 fi
 W=$R/fewstep
 mkdir -p "$W" "$OUT"
 
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
-  python3 -c "import torch,diffusers,datasets,accelerate;print('torch',torch.__version__,'diffusers',diffusers.__version__,'datasets',datasets.__version__,'accelerate',accelerate.__version__)"
-  python3 -c "from hf_cgpu.data.images import load_image_dataset as f; [f('$DATA', s) for s in ('train', 'test')]"
-} >> "$OUT/env.txt" 2>&1
+describe_env "$OUT/env.txt"
 mark "decoded"
 
 part1() {
@@ -90,7 +67,7 @@ part2() {
   local minutes
   minutes=$(python3 -c "print(max(0.5, min($DISTILL_MINUTES, ($(left) - $TABLE_S - 60) / 60)))")
   timeout "$(left)" python3 recipes/train_flow_distill.py "${DISTILL[@]}" --teacher $R/ours --dataset "$DATA" \
-    "${DISTILL_GUIDANCE[@]}" --max_minutes "$minutes" --output_dir $R/distill --progress false > "$OUT/distill.log" 2>&1
+    "${GUIDANCE[@]}" --max_minutes "$minutes" --output_dir $R/distill --progress false > "$OUT/distill.log" 2>&1
   mark "distilled ($minutes min)"
   [ -n "${DISTILL_MORE:-}" ] || table  # PART=3 continues the distillation first: a table now would be of the wrong model
 }
@@ -104,7 +81,7 @@ if p.is_file():
     p.write_text(json.dumps([r for r in json.loads(p.read_text()) if r["model"] != "distilled"], indent=1))
 PY
   timeout "$(left)" python3 recipes/train_flow_distill.py "${DISTILL[@]}" --teacher $R/ours --dataset "$DATA" \
-    "${DISTILL_GUIDANCE[@]}" --max_minutes "$DISTILL_MORE" --output_dir $R/distill --progress false \
+    "${GUIDANCE[@]}" --max_minutes "$DISTILL_MORE" --output_dir $R/distill --progress false \
     --resume_from_checkpoint latest >> "$OUT/distill.log" 2>&1
   mark "distilled $DISTILL_MORE more min"
 }

@@ -28,41 +28,21 @@
 # Writes under $OUT (at most 8 files): timeline.txt (with the environment), PART=1: part1.log, seed_eval.json;
 # PART=2: part2.log; PART=3: part3.log (each run ends with its all_results), fewstep.md (the table), fewstep.json
 # (its rows), grids.tar (one picture grid per row).
-if [ -n "${SMOKE:-}" ]; then source benchmarks/gpu_env.sh --cpu; else source benchmarks/gpu_env.sh --gpu || exit 1; fi
-T0=$(date +%s)
-DEADLINE=${DEADLINE_S:-560}
-mark() { echo "$(( $(date +%s) - T0 ))s PART=${PART:-all} $*" >> "$OUT/timeline.txt"; }
-left() { local l=$(( DEADLINE - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
-DATA=${DATA:-.data/cifar10}
-R=/tmp  # where the runs live between the calls (SMOKE: a fresh temporary folder)
-MIN=${FLOW_MINUTES:-4}
-DISTILL_MINUTES=${DISTILL_MINUTES:-3}
+source benchmarks/quality/fewstep_common.sh
 DISTILL_MORE=${DISTILL_MORE:-2}
 GAN_MINUTES=${GAN_MINUTES:-2}
-GUIDANCE=(--guidance_scale "${DISTILL_SCALE:-2.0}" --guidance_interval "${DISTILL_INTERVAL:-0.25:0.8}")
-REF=(--split train --real_limit 10000)
-CLF=(--preset cifar10 --max_minutes 2)
-SEED=(python3 benchmarks/quality/bench_seed_image.py --dataset "$DATA" --minutes "$MIN" --output_dir $R/seed)
 OURS=(--preset cifar10 --max_minutes "$MIN")
 DISTILL=(--preset cifar10 --judge $R/clf --judge_images 1000)
 MORE=(--max_minutes "$DISTILL_MORE")
 GAN=(--preset cifar10-gan --max_minutes "$GAN_MINUTES" --judge $R/clf --judge_images 1000)
 TABLE=(--num_images "${NUM_IMAGES:-5000}" --evaluations 1,2 --ag_scales "" --row_seconds 30)
-SEED_IMAGES=10000
-if [ -n "${SMOKE:-}" ]; then  # CPU: the same chain at toy sizes; a tiny unconditional flow run stands in for the seed
-  R=$(mktemp -d)
-  CLF=(--preset tiny --max_steps 5)
-  SEED=(python3 -m hf_cgpu.cli train flow --preset tiny --class_conditional false --dataset "$DATA" --max_steps 4
-        --checkpointing_steps 0 --output_dir $R/seed)
+if [ -n "${SMOKE:-}" ]; then  # CPU: the same chain at toy sizes (fewstep_common.sh: the classifier, the seed, R)
   OURS=(--preset tiny --max_steps 6 --checkpointing_steps 0 --limit 256)
   DISTILL=(--preset tiny --limit 64 --max_steps 6 --judge $R/clf --judge_images 20)
   MORE=(--max_steps 8)
   GAN=(--preset tiny --limit 64 --max_steps 4 --adversarial_weight 0.5 --disc_width 16 --sample_steps 1
        --judge $R/clf --judge_images 20)
-  REF=(--split train --real_limit 300)
   TABLE=(--num_images 40 --batch_size 20 --evaluations 1,2 --ag_scales "")
-  SEED_IMAGES=40
-  DEADLINE=${DEADLINE_S:-1800}
 fi
 KNOBS=()
 for pair in "ADV_WEIGHT adversarial_weight" "DISTILL_WEIGHT distill_weight" "DISC_LR disc_lr" "DISC_TIME disc_time" \
@@ -73,10 +53,7 @@ done
 W=$R/fewstep_gan
 mkdir -p "$W" "$OUT"
 
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
-  python3 -c "import torch,diffusers,datasets,accelerate;print('torch',torch.__version__,'diffusers',diffusers.__version__,'datasets',datasets.__version__,'accelerate',accelerate.__version__)"
-  python3 -c "from hf_cgpu.data.images import load_image_dataset as f; [f('$DATA', s) for s in ('train', 'test')]"
-} >> "$OUT/timeline.txt" 2>&1
+describe_env "$OUT/timeline.txt"
 mark "decoded"
 run_log() {  # run_log LOG COMMAND...: the command's output and exit status appended to LOG
   local log=$1; shift
