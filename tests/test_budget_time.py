@@ -70,6 +70,23 @@ def test_each_phase_takes_the_longer_of_device_and_host():
                                       + 100 * 10e-6 * HOST_KERNEL_FACTOR["eager"])
 
 
+def test_an_optimizer_that_loops_over_its_tensors_is_priced_per_tensor_on_the_host():
+    """bitsandbytes' 8-bit AdamW calls its kernel tensor by tensor from Python: its optimizer phase grows with the
+    parameter tensors (not with their kernels' bytes), and a fused AdamW's does not."""
+    from hf_cgpu.budget.shape import ModelShape, TrainSetup
+    from hf_cgpu.budget.work import HOST_OPS_PER_TENSOR, lm_step_work
+
+    def opt_host(layers, tier):
+        shape = ModelShape(n_layer=layers, d_model=256, n_head=4, vocab_size=1000, n_positions=0)
+        setup = TrainSetup(seq_len=128, micro_batch_size=2, gradient_accumulation_steps=1, tier=tier)
+        return shape, step_time(lm_step_work(shape, setup), FLAT).optimizer_host_seconds
+
+    shape, eight = opt_host(8, "adamw8bit")
+    assert eight == pytest.approx(len(shape.param_tensors()) * HOST_OPS_PER_TENSOR["adamw8bit"] * 10e-6)
+    assert opt_host(16, "adamw8bit")[1] > 1.8 * eight
+    assert opt_host(16, "full")[1] == opt_host(8, "full")[1] < eight / 10
+
+
 def test_the_minutes_hold_the_steps_their_start_up_and_evaluations_leave():
     work = StepWork((Gemm(8192, 8192, 8192, count=100),), samples=1000)
     step = step_time(work, FLAT)

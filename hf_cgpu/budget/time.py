@@ -162,7 +162,7 @@ def step_time(work: StepWork, card: Card, cuda_graphs: bool = False) -> StepTime
     kernels = (work.kernels + work.optimizer_kernels) * per_kernel
     opt_device = (sum(_gemm_seconds(g, card) for g in opt_gemm) + work.optimizer_kernels * per_kernel
                   + sum(b for what, b in work.memory_bytes if what in optimizer) / bandwidth)
-    opt_host = work.optimizer_kernels * card.launch_us * HOST_KERNEL_FACTOR["eager"] * 1e-6
+    opt_host = (work.optimizer_host_ops or work.optimizer_kernels * HOST_KERNEL_FACTOR["eager"]) * card.launch_us * 1e-6
     if cuda_graphs:  # one replay launches the step's kernels
         host = 0.0
     else:

@@ -55,6 +55,10 @@ products, attention and the norms' reductions stay kernels of their own (set A's
 OPTIMIZER_KERNELS = {"adamw": 20, "adamw8bit": 20, "muon": 150, "lora": 20}
 """Kernels of the optimizer step, the clip and the zeroing (multi-tensor kernels; Muon runs its Newton-Schulz
 iterations per stacked shape, eagerly)."""
+HOST_OPS_PER_TENSOR = {"adamw8bit": 35.0}
+"""Optimizers that loop over the parameter tensors in Python (bitsandbytes' 8-bit AdamW calls its kernel tensor by
+tensor): host time per tensor, in bare eager-op times of the bench. Fitted: set B's 770M runs, whose optimizer step
+spans 33.7 ms of the device's timeline for 20.8 ms of its kernels (147 tensors, a 6.45 us bare op)."""
 MASKED_ATTENTION_SLOWDOWN = 1.75
 """Attention under a per-document mask (our GPT's --document_masking with sdpa) runs the memory-efficient kernel, not
 flash: this many times the flash time. Fitted: set A's zh-poetry-modern step (6.3 ms against 3.6 for flash)."""
@@ -100,6 +104,9 @@ class StepWork:
     """The step runs compiled (fused kernels, launched from generated code)."""
     optimizer_kernels: float = 0.0
     """Kernels of the optimizer step, clip and zeroing: launched eagerly after the backward, so a phase of their own."""
+    optimizer_host_ops: float = 0.0
+    """Host time of the optimizer step in bare eager-op times, where it is not its kernels' launches (a per-tensor
+    Python loop); 0 = the launches of ``optimizer_kernels``."""
     host_copy_bytes: float = 0.0
     """Bytes copied between host and device memory (--recompute_policy offload: every block input out in the forward
     and back in the backward), on a side stream beside the compute."""
@@ -179,7 +186,8 @@ def lm_step_work(shape: ModelShape, setup: TrainSetup) -> StepWork:
     offload = setup.recompute_mode == "offload"
     offloaded = 2.0 * layers * regime(setup).resid * shape.d_model * t * micro if offload else 0.0
     return StepWork(tuple(gemms), attention, tuple(memory), kernels, model_flops, t * micro, setup.seq_len, compiled,
-                    optimizer_kernels=OPTIMIZER_KERNELS.get(opt_kind, 20), host_copy_bytes=offloaded)
+                    optimizer_kernels=OPTIMIZER_KERNELS.get(opt_kind, 20), host_copy_bytes=offloaded,
+                    optimizer_host_ops=HOST_OPS_PER_TENSOR.get(opt_kind, 0.0) * _trainable_tensors(shape, setup))
 
 
 def muon_gemms(shape: ModelShape, iterations: int = 5) -> list[Gemm]:
@@ -193,6 +201,13 @@ def muon_gemms(shape: ModelShape, iterations: int = 5) -> list[Gemm]:
                 Gemm(m, m, m, count, f"muon {lin.name} A A", shape.n_layer),
                 Gemm(m, n, m, count, f"muon {lin.name} B X", shape.n_layer)]
     return out
+
+
+def _trainable_tensors(shape: ModelShape, setup: TrainSetup) -> int:
+    """Parameter tensors the optimizer steps (LoRA: two per adapted linear and layer)."""
+    if setup.adapters:
+        return 2 * len(adapted_linears(shape, setup.lora_targets)) * shape.depth
+    return len(shape.param_tensors())
 
 
 def _trainable_params(shape: ModelShape, setup: TrainSetup) -> int:
