@@ -65,12 +65,13 @@ class SampleSettings:
     def sampling(self, pipe) -> dict:
         """The pipeline call's steps, guidance scale and interval: these settings, 0 and empty resolved from the
         pipeline's saved config."""
-        return self.sampling_of(pipe.config, bool(pipe.unet.config.num_classes), pipe.guide_unet is not None)
+        return self.sampling_of(pipe.config, bool(pipe.unet.config.num_classes),
+                                pipe.guide_unet is not None or pipe.takes_guidance)
 
     def sampling_of(self, config, conditional: bool, guide: bool) -> dict:
         """``sampling`` for a pipeline saved with ``config`` (model_index.json's values) whose UNet is
-        ``conditional`` and which samples with a ``guide`` (autoguidance): the guidance scale counts only with class
-        labels or a guide."""
+        ``conditional`` and which samples with a ``guide`` (autoguidance, or a UNet told the guidance scale): the
+        guidance scale counts only with class labels or a guide."""
         guided = self.class_labels or guide
         return resolve_sampling(config, conditional, guide, self.num_inference_steps,
                                 self.guidance_scale if guided else 1.0, self.guidance_interval, fallback_scale=2.5)
