@@ -589,7 +589,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"{report_line(result)} -> {path}")
         return 0
 
-    conditional = bool(pipe.unet.config.num_classes) or pipe.guide_unet is not None  # autoguidance needs no class
+    conditional = bool(pipe.unet.config.num_classes) or pipe.guide_unet is not None or pipe.takes_guidance
     rows = []
     for name, raw in variants.items():
         if name != first:

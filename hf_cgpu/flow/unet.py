@@ -181,7 +181,6 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         self.time_mlp = nn.Sequential(nn.Linear(tdim, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
         self.class_embedding = nn.Embedding(num_classes + 1, tdim) if num_classes is not None else None
         self.step_mlp = _zero_output_mlp(tdim) if step_size_embedding else None
-        self.guidance_mlp = _zero_output_mlp(tdim) if guidance_embedding else None
         self.in_conv = nn.Conv2d(in_channels, c1, 3, padding=1)
         self.d1 = ResBlock(c1, c1, tdim, g)
         self.down1 = nn.Conv2d(c1, c1, 3, stride=2, padding=1)
@@ -191,6 +190,8 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         self.u2 = ResBlock(c3 + c2, c2, tdim, g)
         self.u1 = ResBlock(c2 + c1, c1, tdim, g)
         self.out = nn.Sequential(GroupNorm(g, c1), nn.SiLU(), nn.Conv2d(c1, out_channels, 3, padding=1))
+        # built last, so every other weight draws the same initial values with the option as without it
+        self.guidance_mlp = _zero_output_mlp(tdim) if guidance_embedding else None
         self.gradient_checkpointing = False
 
     @property
