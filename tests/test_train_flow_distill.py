@@ -297,6 +297,13 @@ def test_the_teacher_guides_each_example_at_its_own_scale(runs, synthetic_data, 
         want = uncond + w[:, None, None, None] * (cond - uncond)
         want[2] = cond[2]
         torch.testing.assert_close(tasks[0].teacher_fn(x, t, (y, w)), want, rtol=1e-4, atol=1e-5)
+    told = []  # the student is told each row's own w, drawn in the range
+    student = FlowMatchPipeline.from_pretrained(tmp_path / "d").unet
+    student.register_forward_pre_hook(lambda m, a, kw: told.append(kw.get("guidance")), with_kwargs=True)
+    with torch.no_grad():
+        tasks[0].shortcut_loss(student, {"x1": torch.randn(8, 3, 32, 32, generator=g), "labels": torch.arange(8)}, g)
+    w = told[-1]  # the loss's own call on every row (the targets' calls come first)
+    assert w is not None and w.shape == (8,) and len(set(w.tolist())) == 8 and 1 <= w.min() <= w.max() <= 3
 
 
 def test_the_student_takes_the_guidance_scale_once_trained(guided, runs):
