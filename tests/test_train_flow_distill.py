@@ -316,6 +316,9 @@ def test_the_student_takes_the_guidance_scale_once_trained(guided, runs):
     assert pipe.config.guidance_range == [1.0, 3.0] and pipe.config.guidance_scale == 2.5
     results = json.loads((guided / "all_results.json").read_text())
     assert results["settings"]["guidance_range"] == "1:3" and results["settings"]["sample_guidance"] == 2.5
+    card = " ".join((guided / "README.md").read_text().split())
+    assert "classifier-free guidance (t in 0.2:0.9) is an input: trained over scales w in 1:3" in card, card
+    assert "saved default 2.5;" in card and "baked in" not in card
     teacher = FlowMatchPipeline.from_pretrained(runs / "teacher").unet
     start = FlowUNet2DModel(**{**teacher.config, "step_size_embedding": True, "guidance_embedding": True}).eval()
     start.load_state_dict(teacher.state_dict(), strict=False)
