@@ -316,6 +316,8 @@ def test_the_student_takes_the_guidance_scale_once_trained(guided, runs):
     assert pipe.config.guidance_range == [1.0, 3.0] and pipe.config.guidance_scale == 2.5
     results = json.loads((guided / "all_results.json").read_text())
     assert results["settings"]["guidance_range"] == "1:3" and results["settings"]["sample_guidance"] == 2.5
+    priced = price("flow-distill", ["--preset", "tiny", "--teacher", str(runs / "teacher"), *RANGE], CPU)
+    assert results["ledger"]["step_seconds"] == pytest.approx(priced["step_s"], rel=1e-4)  # as `hf-cgpu budget`
     card = " ".join((guided / "README.md").read_text().split())
     assert "classifier-free guidance (t in 0.2:0.9) is an input: trained over scales w in 1:3" in card, card
     assert "saved default 2.5;" in card and "baked in" not in card
