@@ -71,8 +71,8 @@ class ImageEvalSettings:
     """Solver steps N; 0 = the pipeline's saved default (1 or 2 for a distilled pipeline)."""
     guidance_scale: float = 0.0
     """Guidance scale (1 = none, one network call per evaluation): classifier-free, or autoguidance with a
-    --guidance_model (unconditional models need one, or 1); 0 = the pipeline's saved default (1.5 for a folder that
-    saved none)."""
+    --guidance_model (unconditional models need one, or 1); a run distilled with --guidance_range is told it (one
+    call, within its range); 0 = the pipeline's saved default (1.5 for a folder that saved none)."""
     guidance_interval: str = ""
     """Guidance only where t (0 = noise, 1 = data) lies in LO:HI, e.g. 0.15:0.8 (one network call instead of two
     elsewhere); full = every step; empty = the pipeline's saved interval."""

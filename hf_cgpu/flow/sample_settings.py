@@ -26,9 +26,10 @@ class SampleSettings:
     (the null class)."""
     guidance_scale: float = 0.0
     """Guidance w (1 = the plain model, one call per step): classifier-free with --class_labels, or autoguidance with
-    a --guidance_model (saved or given); 0 = the pipeline's saved default with --class_labels or a guidance model (a
-    flow run: its --guidance_scale; a distilled run: 1, its guidance is baked in; 2.5 for a folder that saved none),
-    1 without."""
+    a --guidance_model (saved or given); a run distilled with --guidance_range is told w instead (one call per step,
+    w within its range); 0 = the pipeline's saved default with --class_labels or a guidance model (a flow run: its
+    --guidance_scale; a distilled run: 1, its guidance is baked in, or its --sample_guidance; 2.5 for a folder that
+    saved none), 1 without."""
     guidance_interval: str = ""
     """Guidance only where t (0 = noise, 1 = data) lies in LO:HI, e.g. 0.15:0.8, the conditional model elsewhere
     (one call instead of two); full = every step; empty = the pipeline's saved interval."""
