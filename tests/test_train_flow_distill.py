@@ -431,6 +431,14 @@ def test_bad_guidance_ranges_are_one_line_and_exit_2(guided, runs, synthetic_dat
         err = capsys.readouterr().err
         assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, (words, err)
         assert not out.exists()
+    cut = tmp_path / "cut"  # a resume with another range: the fingerprint refuses it
+    shutil.copytree(guided, cut)
+    capsys.readouterr()
+    rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(cut), "--progress", "false",
+                   "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data), "--guidance_range", "1:4",
+                   "--max_steps", "14", "--resume_from_checkpoint", "latest"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'guidance_range': ('1:3', '1:4')" in err and len(err.strip().splitlines()) == 1, err
     from hf_cgpu.evaluation.classifier import ClassifierConfig, CifarResNet, save_classifier
 
     save_classifier(CifarResNet(ClassifierConfig(widths=[8, 8, 8, 8])), tmp_path / "judge")

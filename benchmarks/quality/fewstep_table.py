@@ -182,6 +182,9 @@ def main() -> None:
     if not any(r["model"].startswith("CIFAR-10 test") for r in rows):
         rows.append(ceiling(classifier, real, s, 3))
     seed = seed_row(a.seed_eval)
+    for r in rows:  # rows kept from a call before the anchor was scored get their ratio now
+        if seed and r.get("fd") is not None:
+            r["fd_vs_seed"] = r["fd"] / seed["fd"]
     done = {(r["model"], r["sampler"], r["steps"], r["guidance"], r.get("guide", "null class")) for r in rows}
     intervals = [parse_interval(i) for i in a.intervals.split(",") if i.strip()]
     pipes = {"base": a.base, **({"distilled": a.distilled} if a.distilled else {}),

@@ -14,7 +14,7 @@
 # and 2 evaluations x w = GUIDED_SCALES (default 1,1.5,2,2.5), FD / precision / recall against the first 10,000
 # training images in the judge's features and the rarest class share, NUM_IMAGES (default 5000) each, then the base
 # at 10 evaluations while time is left. The seed recipe's row (the anchor) comes from SEED_EVAL (default
-# /tmp/fewstep/seed_eval.json, left by gpu_fewstep.sh PART=1 on the warm machine) where it exists; else, where SEED=1
+# /tmp/fewstep/seed_eval.json, left by gpu_fewstep.sh PART=1 on the warm machine) where it exists; else, where ANCHOR=1
 # and the deadline leaves FLOW_MINUTES + 2 minutes after the table, the seed recipe is trained and scored here (Euler
 # 50, 10,000 images) and the table rewritten with its row.
 #
@@ -25,14 +25,13 @@
 # Writes under $OUT (at most 8 files): timeline.txt (with the environment), run.log (every command's output and exit
 # status; each run ends with its all_results), fewstep.md (the table), fewstep.json (its rows), grids.tar (one
 # picture grid per row, one row per class), seed_eval.json (where the anchor was scored here).
+FLOW_MINUTES=${FLOW_MINUTES:-3} DISTILL_MINUTES=${DISTILL_MINUTES:-2}  # this call's defaults, before the shared ones
 source benchmarks/quality/fewstep_common.sh
-MIN=${FLOW_MINUTES:-3}
-DISTILL_MINUTES=${DISTILL_MINUTES:-2}
 CLF_MINUTES=${CLF_MINUTES:-1.5}
 TABLE_S=${TABLE_S:-100}
 RANGE=(--guidance_range "${GUIDANCE_RANGE:-1:3}")
 SEED_EVAL=${SEED_EVAL:-/tmp/fewstep/seed_eval.json}
-CLF=(--preset cifar10 --max_minutes "$CLF_MINUTES")
+[ -z "${SMOKE:-}" ] && CLF=(--preset cifar10 --max_minutes "$CLF_MINUTES")
 OURS=(--preset cifar10 --max_minutes "$MIN")
 DISTILL=(--preset cifar10 --judge $R/clf --judge_images 1000)
 TABLE=(--num_images "${NUM_IMAGES:-5000}" --guided_evaluations 1,2 --guided_scales "${GUIDED_SCALES:-1,1.5,2,2.5}"
@@ -42,7 +41,7 @@ if [ -n "${SMOKE:-}" ]; then  # CPU: the same chain at toy sizes (fewstep_common
   DISTILL=(--preset tiny --limit 64 --max_steps 6 --judge $R/clf --judge_images 20)
   TABLE=(--num_images 40 --batch_size 20 --guided_evaluations 1,2 --guided_scales "${GUIDED_SCALES:-1,1.5,2,2.5}"
          --evaluations 2 --ag_scales "")
-  SEED_EVAL=$R/fewstep/seed_eval.json SEED=1 TABLE_S=30
+  SEED_EVAL=$R/fewstep/seed_eval.json ANCHOR=1 TABLE_S=30
 fi
 W=$R/fewstep_guided
 mkdir -p "$W" "$OUT"
@@ -62,7 +61,7 @@ table() {
 }
 
 if [ ! -f $R/clf/classifier.safetensors ]; then
-  run_log timeout "$(python3 -c "print(int($CLF_MINUTES * 60 + 45))")" python3 recipes/train_classifier.py \
+  run_log timeout "$(python3 -c "print(int(${CLF_MINUTES} * 60 + 45))")" python3 recipes/train_classifier.py \
     "${CLF[@]}" --dataset "$DATA" --output_dir $R/clf --progress false
   mark "classifier trained"
 fi
@@ -77,7 +76,7 @@ run_log timeout "$(left)" python3 recipes/train_flow_distill.py "${DISTILL[@]}" 
   --teacher $R/ours --dataset "$DATA" "${GUIDANCE[@]}" --output_dir $R/guided --progress false
 mark "distilled over ${RANGE[1]} ($minutes min)"
 table
-if [ ! -f "$SEED_EVAL" ] && [ "${SEED:-0}" = 1 ] && [ "$(left)" -gt "$(python3 -c "print(int($MIN * 60 + 120))")" ]
+if [ ! -f "$SEED_EVAL" ] && [ "${ANCHOR:-0}" = 1 ] && [ "$(left)" -gt "$(python3 -c "print(int($MIN * 60 + 120))")" ]
 then  # the anchor, where the deadline leaves time for it
   rm -rf $R/seed
   run_log timeout "$(python3 -c "print(int($MIN * 60 + 90))")" "${SEED[@]}"
