@@ -459,12 +459,14 @@ def test_a_guidance_range_prices_its_student_and_a_teacher_guided_at_every_scale
     """With --guidance_range the student carries the guidance MLP and the teacher runs guided (two rows) on every
     row, even where the teacher folder's scale is 1."""
     train = TrainSettings(micro_batch_size=8, gradient_accumulation_steps=1, compile=False)
-    plain, ranged = FlowDistillSettings(guidance_scale=1.0), FlowDistillSettings(guidance_scale=1.0,
-                                                                                  guidance_range="1:3")
+    plain = FlowDistillSettings(guidance_scale=1.0)
+    ranged = FlowDistillSettings(guidance_scale=1.0, guidance_range="1:3")
     tdim = I.UNET_TIME_EMBED_DIM
     assert I.task_net("flow-distill", ranged).params == I.task_net("flow-distill", plain).params + 2 * (tdim + 1) * tdim
+
     def teacher_flops(cfg):
-        return sum(g.flops for g in I.image_step_work("flow-distill", cfg, train).gemms if g.label.startswith("teacher"))
+        gemms = I.image_step_work("flow-distill", cfg, train).gemms
+        return sum(g.flops for g in gemms if g.label.startswith("teacher"))
 
     assert teacher_flops(ranged) == 2 * teacher_flops(plain)
 
