@@ -6,6 +6,11 @@ guided velocity (its scale and interval), so the saved pipeline samples in 1 or 
 evaluation each. The data, the sample grids, the held-out figures and the saved folder are the flow task's: the
 result is an ordinary FlowMatchPipeline folder whose saved defaults are ``sample_steps`` Euler steps, no guidance.
 
+With ``--guidance_range LO:HI`` the guidance scale is the student's input instead of baked in: each row of a batch
+draws its own w (from the run's generator, so a resume is exact), the teacher's target is guided at it and the student
+(``guidance_embedding``, zero-initialised like the step size's) is told it; the saved folder's ``guidance_scale``
+(default ``--sample_guidance``) feeds that input, one network evaluation a step at any w of the range it records.
+
 The adversarial stage (``--adversarial_weight``, ``--init_student``: ``hf_cgpu.flow.adversarial``) adds a GAN term
 on the student's 1- and 2-step samples against the real training images: the discriminator heads and their
 optimizer are the run's second network (``TaskPlan.companions``), stepped inside ``loss`` before the student's
@@ -275,12 +280,9 @@ class FlowDistillTask(FlowMatchingTask):
     def pipeline(self, model):
         """Euler with the distilled step sizes, ``sample_steps`` steps by default, guidance baked in (1 saved), or
         with ``guidance_range`` the student's guidance input: ``sample_guidance`` saved, the range recorded."""
-        cfg = self.cfg
-        if self.scales is None:
-            return FlowMatchPipeline(unet=model, scheduler=FlowMatchEulerScheduler(),
-                                     num_inference_steps=cfg.sample_steps, guidance_scale=1.0)
-        return FlowMatchPipeline(unet=model, scheduler=FlowMatchEulerScheduler(), num_inference_steps=cfg.sample_steps,
-                                 guidance_scale=cfg.sample_guidance, guidance_range=list(self.scales))
+        told = {"guidance_scale": self.cfg.sample_guidance, "guidance_range": list(self.scales)} if self.scales else {}
+        return FlowMatchPipeline(unet=model, scheduler=FlowMatchEulerScheduler(),
+                                 num_inference_steps=self.cfg.sample_steps, **{"guidance_scale": 1.0, **told})
 
     def on_saved(self, model, output_dir, log=print) -> dict:
         scale, interval = self.guidance
