@@ -7,13 +7,13 @@
 #   bash benchmarks/quality/gpu_fewstep_guided.sh
 #
 # In order, each phase bounded by DEADLINE_S (default 560 s from the start): the judge classifier (CLF_MINUTES,
-# default 1.5; skipped where /tmp/clf is left from an earlier call on the warm machine), the flow base (--preset
-# cifar10, FLOW_MINUTES, default 3), its distillation with --guidance_range GUIDANCE_RANGE (default 1:3; the preset's
-# teacher guidance 2 in t 0.25:0.8, DISTILL_MINUTES, default 2, cut to leave TABLE_S = 100 s for the table; --judge
-# reports the rarest class at the saved default w = 2), then the table (fewstep_table.py --guided): the student at 1
-# and 2 evaluations x w = GUIDED_SCALES (default 1,1.5,2,2.5), FD / precision / recall against the first 10,000
-# training images in the judge's features and the rarest class share, NUM_IMAGES (default 5000) each, then the base
-# at 10 evaluations while time is left. The seed recipe's row (the anchor) comes from SEED_EVAL (default
+# default 1; skipped where /tmp/clf is left from an earlier call on the warm machine), the flow base (--preset
+# cifar10, FLOW_MINUTES, default 2.5), its distillation with --guidance_range GUIDANCE_RANGE (default 1:3; the preset's
+# teacher guidance 2 in t 0.25:0.8; DISTILL_MINUTES, default 2.5, cut to leave TABLE_S = 90 s for the table; more
+# flags in DISTILL_ARGS, e.g. "--compile false"; --judge reports the rarest class at the saved default w = 2), then
+# the table (fewstep_table.py --guided): the student at 1 and 2 evaluations x w = GUIDED_SCALES (default
+# 1,1.5,2,2.5), FD / precision / recall against the first 10,000 training images in the judge's features and the
+# rarest class share, NUM_IMAGES (default 5000) each, then the base at 10 evaluations while time is left. The seed recipe's row (the anchor) comes from SEED_EVAL (default
 # /tmp/fewstep/seed_eval.json, left by gpu_fewstep.sh PART=1 on the warm machine) where it exists; else, where ANCHOR=1
 # and the deadline leaves FLOW_MINUTES + 2 minutes after the table, the seed recipe is trained and scored here (Euler
 # 50, 10,000 images) and the table rewritten with its row.
@@ -25,15 +25,15 @@
 # Writes under $OUT (at most 8 files): timeline.txt (with the environment), run.log (every command's output and exit
 # status; each run ends with its all_results), fewstep.md (the table), fewstep.json (its rows), grids.tar (one
 # picture grid per row, one row per class), seed_eval.json (where the anchor was scored here).
-FLOW_MINUTES=${FLOW_MINUTES:-3} DISTILL_MINUTES=${DISTILL_MINUTES:-2}  # this call's defaults, before the shared ones
+FLOW_MINUTES=${FLOW_MINUTES:-2.5} DISTILL_MINUTES=${DISTILL_MINUTES:-2.5}  # this call's defaults, before the shared ones
 source benchmarks/quality/fewstep_common.sh
-CLF_MINUTES=${CLF_MINUTES:-1.5}
-TABLE_S=${TABLE_S:-100}
+CLF_MINUTES=${CLF_MINUTES:-1}
+TABLE_S=${TABLE_S:-90}
 RANGE=(--guidance_range "${GUIDANCE_RANGE:-1:3}")
 SEED_EVAL=${SEED_EVAL:-/tmp/fewstep/seed_eval.json}
 [ -z "${SMOKE:-}" ] && CLF=(--preset cifar10 --max_minutes "$CLF_MINUTES")
 OURS=(--preset cifar10 --max_minutes "$MIN")
-DISTILL=(--preset cifar10 --judge $R/clf --judge_images 1000)
+DISTILL=(--preset cifar10 --judge $R/clf --judge_images 1000 ${DISTILL_ARGS:-})
 TABLE=(--num_images "${NUM_IMAGES:-5000}" --guided_evaluations 1,2 --guided_scales "${GUIDED_SCALES:-1,1.5,2,2.5}"
        --evaluations 10 --ag_scales "" --row_seconds 25)
 if [ -n "${SMOKE:-}" ]; then  # CPU: the same chain at toy sizes (fewstep_common.sh: the classifier, the seed, R)
