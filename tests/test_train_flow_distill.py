@@ -410,6 +410,8 @@ def test_the_guided_folder_samples_at_any_w_with_one_call_a_step(guided, tmp_pat
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
     theirs = np.load(tmp_path / "out.npy")
     assert np.allclose(theirs[0], images[1.0], atol=1e-5) and np.allclose(theirs[1], images[3.0], atol=1e-5)
+    assert cli_main(["sample", str(guided), "--class_labels", "0,1", "--num_images", "2", "--guidance_scale", "1.5",
+                     "--output_dir", str(tmp_path / "png")]) == 0  # any w of the range from the command line
 
 
 def test_bad_guidance_ranges_are_one_line_and_exit_2(guided, runs, synthetic_data, tmp_path, capsys):

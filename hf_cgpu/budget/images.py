@@ -391,8 +391,8 @@ def flow_unet(config: dict[str, Any], device: str = "cuda") -> ImageNet:
         kernels += CUDA_KERNELS_PER_GROUPNORM * (2 * len(blocks) + 1)
     call = KERNELS_UNET_CALL[key] + more * (KERNELS_UNET_CALL[(conditional, True)]
                                             - KERNELS_UNET_CALL[(conditional, False)])
-    name = f"FlowUNet2DModel base {c1}" + (" (step-size embedding)" if step else "") + (
-        " (guidance embedding)" if told else "")
+    added = " and ".join(n for n, on in (("step-size", step), ("guidance", told)) if on)
+    name = f"FlowUNet2DModel base {c1}" + (f" ({added} embedding{'s' if step and told else ''})" if added else "")
     return ImageNet(name, "unet", s, tuple(convs), tuple(linears), tuple(others), tuple(saved), float(kernels),
                     float(call), cfg)
 
