@@ -199,6 +199,10 @@ def test_each_row_is_guided_at_its_own_scale():
     teacher = guided_teacher(model_fn, null_class=9, scale=2.0, interval=(0.3, 0.7))
     v = teacher(torch.zeros(3, 2), torch.tensor([0.5, 0.5, 0.1]), torch.tensor([2, 4, 4]), torch.tensor([1.5, 3, 3]))
     torch.testing.assert_close(v[:, 0], torch.tensor([-1 + 1.5 * (2 + 1), -1 + 3.0 * (4 + 1), 4.0]))
+    weak = lambda x, t, y: torch.full_like(x, 0.5)  # noqa: E731 - autoguidance of an unconditional teacher
+    unconditional = guided_teacher(lambda x, t, y: torch.ones_like(x), None, 3.0, None, guide_fn=weak)
+    torch.testing.assert_close(unconditional(torch.zeros(2, 2), torch.tensor([0.2, 0.9]), None, torch.tensor([1., 2.])),
+                               torch.tensor([[1.0, 1.0], [1.5, 1.5]]))
 
     def told(x, cond):  # a velocity that names the row's label and scale
         return (cond[0].float() + 10 * cond[1])[:, None].expand_as(x)
