@@ -38,6 +38,8 @@ UNETS = [  # (config, what it exercises)
     dict(base_channels=16, norm_num_groups=8, time_embed_dim=32, num_classes=10, step_size_embedding=True),
     dict(base_channels=8, norm_num_groups=4, time_embed_dim=16, num_classes=None, step_size_embedding=True,
          sample_size=16),
+    dict(base_channels=8, norm_num_groups=4, time_embed_dim=16, num_classes=10, step_size_embedding=True,
+         guidance_embedding=True),
 ]
 WIDTHS = [[4, 8, 16, 32], [8, 8, 16, 16]]
 
@@ -447,6 +449,26 @@ def test_sampling_scales_with_the_calls():
     outside = I.sample_memory(unet, 64, 2, "euler", 2.5, (0.6, 1.0))  # Euler at t = 0 and 0.5: none guided
     assert outside.row("activations") == I.sample_memory(unet, 64, 2, "euler").row("activations")
     assert I.sample_memory(unet, 64, 6, "heun", 2.5, batch_size=16).allocated < mem.allocated
+    told = I.unet_config(step_size_embedding=True) | {"guidance_embedding": True}  # told w: one call at any w
+    assert I.sample_work(told, 64, 2, "euler", 2.5).model_flops == 2 * 64 * I.flow_unet(told).forward_flops()
+    assert I.sample_memory(told, 64, 2, "euler", 2.5).row("activations") == I.sample_memory(
+        told, 64, 2, "euler").row("activations")
+
+
+def test_a_guidance_range_prices_its_student_and_a_teacher_guided_at_every_scale():
+    """With --guidance_range the student carries the guidance MLP and the teacher runs guided (two rows) on every
+    row, even where the teacher folder's scale is 1."""
+    train = TrainSettings(micro_batch_size=8, gradient_accumulation_steps=1, compile=False)
+    plain = FlowDistillSettings(guidance_scale=1.0)
+    ranged = FlowDistillSettings(guidance_scale=1.0, guidance_range="1:3")
+    tdim = I.UNET_TIME_EMBED_DIM
+    assert I.task_net("flow-distill", ranged).params == I.task_net("flow-distill", plain).params + 2 * (tdim + 1) * tdim
+
+    def teacher_flops(cfg):
+        gemms = I.image_step_work("flow-distill", cfg, train).gemms
+        return sum(g.flops for g in gemms if g.label.startswith("teacher"))
+
+    assert teacher_flops(ranged) == 2 * teacher_flops(plain)
 
 
 GiB = 2**30

@@ -186,3 +186,33 @@ def test_guided_teacher_guides_the_rows_inside_the_interval_only():
     unconditional = guided_teacher(lambda x, t, y: torch.ones_like(x), None, 3.0, None, guide_fn=weak_fn)
     torch.testing.assert_close(unconditional(torch.zeros(2, 2), torch.tensor([0.2, 0.9]), None),
                                torch.full((2, 2), 0.5 + 3 * 0.5))
+
+
+def test_each_row_is_guided_at_its_own_scale():
+    """Guidance as the student's input: rows of one batch at w = 1.5 and 3 get v_u + w_i (v_c - v_u) each inside the
+    interval (the conditional velocity outside), and the objective hands each row's (label, w) to the teacher and
+    the student together, flow and self-consistency rows alike."""
+    def model_fn(x, t, labels):  # conditional velocity = label, unconditional (null class 9) = -1
+        v = torch.where(labels == 9, -1.0, labels.float())
+        return v[:, None].expand_as(x)
+
+    teacher = guided_teacher(model_fn, null_class=9, scale=2.0, interval=(0.3, 0.7))
+    v = teacher(torch.zeros(3, 2), torch.tensor([0.5, 0.5, 0.1]), torch.tensor([2, 4, 4]), torch.tensor([1.5, 3, 3]))
+    torch.testing.assert_close(v[:, 0], torch.tensor([-1 + 1.5 * (2 + 1), -1 + 3.0 * (4 + 1), 4.0]))
+    weak = lambda x, t, y: torch.full_like(x, 0.5)  # noqa: E731 - autoguidance of an unconditional teacher
+    unconditional = guided_teacher(lambda x, t, y: torch.ones_like(x), None, 3.0, None, guide_fn=weak)
+    torch.testing.assert_close(unconditional(torch.zeros(2, 2), torch.tensor([0.2, 0.9]), None, torch.tensor([1., 2.])),
+                               torch.tensor([[1.0, 1.0], [1.5, 1.5]]))
+
+    def told(x, cond):  # a velocity that names the row's label and scale
+        return (cond[0].float() + 10 * cond[1])[:, None].expand_as(x)
+
+    g = torch.Generator().manual_seed(0)
+    x1, labels, w = torch.randn(16, 2, generator=g), torch.arange(16) % 4, 1 + 2 * torch.rand(16, generator=g)
+    obj = ShortcutObjective(levels=3, consistency_fraction=0.5)
+
+    def loss(student):
+        return obj.loss(student, lambda x, t, c: told(x, c), x1, torch.rand(8, generator=g), g, (labels, w)).item()
+
+    assert loss(lambda x, t, d, c: told(x, c)) == 0.0  # every target is the row's own (label, w)
+    assert loss(lambda x, t, d, c: told(x, (c[0], c[1].flip(0)))) > 1.0  # another row's w: not the target

@@ -223,6 +223,35 @@ def test_step_size_embedding_is_off_by_default_and_starts_as_the_base_model():
         base(x, t, y, step_size=0.5)
 
 
+def test_guidance_embedding_is_off_by_default_and_starts_as_the_model(tmp_path):
+    """The guidance input is built last and zero-initialised: with it every other weight draws the initial values it
+    draws without it, and the output is the model's at any w until trained; without it a w is refused, and a config
+    saved before the option existed loads as the model it was."""
+    kw = dict(sample_size=8, base_channels=8, time_embed_dim=16, num_classes=3, step_size_embedding=True)
+    torch.manual_seed(0)
+    plain = FlowUNet2DModel(**kw).eval()
+    torch.manual_seed(0)
+    told = FlowUNet2DModel(**kw, guidance_embedding=True).eval()
+    ours = told.state_dict()
+    assert {k for k in ours if k not in plain.state_dict()} == {k for k in ours if k.startswith("guidance_mlp.")}
+    assert all(torch.equal(v, ours[k]) for k, v in plain.state_dict().items())
+    x, t, y, d = torch.randn(2, 3, 8, 8), torch.tensor([0.1, 0.6]), torch.tensor([0, 3]), torch.tensor([0.5, 1.0])
+    with torch.no_grad():
+        for w in (1.0, torch.tensor([2.0, 3.5])):
+            assert torch.equal(told(x, t, y, step_size=d, guidance=w).sample, plain(x, t, y, step_size=d).sample)
+        told.guidance_mlp[2].weight.normal_()  # trained: the output now depends on w
+        assert not torch.allclose(told(x, t, y, step_size=d, guidance=1.0).sample,
+                                  told(x, t, y, step_size=d, guidance=3.0).sample)
+    with pytest.raises(ValueError, match="guidance_embedding"):
+        plain(x, t, y, step_size=d, guidance=2.0)
+    plain.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["guidance_embedding"]  # as saved before the option existed
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = FlowUNet2DModel.from_pretrained(tmp_path)
+    assert loaded.guidance_mlp is None and loaded.state_dict().keys() == plain.state_dict().keys()
+
+
 # ----------------------------------------------------------------------------- autoguidance
 class LinearField(ModelMixin, ConfigMixin):
     """A 'UNet' with a known velocity: v(x, t, y) = a x + b t + c y (y = the label, the null class included)."""

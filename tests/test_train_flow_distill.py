@@ -261,6 +261,201 @@ def test_save_pipeline_never_overwrites_another_run(runs, tmp_path, capsys):
     assert unet.read_bytes() == before
 
 
+# ----------------------------------------------------------------------------------------- guidance as an input
+RANGE = ["--guidance_range", "1:3"]
+
+
+@pytest.fixture(scope="module")
+def guided(runs, synthetic_data):
+    """The student trained over guidance 1..3 (each example its own w): 12 steps, checkpoints at 6 and 12."""
+    _train("flow-distill", runs / "guided", "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data),
+           *RANGE)
+    return runs / "guided"
+
+
+def _task(monkeypatch):
+    """The FlowDistillTask instances set up while the monkeypatch holds (appended to the returned list)."""
+    from hf_cgpu.tasks.flow_distill import FlowDistillTask
+
+    tasks, setup = [], FlowDistillTask.setup
+    monkeypatch.setattr(FlowDistillTask, "setup", lambda self, *a: (tasks.append(self), setup(self, *a))[1])
+    return tasks
+
+
+def test_the_teacher_guides_each_example_at_its_own_scale(runs, synthetic_data, tmp_path, monkeypatch):
+    """With --guidance_range the teacher's target of each row is v_u + w_i (v_c - v_u) with the row's own w (the
+    saved interval 0.2:0.9 still applies: outside it the conditional velocity), two scales in one batch."""
+    tasks = _task(monkeypatch)
+    _train("flow-distill", tmp_path / "d", "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data),
+           *RANGE, "--max_steps", "1", "--checkpointing_steps", "0")
+    unet = FlowMatchPipeline.from_pretrained(runs / "teacher").unet
+    g = torch.Generator().manual_seed(0)
+    x, y, w = torch.randn(3, 3, 32, 32, generator=g), torch.tensor([1, 3, 3]), torch.tensor([1.5, 2.75, 2.75])
+    t = torch.tensor([0.5, 0.5, 0.1])  # the third row outside the interval
+    with torch.no_grad():
+        cond, uncond = unet(x, t, y).sample, unet(x, t, torch.full_like(y, 10)).sample
+        want = uncond + w[:, None, None, None] * (cond - uncond)
+        want[2] = cond[2]
+        torch.testing.assert_close(tasks[0].teacher_fn(x, t, (y, w)), want, rtol=1e-4, atol=1e-5)
+    told = []  # the student is told each row's own w, drawn in the range
+    student = FlowMatchPipeline.from_pretrained(tmp_path / "d").unet
+    student.register_forward_pre_hook(lambda m, a, kw: told.append(kw.get("guidance")), with_kwargs=True)
+    with torch.no_grad():
+        tasks[0].shortcut_loss(student, {"x1": torch.randn(8, 3, 32, 32, generator=g), "labels": torch.arange(8)}, g)
+    w = told[-1]  # the loss's own call on every row (the targets' calls come first)
+    assert w is not None and w.shape == (8,) and len(set(w.tolist())) == 8 and 1 <= w.min() <= w.max() <= 3
+
+
+def test_the_student_takes_the_guidance_scale_once_trained(guided, runs):
+    """At init the zero-initialised guidance input changes nothing (the student is the teacher at every w); after
+    the run's steps its velocity depends on w. The folder records the range and the teacher's scale as default."""
+    from hf_cgpu.flow.unet import FlowUNet2DModel
+
+    pipe = FlowMatchPipeline.from_pretrained(guided)
+    assert pipe.unet.config.guidance_embedding and pipe.takes_guidance
+    assert pipe.config.guidance_range == [1.0, 3.0] and pipe.config.guidance_scale == 2.5
+    results = json.loads((guided / "all_results.json").read_text())
+    assert results["settings"]["guidance_range"] == "1:3" and results["settings"]["sample_guidance"] == 2.5
+    priced = price("flow-distill", ["--preset", "tiny", "--teacher", str(runs / "teacher"), *RANGE], CPU)
+    assert results["ledger"]["step_seconds"] == pytest.approx(priced["step_s"], rel=1e-4)  # as `hf-cgpu budget`
+    card = " ".join((guided / "README.md").read_text().split())
+    assert "classifier-free guidance (t in 0.2:0.9) is an input: trained over scales w in 1:3" in card, card
+    assert "saved default 2.5;" in card and "baked in" not in card
+    teacher = FlowMatchPipeline.from_pretrained(runs / "teacher").unet
+    start = FlowUNet2DModel(**{**teacher.config, "step_size_embedding": True, "guidance_embedding": True}).eval()
+    start.load_state_dict(teacher.state_dict(), strict=False)
+    x, t, y, d = torch.randn(2, 3, 32, 32), torch.tensor([0.3, 0.6]), torch.tensor([0, 5]), torch.tensor([0.5, 1.0])
+    with torch.no_grad():
+        for model, differ in ((start, False), (pipe.unet, True)):
+            a = model(x, t, y, step_size=d, guidance=1.0).sample
+            b = model(x, t, y, step_size=d, guidance=3.0).sample
+            assert (not torch.equal(a, b)) == differ
+
+
+def test_the_guided_student_resumes_bit_identical(guided, runs, synthetic_data, tmp_path):
+    """Killed after step 6 and resumed with the range on: every example's w is drawn from the run's generator, so
+    every later loss and the saved student are the uninterrupted run's, bit for bit."""
+    cut = tmp_path / "cut"
+    shutil.copytree(guided, cut)
+    for p in list_checkpoints(cut)[1:]:
+        shutil.rmtree(p)
+    for name in ("all_results.json", "history.json"):
+        (cut / name).unlink()
+    _train("flow-distill", cut, "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data), *RANGE,
+           "--resume_from_checkpoint", "latest")
+    a = {h["step"]: h["train/loss"] for h in json.loads((guided / "history.json").read_text()) if "train/loss" in h}
+    b = {h["step"]: h["train/loss"] for h in json.loads((cut / "history.json").read_text()) if "train/loss" in h}
+    assert sorted(b) == list(range(1, 13)) and all(a[k] == b[k] for k in b), (a, b)
+    wa = load_file(str(guided / "unet" / "diffusion_pytorch_model.safetensors"))
+    wb = load_file(str(cut / "unet" / "diffusion_pytorch_model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_without_the_range_the_loss_is_the_fixed_scales(runs, synthetic_data, tmp_path, monkeypatch):
+    """Off (the default), a step's loss is the objective's with the one baked-in scale and the student told no w,
+    drawing the same random numbers: the plain run's weights stay those it had before the option existed."""
+    from hf_cgpu.flow.shortcut import guided_teacher
+
+    tasks = _task(monkeypatch)
+    _train("flow-distill", tmp_path / "d", "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data),
+           "--max_steps", "1", "--checkpointing_steps", "0")
+    task = tasks[0]
+    model = FlowMatchPipeline.from_pretrained(tmp_path / "d").unet
+    assert "guidance_range" not in json.loads((tmp_path / "d" / "model_index.json").read_text())
+    assert model.guidance_mlp is None and task.cfg.sample_guidance == 0.0
+    g = torch.Generator().manual_seed(0)
+    batch = {"x1": torch.randn(8, 3, 32, 32, generator=g), "labels": torch.arange(8) % 10}
+    teacher = guided_teacher(lambda x, t, y: task.teacher(x, t, y).sample, 10, 2.5, (0.2, 0.9))
+    with torch.no_grad():
+        got = task.shortcut_loss(model, batch, torch.Generator().manual_seed(1))
+        gen = torch.Generator().manual_seed(1)
+        t_flow = task.matcher.sample_time(task.objective.flow_rows(8), "cpu", gen)
+        want = task.objective.loss(lambda x, t, d, y: model(x, t, y, step_size=d).sample, teacher, batch["x1"],
+                                   t_flow, gen, batch["labels"])
+    assert torch.equal(got, want)
+
+
+def test_the_guided_folder_samples_at_any_w_with_one_call_a_step(guided, tmp_path):
+    """guidance_scale is the student's input: two scales give two different images, each step one UNet call of one
+    row an image told that w; plain diffusers without hf_cgpu samples the same images at both scales."""
+    pipe = FlowMatchPipeline.from_pretrained(guided)
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.unet.register_forward_pre_hook(lambda m, a, kw: seen.append((a[0].shape[0], kw["guidance"].tolist())),
+                                        with_kwargs=True)
+    images = {}
+    for w in (1.0, 3.0):
+        images[w] = pipe(class_labels=[0, 1], guidance_scale=w, generator=torch.Generator().manual_seed(42),
+                         output_type="np").images
+    assert seen == [(2, [1.0, 1.0])] * 2 + [(2, [3.0, 3.0])] * 2  # 2 steps each, one row an image
+    assert np.abs(images[1.0] - images[3.0]).max() > 1e-3
+    script = WITHOUT_HF_CGPU + textwrap.dedent(
+        f"""
+        import numpy as np, torch
+        from diffusers import DiffusionPipeline
+        d = {str(guided)!r}
+        pipe = DiffusionPipeline.from_pretrained(d, custom_pipeline=d, trust_remote_code=True)
+        pipe.set_progress_bar_config(disable=True)
+        assert pipe.unet.config.guidance_embedding and pipe.config.guidance_range == [1.0, 3.0]
+        out = [pipe(class_labels=[0, 1], guidance_scale=w, generator=torch.Generator().manual_seed(42),
+                    output_type="np").images for w in (1.0, 3.0)]
+        np.save({str(tmp_path / "out.npy")!r}, np.stack(out))
+        print("OK")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
+    theirs = np.load(tmp_path / "out.npy")
+    assert np.allclose(theirs[0], images[1.0], atol=1e-5) and np.allclose(theirs[1], images[3.0], atol=1e-5)
+    assert cli_main(["sample", str(guided), "--class_labels", "0,1", "--num_images", "2", "--guidance_scale", "1.5",
+                     "--output_dir", str(tmp_path / "png")]) == 0  # any w of the range from the command line
+
+
+def test_bad_guidance_ranges_are_one_line_and_exit_2(guided, runs, synthetic_data, tmp_path, capsys):
+    """A range below 1 or upside down, a saved default outside it, a range on an unconditional teacher without a
+    guidance model: one line, exit 2, no output folder. At sampling time a w outside the trained range is refused
+    the same way (sample and eval), nothing written."""
+    _train("flow", tmp_path / "u", "--dataset", str(synthetic_data), "--base_channels", "8", "--max_steps", "1",
+           "--checkpointing_steps", "0", "--limit", "32", "--class_conditional", "false")
+    cases = [(["--guidance_range", "0.5:3"], "1 <= LO <= HI"), (["--guidance_range", "3:2"], "1 <= LO <= HI"),
+             (["--guidance_range", "1:3", "--sample_guidance", "4"], "--sample_guidance 4"),
+             (["--guidance_range", "1:2"], "--sample_guidance within it"),
+             (["--guidance_range", "1:3", "--teacher", str(tmp_path / "u")], "--guidance_model"),
+             (["--guidance_range", "1:3", "--adversarial_weight", "0.1"], "--adversarial_weight")]
+    for extra, words in cases:
+        out = tmp_path / "x"
+        capsys.readouterr()
+        rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(out), "--progress", "false",
+                       "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data), *extra])
+        err = capsys.readouterr().err
+        assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, (words, err)
+        assert not out.exists()
+    cut = tmp_path / "cut"  # a resume with another range: the fingerprint refuses it
+    shutil.copytree(guided, cut)
+    capsys.readouterr()
+    rc = cli_main(["train", "flow-distill", "--preset", "tiny", "--output_dir", str(cut), "--progress", "false",
+                   "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data), "--guidance_range", "1:4",
+                   "--max_steps", "14", "--resume_from_checkpoint", "latest"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'guidance_range': ('1:3', '1:4')" in err and len(err.strip().splitlines()) == 1, err
+    from hf_cgpu.evaluation.classifier import ClassifierConfig, CifarResNet, save_classifier
+
+    save_classifier(CifarResNet(ClassifierConfig(widths=[8, 8, 8, 8])), tmp_path / "judge")
+    png, scores = tmp_path / "png", tmp_path / "scores"
+    for argv in (["sample", str(guided), "--class_labels", "0", "--guidance_scale", "4", "--output_dir", str(png)],
+                 ["eval", str(guided), "--classifier", str(tmp_path / "judge"), "--dataset", str(synthetic_data),
+                  "--guidance_scale", "3.5", "--output_dir", str(scores)],
+                 ["eval", str(guided), "--classifier", str(tmp_path / "judge"), "--dataset", str(synthetic_data),
+                  "--sweep", "--sweep_steps", "1", "--sweep_guidance", "1,4", "--output_dir", str(scores)]):
+        rc = cli_main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and "1:3" in err and len(err.strip().splitlines()) == 1, err
+    assert not png.exists() and not scores.exists()
+
+
 # ---------------------------------------------------------------------------------------------- the adversarial stage
 GAN = ["--adversarial_weight", "0.5", "--disc_width", "16"]
 

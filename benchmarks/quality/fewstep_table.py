@@ -13,7 +13,9 @@ base at 10, ...). Each finished row is appended to WORK/table.json and rewritten
 grid goes into OUT/grids.tar, so a call cut by its deadline keeps every finished row, and a second call with the same
 WORK skips them. The reference is the classifier's features of --split (train, the first 10,000 images: the issue's
 reference); the test split scored against it is the ceiling row. --seed_eval adds the seed recipe's row (an
-``hf-cgpu eval`` JSON made with the same reference) and the targets relative to it.
+``hf-cgpu eval`` JSON made with the same reference) and the targets relative to it. --guided adds a student
+distilled with --guidance_range at --guided_evaluations x --guided_scales, first: its guidance scale is its input
+(one network evaluation a step at every w), so its rows cost what the unguided rows do.
 
     python benchmarks/quality/fewstep_table.py --classifier /tmp/clf --dataset .data/cifar10 --base /tmp/ours \
         --distilled /tmp/distill --seed_eval /tmp/fewstep/seed_eval.json --work /tmp/fewstep --out $OUT
@@ -57,12 +59,13 @@ def _fits(e: int, sampler: str, w: float, interval) -> int | None:
 
 
 def plan(evaluations: list[int], scale: float, intervals: list, distilled: bool, ag_scales: tuple = (),
-         ag_base: tuple = (), ag_distilled: tuple = (), gan: bool = False) -> list[tuple]:
+         ag_base: tuple = (), ag_distilled: tuple = (), gan: bool = False, guided: tuple = ()) -> list[tuple]:
     """(model, sampler, steps, scale, interval, guide) rows in the order they run (guide None: the null class, or no
-    guidance at scale 1): the distilled pipeline's rows at the fewest evaluations first (and its adversarial stage's,
+    guidance at scale 1): the guidance-input student's (``guided``: (evaluations, scales), Euler, one evaluation a
+    step at any w) first, the distilled pipeline's rows at the fewest evaluations (and its adversarial stage's,
     ``gan``) and its autoguided ones, then the base pipeline's at 10, 4, 20, 2, 1 evaluations, each followed by its
     autoguided rows."""
-    rows = []
+    rows = [("guided", "euler", e, w, None, None) for e in guided[0] for w in guided[1]] if guided else []
     if distilled:
         rows += [("distilled", "euler", e, 1.0, None, None) for e in evaluations]
     if gan:
@@ -144,6 +147,9 @@ def main() -> None:
     p.add_argument("--distilled", default="", help="the flow-distill run")
     p.add_argument("--gan", default="",
                    help="its adversarial stage (flow-distill --init_student ... --adversarial_weight)")
+    p.add_argument("--guided", default="", help="a flow-distill run with --guidance_range (the scale as its input)")
+    p.add_argument("--guided_evaluations", default="1,2", help="evaluations of the --guided rows")
+    p.add_argument("--guided_scales", default="1,1.5,2,2.5", help="guidance scales of the --guided rows")
     p.add_argument("--seed_eval", default="")
     p.add_argument("--work", required=True, help="where finished rows are kept between calls")
     p.add_argument("--out", required=True)
@@ -176,10 +182,13 @@ def main() -> None:
     if not any(r["model"].startswith("CIFAR-10 test") for r in rows):
         rows.append(ceiling(classifier, real, s, 3))
     seed = seed_row(a.seed_eval)
+    for r in rows:  # rows kept from a call before the anchor was scored get their ratio now
+        if seed and r.get("fd") is not None:
+            r["fd_vs_seed"] = r["fd"] / seed["fd"]
     done = {(r["model"], r["sampler"], r["steps"], r["guidance"], r.get("guide", "null class")) for r in rows}
     intervals = [parse_interval(i) for i in a.intervals.split(",") if i.strip()]
     pipes = {"base": a.base, **({"distilled": a.distilled} if a.distilled else {}),
-             **({"distilled_gan": a.gan} if a.gan else {})}
+             **({"distilled_gan": a.gan} if a.gan else {}), **({"guided": a.guided} if a.guided else {})}
     guides = {(m, "raw"): "raw" if weight_variants(Path(d))[0].get("raw") else None for m, d in pipes.items()}
     guides.update({(m, "early"): early_checkpoint(Path(d), a.early_fraction) for m, d in pipes.items()})
     loaded = {}
@@ -188,10 +197,13 @@ def main() -> None:
     for model, sampler, steps, w, interval, g in plan(
             list(ints(a.evaluations)), a.guidance_scale, intervals, bool(a.distilled),
             tuple(float(x) for x in a.ag_scales.split(",") if x.strip()), ints(a.ag_base), ints(a.ag_distilled),
-            bool(a.gan)):
+            bool(a.gan), (ints(a.guided_evaluations), tuple(float(x) for x in a.guided_scales.split(",")))
+            if a.guided else ()):
         guidance = "none" if w == 1 else f"{w:g}, t in {format_interval(interval)}"
         spec = guides.get((model, g)) if g else ""
         guide = "-" if w == 1 else "null class" if not g else f"early ({spec.name})" if g == "early" and spec else g
+        if model == "guided":  # the scale is the student's input: one call a step, no null-class rows
+            guidance, guide = f"{w:g} (input)", "-"
         if (model, sampler, steps, guidance, guide) in done:
             continue
         if g and not spec:

@@ -319,6 +319,7 @@ def flow_unet(config: dict[str, Any], device: str = "cuda") -> ImageNet:
         int(cfg["norm_num_groups"])
     cin, cout = int(cfg["in_channels"]), int(cfg["out_channels"])
     classes, step = cfg.get("num_classes"), bool(cfg.get("step_size_embedding"))
+    told = bool(cfg.get("guidance_embedding"))
     if c1 < 1 or c1 % g or s % 4 or s < 4:
         raise SettingsError(f"UNet base_channels {c1} must be a positive multiple of norm_num_groups {g} and "
                             f"sample_size {s} a multiple of 4")
@@ -328,6 +329,8 @@ def flow_unet(config: dict[str, Any], device: str = "cuda") -> ImageNet:
     linears = [Dense("time_mlp.0", tdim, tdim, input_grad=False), Dense("time_mlp.2", tdim, tdim)]
     if step:
         linears += [Dense("step_mlp.0", tdim, tdim, input_grad=False), Dense("step_mlp.2", tdim, tdim)]
+    if told:
+        linears += [Dense("guidance_mlp.0", tdim, tdim, input_grad=False), Dense("guidance_mlp.2", tdim, tdim)]
     others: list[tuple[str, int, str]] = []
     if classes is not None:
         others.append(("class_embedding.weight", (int(classes) + 1) * tdim, "embedding"))
@@ -336,9 +339,10 @@ def flow_unet(config: dict[str, Any], device: str = "cuda") -> ImageNet:
     def add(what: str, elements: int, nbytes: int) -> None:
         saved.append(Saved(what, elements, nbytes))
 
-    # the embedding: sinusoid (fp32) -> Linear (its bf16 cast) -> SiLU (bf16 in) -> Linear; the step size alike;
-    # + the class row (fp32 table: the sum turns fp32) -> SiLU, whose output each block's emb_proj casts to bf16
-    for _ in range(2 if step else 1):
+    # the embedding: sinusoid (fp32) -> Linear (its bf16 cast) -> SiLU (bf16 in) -> Linear; the step size and the
+    # guidance scale alike; + the class row (fp32 table: the sum turns fp32) -> SiLU, whose output each block's
+    # emb_proj casts to bf16
+    for _ in range(1 + step + told):
         add("embedding MLPs", 3 * tdim, BF16)
     emb_fp32 = classes is not None
     if emb_fp32:
@@ -376,14 +380,21 @@ def flow_unet(config: dict[str, Any], device: str = "cuda") -> ImageNet:
     order = ["in_conv", "d1.", "down1", "d2.", "down2", "mid.", "u2.", "u1.", "out."]
     convs.sort(key=lambda c: next(i for i, p in enumerate(order) if c.name.startswith(p)))
     n_skip = sum(1 for _, a, b, _ in blocks if a != b)
-    key = (classes is not None, step)
+    # the guidance embedding launches what the step-size one does: each scalar embedding adds the same kernels
+    scalars, conditional = step + told, classes is not None
+    key = (conditional, scalars > 0)
+    more = max(0, scalars - 1)
     kernels = (KERNELS_PER_RESBLOCK[True] * n_skip + KERNELS_PER_RESBLOCK[False] * (len(blocks) - n_skip)
-               + KERNELS_UNET_OUTSIDE_BLOCKS[key])
+               + KERNELS_UNET_OUTSIDE_BLOCKS[key] + more * (KERNELS_UNET_OUTSIDE_BLOCKS[(conditional, True)]
+                                                            - KERNELS_UNET_OUTSIDE_BLOCKS[(conditional, False)]))
     if device == "cuda":
         kernels += CUDA_KERNELS_PER_GROUPNORM * (2 * len(blocks) + 1)
-    name = f"FlowUNet2DModel base {c1}" + (" (step-size embedding)" if step else "")
+    call = KERNELS_UNET_CALL[key] + more * (KERNELS_UNET_CALL[(conditional, True)]
+                                            - KERNELS_UNET_CALL[(conditional, False)])
+    added = " and ".join(n for n, on in (("step-size", step), ("guidance", told)) if on)
+    name = f"FlowUNet2DModel base {c1}" + (f" ({added} embedding{'s' if step and told else ''})" if added else "")
     return ImageNet(name, "unet", s, tuple(convs), tuple(linears), tuple(others), tuple(saved), float(kernels),
-                    float(KERNELS_UNET_CALL[key]), cfg)
+                    float(call), cfg)
 
 
 def _norm_silu_conv(add, rules: Autocast, n: int, groups: int, block_input_saved: bool) -> None:
@@ -594,12 +605,21 @@ def evaluations_per_image(sampler: str, steps: int, guidance_scale: float = 1.0,
     return sum(2 if g and guided else 1 for _, g in sampler_calls(sampler, steps, interval))
 
 
-def guidance_mode(scale: float, conditional: bool, guide: bool) -> str:
+def guidance_mode(scale: float, conditional: bool, guide: bool, ranged: str = "") -> str:
     """How a guided network call runs: "cfg" (one call on the conditional and null-class rows together), "guide"
-    (autoguidance: the model and its guide, one call each), "none" (scale 1, or nothing to guide with)."""
-    if scale == 1.0 or not (conditional or guide):
+    (autoguidance: the model and its guide, one call each), "none" (scale 1 and no ``ranged`` per-row scales, or
+    nothing to guide with)."""
+    if (scale == 1.0 and not ranged) or not (conditional or guide):
         return "none"
     return "guide" if guide else "cfg"
+
+
+def sampling_guidance(net: ImageNet, scale: float, guide: bool) -> str:
+    """``guidance_mode`` of sampling from ``net``: "none" for a UNet told the scale (``guidance_embedding``: one call
+    of the batch's rows whatever the scale)."""
+    if net.config.get("guidance_embedding"):
+        return "none"
+    return guidance_mode(scale, net.config.get("num_classes") is not None, guide)
 
 
 def _guided_calls(rows: int, mode: str) -> list[tuple[str, int]]:
@@ -739,11 +759,13 @@ TASKS = ("flow", "flow-distill", "classifier")
 
 def task_net(task: str, cfg, teacher_config: dict[str, Any] | None = None, device: str = "cuda") -> ImageNet:
     """The network ``train TASK`` trains, from its settings (flow-distill: the teacher's UNet with the step-size
-    embedding switched on; ``teacher_config`` None = the flow preset's UNet)."""
+    embedding switched on, and the guidance one with ``guidance_range``; ``teacher_config`` None = the flow preset's
+    UNet)."""
     if task == "flow":
         return flow_unet(unet_config(cfg.base_channels, cfg.class_conditional), device)
     if task == "flow-distill":
-        return flow_unet({**(teacher_config or unet_config()), "step_size_embedding": True}, device)
+        return flow_unet({**(teacher_config or unet_config()), "step_size_embedding": True,
+                          "guidance_embedding": bool(cfg.guidance_range)}, device)
     if task == "classifier":
         return cifar_resnet(cfg.width_list)
     raise SettingsError(f"the image ledger prices {', '.join(TASKS)}, not {task!r}")
@@ -774,10 +796,12 @@ def _dataset_row(task: str, cfg, image_size: int, labels: bool) -> Row:
 def _teacher(cfg, teacher_config: dict[str, Any] | None, guide: bool,
              guidance_scale: float | None) -> tuple[ImageNet, str]:
     """The distillation's teacher and how it is guided: ``cfg.guidance_scale``, else the teacher folder's saved
-    scale (``guidance_scale``), else 2.5 (``FlowDistillTask.setup``'s fallback)."""
-    teacher = flow_unet({**(teacher_config or unet_config()), "step_size_embedding": False})
+    scale (``guidance_scale``), else 2.5 (``FlowDistillTask.setup``'s fallback); with ``guidance_range`` every row
+    is guided (at its own scale, 1 included)."""
+    teacher = flow_unet({**(teacher_config or unet_config()), "step_size_embedding": False,
+                         "guidance_embedding": False})
     scale = cfg.guidance_scale or guidance_scale or 2.5
-    return teacher, guidance_mode(scale, teacher.config.get("num_classes") is not None, guide)
+    return teacher, guidance_mode(scale, teacher.config.get("num_classes") is not None, guide, cfg.guidance_range)
 
 
 def classifier_inference(net: ImageNet) -> Inference:
@@ -893,7 +917,7 @@ def sample_memory(unet: dict[str, Any], num_images: int, steps: int, sampler: st
     (a call guided by classifier-free guidance has twice the rows). ``bf16``: under autocast (``hf-cgpu eval``'s
     default on a GPU); ``hf-cgpu sample`` runs fp32 and draws all its images in one batch."""
     net = flow_unet(unet)
-    mode = guidance_mode(guidance_scale, net.config.get("num_classes") is not None, guide)
+    mode = sampling_guidance(net, guidance_scale, guide)
     if not any(g for _, g in sampler_calls(sampler, steps, guidance_interval)):
         mode = "none"
     b = min(batch_size or num_images, num_images)
@@ -993,7 +1017,7 @@ def sample_work(unet: dict[str, Any], num_images: int, steps: int, sampler: str 
     twice the rows (classifier-free) or two calls (``guide``: autoguidance). ``model_flops``: the network
     evaluations' forward FLOPs; ``samples``: the images (so ``StepTime.samples_per_second`` is images/s)."""
     net = flow_unet(unet)
-    mode = guidance_mode(guidance_scale, net.config.get("num_classes") is not None, guide)
+    mode = sampling_guidance(net, guidance_scale, guide)
     b = min(batch_size or num_images, num_images)
     sizes = {b: num_images // b, **({num_images % b: 1} if num_images % b else {})}  # batch size -> batches
     plan = sampler_calls(sampler, steps, guidance_interval)

@@ -71,8 +71,8 @@ class ImageEvalSettings:
     """Solver steps N; 0 = the pipeline's saved default (1 or 2 for a distilled pipeline)."""
     guidance_scale: float = 0.0
     """Guidance scale (1 = none, one network call per evaluation): classifier-free, or autoguidance with a
-    --guidance_model (unconditional models need one, or 1); 0 = the pipeline's saved default (1.5 for a folder that
-    saved none)."""
+    --guidance_model (unconditional models need one, or 1); a run distilled with --guidance_range is told it (one
+    call, within its range); 0 = the pipeline's saved default (1.5 for a folder that saved none)."""
     guidance_interval: str = ""
     """Guidance only where t (0 = noise, 1 = data) lies in LO:HI, e.g. 0.15:0.8 (one network call instead of two
     elsewhere); full = every step; empty = the pipeline's saved interval."""
@@ -205,7 +205,8 @@ def sampler_pipeline(pipe, scheduler: str):
     own = type(pipe.scheduler)
     klass = own if scheduler in ("", own.__name__) else sampler_class(scheduler)
     sampler = FlowMatchPipeline(unet=pipe.unet, scheduler=klass.from_config(pipe.scheduler.config),
-                                guide_unet=pipe.guide_unet, guidance_model=pipe.config.get("guidance_model"))
+                                guide_unet=pipe.guide_unet, guidance_model=pipe.config.get("guidance_model"),
+                                guidance_range=pipe.config.get("guidance_range"))
     sampler.set_progress_bar_config(disable=True)
     return sampler
 
@@ -234,9 +235,10 @@ def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inferenc
 
     sampler = sampler_pipeline(pipe, scheduler)
     guide = pipe.guide_unet
+    guided = guide is not None or pipe.takes_guidance  # a UNet told the guidance scale needs no labels for it
     device = pipe.unet.device
     num_classes = pipe.unet.config.num_classes
-    if not num_classes and guide is None and guidance_scale != 1.0:
+    if not num_classes and not guided and guidance_scale != 1.0:
         raise SettingsError("this pipeline is unconditional; pass --guidance_scale 1 (or --sweep_guidance 1), or "
                             "--guidance_model for autoguidance")
     labels = torch.arange(num_images) % num_classes if num_classes else None
@@ -255,7 +257,7 @@ def generate_images(pipe, num_images: int, scheduler: str = "heun", num_inferenc
             gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(start, start + n)]
             out = sampler(batch_size=n, num_inference_steps=num_inference_steps, generator=gens,
                           class_labels=labels[start : start + n] if labels is not None else None,
-                          guidance_scale=guidance_scale if labels is not None or guide is not None else 1.0,
+                          guidance_scale=guidance_scale if labels is not None or guided else 1.0,
                           output_type="pt",
                           guidance_interval=guidance_interval).images
             chunks.append((out.float() * 255).round().to(torch.uint8).cpu())  # quantised like a saved PNG
@@ -534,7 +536,7 @@ def sampler_settings(pipe, s: ImageEvalSettings) -> list[Setting]:
         check_guide_used(s.guidance_model, kw["guidance_scale"])
         grid = [(s.scheduler or saved_sampler_name(pipe), kw["num_inference_steps"], kw["guidance_scale"],
                  kw["guidance_interval"])]
-    elif bool(pipe.unet.config.num_classes) or pipe.guide_unet is not None:  # autoguidance needs no class
+    elif bool(pipe.unet.config.num_classes) or pipe.guide_unet is not None or pipe.takes_guidance:  # no class needed
         grid = s.grid
     else:
         grid = list(dict.fromkeys((a, b, 1.0, None) for a, b, _, _ in s.grid))
@@ -587,7 +589,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"{report_line(result)} -> {path}")
         return 0
 
-    conditional = bool(pipe.unet.config.num_classes) or pipe.guide_unet is not None  # autoguidance needs no class
+    conditional = bool(pipe.unet.config.num_classes) or pipe.guide_unet is not None or pipe.takes_guidance
     rows = []
     for name, raw in variants.items():
         if name != first:

@@ -74,7 +74,9 @@ class FlowMatchPipeline(DiffusionPipeline):
             same way wherever it loads; ``guidance_model`` names where it came from (``set_guidance_model``).
 
     A UNet whose config has ``step_size_embedding`` (a few-step model distilled by ``hf-cgpu train flow-distill``) is
-    also told the length of the step each call takes (``step_size``); guidance is then usually baked into it.
+    also told the length of the step each call takes (``step_size``); guidance is then usually baked into it. One with
+    ``guidance_embedding`` (distilled over a range of guidance) is told the guidance scale instead: one call a step at
+    any w in ``guidance_range`` (the range it was trained over, saved in model_index.json; a w outside is refused).
     """
 
     model_cpu_offload_seq = "unet->guide_unet"
@@ -82,12 +84,15 @@ class FlowMatchPipeline(DiffusionPipeline):
 
     def __init__(self, unet: ModelMixin, scheduler: SchedulerMixin, num_inference_steps: int = 8,
                  guidance_scale: float | None = None, guidance_interval: list[float] | None = None,
-                 guide_unet: ModelMixin | None = None, guidance_model: str | None = None) -> None:
+                 guide_unet: ModelMixin | None = None, guidance_model: str | None = None,
+                 guidance_range: list[float] | None = None) -> None:
         super().__init__()
         self.register_modules(unet=unet, scheduler=scheduler, guide_unet=None)
         interval = _checked_interval(guidance_interval)
         self.register_to_config(num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                                 guidance_interval=interval, guidance_model=None)
+        if guidance_range is not None:  # only where given: other folders' model_index.json stay as they were
+            self.register_to_config(guidance_range=[float(v) for v in guidance_range])
         if guide_unet is not None:
             self.set_guidance_model(guide_unet, guidance_model)
 
@@ -99,6 +104,9 @@ class FlowMatchPipeline(DiffusionPipeline):
         """Autoguidance with ``guide_unet`` (None: off), recorded as ``name`` in ``config.guidance_model``. A guide
         of other image shape, class count or kind (distilled or not) is refused: its velocity would not be
         comparable."""
+        if guide_unet is not None and self.takes_guidance:
+            raise ValueError("this UNet takes the guidance scale as its input (one call a step): it needs no guidance "
+                             "model; pass guidance_scale alone")
         if guide_unet is not None:
             def entry(model, key):  # a UNet class without step_size_embedding is not step-size conditioned
                 value = model.config.get(key)
@@ -112,6 +120,12 @@ class FlowMatchPipeline(DiffusionPipeline):
             guide_unet = guide_unet.eval().requires_grad_(False)
         self.register_modules(guide_unet=guide_unet)
         self.register_to_config(guidance_model=(name or "given") if guide_unet is not None else None)
+
+    @property
+    def takes_guidance(self) -> bool:
+        """Whether the UNet is told the guidance scale (``guidance_embedding``) instead of being guided by a second
+        velocity."""
+        return bool(getattr(self.unet.config, "guidance_embedding", False))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs):
@@ -194,19 +208,24 @@ class FlowMatchPipeline(DiffusionPipeline):
 
     @staticmethod
     def _forward(model: ModelMixin, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None,
-                 step_size: float) -> torch.Tensor:
-        """One model call; a model with ``step_size_embedding`` is also told the step size."""
+                 step_size: float, scale: float = 1.0) -> torch.Tensor:
+        """One model call; a model with ``step_size_embedding`` is also told the step size, one with
+        ``guidance_embedding`` the guidance scale."""
         extra = {}
-        if getattr(model.config, "step_size_embedding", False):
-            extra["step_size"] = torch.full((x.shape[0],), step_size, device=x.device, dtype=torch.float32)
+        for key, flag, value in (("step_size", "step_size_embedding", step_size),
+                                 ("guidance", "guidance_embedding", scale)):
+            if getattr(model.config, flag, False):
+                extra[key] = torch.full((x.shape[0],), value, device=x.device, dtype=torch.float32)
         return model(x, t.expand(x.shape[0]), labels, **extra).sample
 
     def _velocity(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor | None, scale: float,
                   step_size: float = 0.0) -> torch.Tensor:
         """Model velocity at (x, t). Guided (scale != 1): v_guide + w (v - v_guide), the guide being the weaker model
         with the same labels when there is one (two calls), else the null class (one batch of conditional and
-        null-class halves)."""
+        null-class halves); a UNet that takes the guidance scale is told it (one call)."""
         guide = self.guide_unet
+        if self.takes_guidance:
+            return self._forward(self.unet, x, t, labels, step_size, scale)
         if scale == 1.0 or (guide is None and labels is None):
             return self._forward(self.unet, x, t, labels, step_size)
         if guide is not None:
@@ -230,9 +249,15 @@ class FlowMatchPipeline(DiffusionPipeline):
                                 flags: tuple[str, str] = ("guidance_interval", "num_inference_steps")) -> None:
         """Refuse (ValueError) a guidance interval that holds none of the model calls of ``num_inference_steps``
         steps of this scheduler while ``guidance_scale`` != 1: guidance would then change nothing, silently. ``flags``
-        name the interval and the steps in the message (a command's own flags)."""
+        name the interval and the steps in the message (a command's own flags). A UNet that takes the guidance scale
+        is told it at every call (its interval was the teacher's): a scale outside the range it was trained over is
+        refused instead."""
         interval = _checked_interval(guidance_interval)
-        if guidance_scale == 1.0 or interval is None:
+        trained = self.config.get("guidance_range")
+        if self.takes_guidance and trained and not trained[0] <= guidance_scale <= trained[1]:
+            raise ValueError(f"guidance scale {guidance_scale:g} lies outside {trained[0]:g}:{trained[1]:g}, the range "
+                             "this distilled UNet was trained over (its guidance input); pass a scale within it")
+        if self.takes_guidance or guidance_scale == 1.0 or interval is None:
             return
         self.scheduler.set_timesteps(num_inference_steps)
         plan = self._call_plan(interval)
@@ -263,8 +288,10 @@ class FlowMatchPipeline(DiffusionPipeline):
             class_labels: one label for all images, one per image, or None (null class / unconditional model).
             guidance_scale: guidance w in v_u + w (v_c - v_u); 1.0 is the plain conditional model and costs a
                 single forward per step. v_u is the null class's velocity (classifier-free guidance), or with a
-                ``guide_unet`` the weaker model's for the same labels (autoguidance, also without labels). None = the
-                saved ``config.guidance_scale`` with class labels or a guide (1 where none is saved), 1 otherwise.
+                ``guide_unet`` the weaker model's for the same labels (autoguidance, also without labels); a UNet with
+                ``guidance_embedding`` is told w instead (one forward per step). None = the saved
+                ``config.guidance_scale`` with class labels, a guide or such a UNet (1 where none is saved), 1
+                otherwise.
             output_type: "pil" (list of PIL images), "np" (B, H, W, C) float in [0, 1], "pt" (B, C, H, W) in [0, 1].
             guidance_interval: (lo, hi): guidance only at calls whose t (0 = noise, 1 = data) lies in [lo, hi], the
                 plain conditional model (one forward) elsewhere (Kynkaanniemi et al. 2024: guidance near the noise
@@ -285,7 +312,7 @@ class FlowMatchPipeline(DiffusionPipeline):
             guidance_interval = self.config.get("guidance_interval")
         guidance_interval = _checked_interval(guidance_interval)
         labels = self._labels(class_labels, batch_size, device)
-        can_guide = labels is not None or self.guide_unet is not None
+        can_guide = labels is not None or self.guide_unet is not None or self.takes_guidance
         if guidance_scale is None:
             guidance_scale = (self.config.get("guidance_scale") or 1.0) if can_guide else 1.0
         if batch_size is None:
@@ -302,7 +329,7 @@ class FlowMatchPipeline(DiffusionPipeline):
         plan = self._call_plan(guidance_interval)
         for i, timestep in enumerate(self.progress_bar(self.scheduler.timesteps)):
             _, step_size, guided = plan[i]
-            scale = guidance_scale if guided else 1.0
+            scale = guidance_scale if guided or self.takes_guidance else 1.0
             if ours:
                 v = self._velocity(x, timestep, labels, scale, step_size)
             else:  # diffusers' convention: sigma = 1 - t, model output noise - data = -(x1 - x0)

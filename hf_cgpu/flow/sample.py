@@ -57,8 +57,8 @@ def parse_labels(text: str, class_names: list[str], num_classes: int | None) -> 
 def saved_sampling(pipe, steps: int, scale: float, interval: str, fallback_scale: float) -> dict:
     """Steps, guidance scale and interval for ``pipe``'s call: 0 / empty take the folder's saved value
     (``fallback_scale`` where a folder recorded no scale)."""
-    return resolve_sampling(pipe.config, bool(pipe.unet.config.num_classes), pipe.guide_unet is not None, steps,
-                            scale, interval, fallback_scale)
+    return resolve_sampling(pipe.config, bool(pipe.unet.config.num_classes),
+                            pipe.guide_unet is not None or pipe.takes_guidance, steps, scale, interval, fallback_scale)
 
 
 def check_guidance_interval(pipe, sampling: dict, flags: tuple[str, str] = ("--guidance_interval",

@@ -26,9 +26,10 @@ class SampleSettings:
     (the null class)."""
     guidance_scale: float = 0.0
     """Guidance w (1 = the plain model, one call per step): classifier-free with --class_labels, or autoguidance with
-    a --guidance_model (saved or given); 0 = the pipeline's saved default with --class_labels or a guidance model (a
-    flow run: its --guidance_scale; a distilled run: 1, its guidance is baked in; 2.5 for a folder that saved none),
-    1 without."""
+    a --guidance_model (saved or given); a run distilled with --guidance_range is told w instead (one call per step,
+    w within its range); 0 = the pipeline's saved default with --class_labels or a guidance model (a flow run: its
+    --guidance_scale; a distilled run: 1, its guidance is baked in, or its --sample_guidance; 2.5 for a folder that
+    saved none), 1 without."""
     guidance_interval: str = ""
     """Guidance only where t (0 = noise, 1 = data) lies in LO:HI, e.g. 0.15:0.8, the conditional model elsewhere
     (one call instead of two); full = every step; empty = the pipeline's saved interval."""
@@ -65,12 +66,13 @@ class SampleSettings:
     def sampling(self, pipe) -> dict:
         """The pipeline call's steps, guidance scale and interval: these settings, 0 and empty resolved from the
         pipeline's saved config."""
-        return self.sampling_of(pipe.config, bool(pipe.unet.config.num_classes), pipe.guide_unet is not None)
+        return self.sampling_of(pipe.config, bool(pipe.unet.config.num_classes),
+                                pipe.guide_unet is not None or pipe.takes_guidance)
 
     def sampling_of(self, config, conditional: bool, guide: bool) -> dict:
         """``sampling`` for a pipeline saved with ``config`` (model_index.json's values) whose UNet is
-        ``conditional`` and which samples with a ``guide`` (autoguidance): the guidance scale counts only with class
-        labels or a guide."""
+        ``conditional`` and which samples with a ``guide`` (autoguidance, or a UNet told the guidance scale): the
+        guidance scale counts only with class labels or a guide."""
         guided = self.class_labels or guide
         return resolve_sampling(config, conditional, guide, self.num_inference_steps,
                                 self.guidance_scale if guided else 1.0, self.guidance_interval, fallback_scale=2.5)

@@ -17,7 +17,8 @@ the teacher at d = 0 on step one), needs only forward passes of the teacher and 
 every target is a closed form on the toy, so it can be checked on the CPU.
 
 Pure tensor math over callables, like ``matching``: ``student(x, t, d, cond)`` and ``teacher(x, t, cond)`` return
-velocities (B, ...) for x (B, ...), t and d (B,) and cond the rows' class labels (B,) or None.
+velocities (B, ...) for x (B, ...), t and d (B,) and cond the rows' class labels (B,) or None, or a tuple of such
+per-row tensors (the labels and each row's guidance scale of a student trained over a range of guidance).
 """
 
 from __future__ import annotations
@@ -47,25 +48,30 @@ def guided_teacher(model_fn: Callable, null_class: int | None, scale: float,
                    interval: tuple[float, float] | None, guide_fn: Callable | None = None) -> Teacher:
     """teacher(x, t, labels): the classifier-free guided velocity v_u + w (v_c - v_u) of ``model_fn(x, t, labels)``
     for rows whose t lies in ``interval`` (None: all), the conditional velocity elsewhere; as the pipeline samples.
-    With ``guide_fn`` (a weaker model, autoguidance) v_u is ``guide_fn(x, t, labels)``, the same labels or none."""
+    With ``guide_fn`` (a weaker model, autoguidance) v_u is ``guide_fn(x, t, labels)``, the same labels or none.
+    ``teacher(x, t, labels, scales)`` guides each row at its own w, ``scales`` (B,), in place of ``scale``."""
     lo, hi = interval if interval is not None else (0.0, 1.0)
 
-    def teacher(x, t, labels):
-        if scale == 1.0 or (labels is None and guide_fn is None):
+    def teacher(x, t, labels, scales: torch.Tensor | None = None):
+        if (scales is None and scale == 1.0) or (labels is None and guide_fn is None):
             return model_fn(x, t, labels)
         if guide_fn is not None:
             v_c, v_u = model_fn(x, t, labels), guide_fn(x, t, labels)
         else:
             v_c, v_u = model_fn(torch.cat([x, x]), torch.cat([t, t]),
                                 torch.cat([labels, torch.full_like(labels, null_class)])).chunk(2)
-        w = torch.where((t >= lo - 1e-6) & (t <= hi + 1e-6), scale, 1.0).reshape(-1, *([1] * (x.dim() - 1)))
-        return guided_velocity(v_u, v_c, w)
+        inside = (t >= lo - 1e-6) & (t <= hi + 1e-6)
+        w = torch.where(inside, scale if scales is None else scales.to(t.dtype), 1.0)
+        return guided_velocity(v_u, v_c, w.reshape(-1, *([1] * (x.dim() - 1))))
 
     return teacher
 
 
-def _rows(cond: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
-    return None if cond is None else cond[mask]
+def _rows(cond, rows):
+    """The ``rows`` (a mask or a slice) of per-row conditioning: a tensor, a tuple of them (or None), or None."""
+    if isinstance(cond, tuple):
+        return tuple(_rows(c, rows) for c in cond)
+    return None if cond is None else cond[rows]
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ class ShortcutObjective:
         d = torch.cat([torch.zeros(n_flow, device=x1.device), big])
         x0 = torch.empty_like(x1).normal_(generator=generator)
         xt = interpolate(x0, x1, t)
-        head, tail = (None, None) if cond is None else (cond[:n_flow], cond[n_flow:])
+        head, tail = _rows(cond, slice(None, n_flow)), _rows(cond, slice(n_flow, None))
         with torch.no_grad():
             target = torch.cat([teacher(xt[:n_flow], t[:n_flow], head).float(),
                                 self.targets(student, teacher, xt[n_flow:], t[n_flow:], big, tail).float()])

@@ -101,6 +101,14 @@ def upsample2x(x: torch.Tensor) -> torch.Tensor:
     return nhwc.reshape(b, 2 * h, 2 * w, c).permute(0, 3, 1, 2)
 
 
+def _zero_output_mlp(dim: int) -> nn.Sequential:
+    """Linear-SiLU-Linear like the time MLP, its last layer zero: it adds nothing until trained."""
+    mlp = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+    nn.init.zeros_(mlp[2].weight)
+    nn.init.zeros_(mlp[2].bias)
+    return mlp
+
+
 class ResBlock(nn.Module):
     """GN-SiLU-conv3x3, add projected embedding, GN-SiLU-conv3x3, plus a (1x1 when widths differ) skip."""
 
@@ -142,6 +150,9 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
             is the average velocity over [t, t + d], d = 0 the instantaneous one). An MLP like the time one whose last
             layer starts at zero, so a trained velocity model loaded into it is unchanged until fine-tuned; off
             (the default), the model and its weights are exactly those without the option.
+        guidance_embedding: also embed a guidance scale w (a student distilled over a range of guidance: one call
+            gives the velocity the guided teacher would at w), the same way as the step size: zero-initialised, so
+            the model starts as the one loaded into it; off (the default), nothing changes.
     """
 
     _supports_gradient_checkpointing = True
@@ -158,6 +169,7 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         norm_num_groups: int = 8,
         num_classes: int | None = None,
         step_size_embedding: bool = False,
+        guidance_embedding: bool = False,
     ) -> None:
         super().__init__()
         if base_channels % norm_num_groups:
@@ -168,11 +180,7 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         tdim, g = time_embed_dim, norm_num_groups
         self.time_mlp = nn.Sequential(nn.Linear(tdim, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
         self.class_embedding = nn.Embedding(num_classes + 1, tdim) if num_classes is not None else None
-        self.step_mlp = None
-        if step_size_embedding:
-            self.step_mlp = nn.Sequential(nn.Linear(tdim, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
-            nn.init.zeros_(self.step_mlp[2].weight)
-            nn.init.zeros_(self.step_mlp[2].bias)
+        self.step_mlp = _zero_output_mlp(tdim) if step_size_embedding else None
         self.in_conv = nn.Conv2d(in_channels, c1, 3, padding=1)
         self.d1 = ResBlock(c1, c1, tdim, g)
         self.down1 = nn.Conv2d(c1, c1, 3, stride=2, padding=1)
@@ -182,6 +190,8 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         self.u2 = ResBlock(c3 + c2, c2, tdim, g)
         self.u1 = ResBlock(c2 + c1, c1, tdim, g)
         self.out = nn.Sequential(GroupNorm(g, c1), nn.SiLU(), nn.Conv2d(c1, out_channels, 3, padding=1))
+        # built last, so every other weight draws the same initial values with the option as without it
+        self.guidance_mlp = _zero_output_mlp(tdim) if guidance_embedding else None
         self.gradient_checkpointing = False
 
     @property
@@ -189,20 +199,32 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         """Label index meaning "no class" (classifier-free guidance), or None for an unconditional model."""
         return self.config.num_classes
 
+    def _scalar_embedding(self, mlp: nn.Module | None, value, default: float, flag: str, batch: int,
+                          device: torch.device) -> torch.Tensor | None:
+        """(B, tdim) ``mlp`` of the sinusoidal embedding of a per-row scalar (``default`` where None); None without
+        the MLP, where a value given is refused (``flag``: the config entry that adds the MLP)."""
+        if mlp is None:
+            if value is not None:
+                raise ValueError(f"{flag.removesuffix('_embedding')} given to a FlowUNet2DModel without {flag}")
+            return None
+        v = torch.as_tensor(default if value is None else value, device=device, dtype=torch.float32)
+        v_emb = sinusoidal_embedding(v.reshape(-1).expand(batch) * 1000.0, self.config.time_embed_dim)
+        return mlp(v_emb.to(mlp[0].weight.dtype))
+
     def _embed(
         self, timestep: torch.Tensor | float, class_labels: torch.Tensor | None, batch: int, device: torch.device,
-        step_size: torch.Tensor | float | None = None,
+        step_size: torch.Tensor | float | None = None, guidance: torch.Tensor | float | None = None,
     ) -> torch.Tensor:
-        """(B, tdim) SiLU-activated time (+ step size) (+ class) embedding shared by every block."""
+        """(B, tdim) SiLU-activated time (+ step size) (+ guidance) (+ class) embedding shared by every block."""
         t = torch.as_tensor(timestep, device=device, dtype=torch.float32).reshape(-1).expand(batch)  # (B,)
         emb = sinusoidal_embedding(t * 1000.0, self.config.time_embed_dim)  # (B, tdim) fp32
         emb = self.time_mlp(emb.to(self.time_mlp[0].weight.dtype))
-        if self.step_mlp is not None:  # step_size None = 0: the instantaneous velocity
-            d = torch.as_tensor(0.0 if step_size is None else step_size, device=device, dtype=torch.float32)
-            d_emb = sinusoidal_embedding(d.reshape(-1).expand(batch) * 1000.0, self.config.time_embed_dim)
-            emb = emb + self.step_mlp(d_emb.to(self.step_mlp[0].weight.dtype))
-        elif step_size is not None:
-            raise ValueError("step_size given to a FlowUNet2DModel without step_size_embedding")
+        # step_size None = 0: the instantaneous velocity; guidance None = 1: the unguided (conditional) model
+        for mlp, value, default, flag in ((self.step_mlp, step_size, 0.0, "step_size_embedding"),
+                                          (self.guidance_mlp, guidance, 1.0, "guidance_embedding")):
+            added = self._scalar_embedding(mlp, value, default, flag, batch, device)
+            if added is not None:
+                emb = emb + added
         if self.class_embedding is not None:
             if class_labels is None:  # unconditional sampling of a conditional model
                 class_labels = torch.full((batch,), self.config.num_classes, device=device, dtype=torch.long)
@@ -223,10 +245,12 @@ class FlowUNet2DModel(ModelMixin, ConfigMixin):
         class_labels: torch.Tensor | None = None,
         return_dict: bool = True,
         step_size: torch.Tensor | float | None = None,
+        guidance: torch.Tensor | float | None = None,
     ) -> FlowUNet2DOutput | tuple[torch.Tensor]:
         """sample (B, C, H, W), timestep t in [0, 1] of shape (B,) or scalar, class_labels (B,) int64 or None,
-        step_size d of shape (B,) or scalar (only with ``step_size_embedding``; None = 0)."""
-        emb = self._embed(timestep, class_labels, sample.shape[0], sample.device, step_size)  # (B, tdim)
+        step_size d of shape (B,) or scalar (only with ``step_size_embedding``; None = 0), guidance scale w of shape
+        (B,) or scalar (only with ``guidance_embedding``; None = 1)."""
+        emb = self._embed(timestep, class_labels, sample.shape[0], sample.device, step_size, guidance)  # (B, tdim)
         h0 = self.in_conv(sample)  # (B, c1, H, W)
         h1 = self._block(self.d1, h0, emb)  # (B, c1, H, W)
         h2 = self._block(self.d2, self.down1(h1), emb)  # (B, c2, H/2, W/2)

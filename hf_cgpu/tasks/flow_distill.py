@@ -6,6 +6,11 @@ guided velocity (its scale and interval), so the saved pipeline samples in 1 or 
 evaluation each. The data, the sample grids, the held-out figures and the saved folder are the flow task's: the
 result is an ordinary FlowMatchPipeline folder whose saved defaults are ``sample_steps`` Euler steps, no guidance.
 
+With ``--guidance_range LO:HI`` the guidance scale is the student's input instead of baked in: each row of a batch
+draws its own w (from the run's generator, so a resume is exact), the teacher's target is guided at it and the student
+(``guidance_embedding``, zero-initialised like the step size's) is told it; the saved folder's ``guidance_scale``
+(default ``--sample_guidance``) feeds that input, one network evaluation a step at any w of the range it records.
+
 The adversarial stage (``--adversarial_weight``, ``--init_student``: ``hf_cgpu.flow.adversarial``) adds a GAN term
 on the student's 1- and 2-step samples against the real training images: the discriminator heads and their
 optimizer are the run's second network (``TaskPlan.companions``), stepped inside ``loss`` before the student's
@@ -16,6 +21,7 @@ rarest class, as a classifier sees the samples, to every evaluation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -56,6 +62,10 @@ class FlowDistillTask(FlowMatchingTask):
         if getattr(unet.config, "step_size_embedding", False):
             raise SettingsError(f"{cfg.teacher} is already a distilled pipeline; pass the flow run it came from")
         conditional = unet.config.num_classes is not None
+        if not conditional and teacher.guide_unet is None and cfg.guidance_range:
+            raise SettingsError(f"--guidance_range {cfg.guidance_range}: {cfg.teacher} is unconditional and saved no "
+                                "guidance model, so no w guides it; drop --guidance_range, or distill a folder saved "
+                                "with one (hf-cgpu sample --guidance_model ... --save_pipeline DIR)")
         if not conditional and teacher.guide_unet is None and cfg.guidance_scale not in (0.0, 1.0):
             raise SettingsError(f"--guidance_scale {cfg.guidance_scale:g}: {cfg.teacher} is unconditional and saved "
                                 "no guidance model, so nothing guides it; drop --guidance_scale, or distill a folder "
@@ -69,6 +79,13 @@ class FlowDistillTask(FlowMatchingTask):
         # resume fingerprint and all_results.json record it and a resume against a re-saved teacher is refused
         self.cfg = cfg = dataclasses.replace(cfg, guidance_scale=self.guidance[0],
                                              guidance_interval=format_interval(self.guidance[1]))
+        self.scales = cfg.guidance_scales  # (LO, HI): each example's own w, the student's input; None: off
+        if self.scales is not None and not cfg.sample_guidance:  # the teacher's scale, if the range holds it
+            if not self.scales[0] <= self.guidance[0] <= self.scales[1]:
+                raise SettingsError(f"the teacher's guidance scale {self.guidance[0]:g}, the saved folder's default, "
+                                    f"lies outside --guidance_range {cfg.guidance_range}; pass --sample_guidance "
+                                    "within it, e.g. the range's middle")
+            self.cfg = cfg = dataclasses.replace(cfg, sample_guidance=self.guidance[0])
         self.teacher = unet.to(accelerator.device).eval().requires_grad_(False)
         guide_fn = None
         if guide is not None:
@@ -77,15 +94,18 @@ class FlowDistillTask(FlowMatchingTask):
             self.data_hashes["teacher_guide_weights"] = sha256_file(teacher_weights(cfg.teacher, "guide_unet"))
         self.teacher_fn = guided_teacher(lambda x, t, y: self.teacher(x, t, y).sample, unet.config.num_classes,
                                          *self.guidance, guide_fn=guide_fn)
+        if self.scales is not None:  # the rows' conditioning is (labels, w): each row guided at its own w
+            self.teacher_fn = functools.partial(_per_row_guidance, self.teacher_fn)
         self.objective = ShortcutObjective(cfg.levels, cfg.consistency_fraction)
         self.matcher = FlowMatcher(time_sampling=cfg.time_sampling)
         self.data_hashes["teacher_weights"] = sha256_file(teacher_weights(cfg.teacher))  # a resume must see the same
-        student = FlowUNet2DModel(**{**unet.config, "step_size_embedding": True})
+        extra = {"guidance_embedding": True} if self.scales is not None else {}
+        student = FlowUNet2DModel(**{**unet.config, "step_size_embedding": True, **extra})
         if cfg.init_student:
             student.load_state_dict(self.init_student(unet.config).state_dict())
         else:
             missing = student.load_state_dict(unet.state_dict(), strict=False).missing_keys
-            assert all(k.startswith("step_mlp.") for k in missing), missing
+            assert all(k.startswith(("step_mlp.", "guidance_mlp.")) for k in missing), missing
         self.judge = self.load_judge(unet.config, accelerator.device)
         self.autocast = accelerator.autocast
         companions = self.discriminator(unet.config, accelerator) if cfg.adversarial_weight > 0 else ()
@@ -97,7 +117,9 @@ class FlowDistillTask(FlowMatchingTask):
         self.show_progress, self.last_grid = settings.progress and accelerator.is_local_main_process, None
         self.guide_name = teacher.config.get("guidance_model") if guide is not None else None
         by = f" by {self.guide_name}" if self.guide_name else ""
-        accelerator.print(f"distilling {cfg.teacher} (guidance {scale:g}{by}, t in {format_interval(interval)}) into "
+        told = (f"guidance w in {cfg.guidance_range} as the student's input (saved default {cfg.sample_guidance:g})"
+                if self.scales is not None else f"guidance {scale:g}")
+        accelerator.print(f"distilling {cfg.teacher} ({told}{by}, t in {format_interval(interval)}) into "
                           f"{cfg.sample_steps}-step Euler; {len(self.images):,} training images")
         if companions:
             accelerator.print(f"adversarial stage: weight {cfg.adversarial_weight:g} on {cfg.adversarial_steps}-step "
@@ -196,10 +218,15 @@ class FlowDistillTask(FlowMatchingTask):
         return total
 
     def shortcut_loss(self, model, batch, generator) -> torch.Tensor:
-        """The shortcut objective of ``batch`` against the guided teacher."""
-        x1 = batch["x1"]
+        """The shortcut objective of ``batch`` against the guided teacher; with ``guidance_range`` every row draws
+        its own guidance scale, which the teacher is guided at and the student is told."""
+        x1, cond = batch["x1"], batch.get("labels")
         t_flow = self.matcher.sample_time(self.objective.flow_rows(x1.shape[0]), x1.device, generator)
-        return self.objective.loss(_student(model), self.teacher_fn, x1, t_flow, generator, batch.get("labels"))
+        if self.scales is not None:
+            lo, hi = self.scales
+            cond = (cond, lo + (hi - lo) * torch.rand(x1.shape[0], device=x1.device, generator=generator))
+        return self.objective.loss(_student(model, self.scales is not None), self.teacher_fn, x1, t_flow, generator,
+                                   cond)
 
     @torch.no_grad()
     def evaluate(self, model, settings, device) -> dict[str, float]:
@@ -251,9 +278,11 @@ class FlowDistillTask(FlowMatchingTask):
         return {"rarest_class_share": stats["class_share_min"], "judged_label_accuracy": stats["label_accuracy"]}
 
     def pipeline(self, model):
-        """Euler with the distilled step sizes, ``sample_steps`` steps by default, guidance baked in."""
+        """Euler with the distilled step sizes, ``sample_steps`` steps by default, guidance baked in (1 saved), or
+        with ``guidance_range`` the student's guidance input: ``sample_guidance`` saved, the range recorded."""
+        told = {"guidance_scale": self.cfg.sample_guidance, "guidance_range": list(self.scales)} if self.scales else {}
         return FlowMatchPipeline(unet=model, scheduler=FlowMatchEulerScheduler(),
-                                 num_inference_steps=self.cfg.sample_steps, guidance_scale=1.0)
+                                 num_inference_steps=self.cfg.sample_steps, **{"guidance_scale": 1.0, **told})
 
     def on_saved(self, model, output_dir, log=print) -> dict:
         scale, interval = self.guidance
@@ -262,9 +291,18 @@ class FlowDistillTask(FlowMatchingTask):
                 **({"teacher_guidance_model": self.guide_name} if self.guide_name else {})}
 
 
-def _student(model):
-    """student(x, t, d, labels): the model's average velocity over the step d it is told."""
+def _student(model, guided: bool = False):
+    """student(x, t, d, labels): the model's average velocity over the step d it is told; ``guided``:
+    student(x, t, d, (labels, w)), at the guidance scale w it is told too."""
+    if guided:
+        return lambda x, t, d, cond: model(x, t, cond[0], step_size=d, guidance=cond[1]).sample
     return lambda x, t, d, labels: model(x, t, labels, step_size=d).sample
+
+
+def _per_row_guidance(teacher, x, t, cond):
+    """``guided_teacher``'s teacher for rows conditioned on (labels, w): each row guided at its own w."""
+    labels, scales = cond
+    return teacher(x, t, labels, scales)
 
 
 def teacher_weights(folder: str, component: str = "unet") -> Path:

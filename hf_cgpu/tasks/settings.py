@@ -228,6 +228,14 @@ class FlowDistillSettings:
     guidance_interval: str = field(default="", metadata=FIXED)
     """The teacher's guidance only where t (0 = noise, 1 = data) lies in LO:HI; full = every step; empty = the teacher
     folder's saved interval. The run records the interval it resolved: a resume must resolve the same."""
+    guidance_range: str = field(default="", metadata=FIXED)
+    """Guidance as the student's input: each training example draws its own scale w uniformly in LO:HI (LO >= 1; 1 =
+    unguided), the teacher's targets are guided at that w (in --guidance_interval), and the student is told w, so
+    the saved folder samples at any w in the range with one network evaluation a step (guidance_scale picks it);
+    empty = off: the teacher's one --guidance_scale is baked in."""
+    sample_guidance: float = 0.0
+    """With --guidance_range: the saved folder's default guidance scale (its grids and --judge figures too); 0 = the
+    teacher's scale, within the range."""
     levels: int = field(default=7, metadata=FIXED)
     """Step sizes 1, 1/2, ..., 2^-levels are trained; the smallest is bootstrapped from two Euler steps of the
     teacher."""
@@ -286,6 +294,27 @@ class FlowDistillSettings:
             raise SettingsError("--guidance_scale takes >= 1 (or 0: the teacher's) and --sample_steps >= 1")
         if self.guidance_interval:
             parse_interval(self.guidance_interval)
+        if self.guidance_range and (self.adversarial_weight > 0 or self.init_student):
+            raise SettingsError("--guidance_range trains a student from the teacher; the adversarial stage "
+                                "(--adversarial_weight, --init_student) samples at one guidance: leave one out")
+        lo_hi = self.guidance_scales
+        if self.sample_guidance and not (lo_hi and lo_hi[0] <= self.sample_guidance <= lo_hi[1]):
+            raise SettingsError(f"--sample_guidance {self.sample_guidance:g} needs a --guidance_range holding it, e.g. "
+                                "--guidance_range 1:3; leave it out (0) for the teacher's scale")
+
+    @property
+    def guidance_scales(self) -> tuple[float, float] | None:
+        """``guidance_range`` as (LO, HI), None when off."""
+        if not self.guidance_range:
+            return None
+        try:
+            lo, hi = (float(x) for x in self.guidance_range.split(":"))
+        except ValueError:
+            lo = hi = float("nan")
+        if not 1 <= lo <= hi < float("inf"):
+            raise SettingsError(f"--guidance_range {self.guidance_range!r}; write LO:HI with 1 <= LO <= HI (1 = "
+                                "unguided), e.g. 1:3")
+        return (lo, hi)
 
     @property
     def adversarial_step_counts(self) -> tuple[int, ...]:
