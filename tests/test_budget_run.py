@@ -31,9 +31,43 @@ def test_budget_describes_the_run_the_recipe_trains(preset, extra):
     gpt, recipe_train = parse(RECIPES.lookup("gpt"), ["--preset", preset, *extra])  # as the recipe parses it
     assert train == recipe_train  # one TrainSettings, parsed by the same code from the same command line
     # the shape the training task declares (CausalLMTask.setup: cgpt_run_shape of the config it builds)
-    declared = cgpt_run_shape(gpt.model_config(gpt.vocab_size, eos_token_id=0), preset)
+    declared = cgpt_run_shape(gpt.model_config(gpt.vocab_size, eos_token_id=0), preset, settings=gpt)
     assert shape == declared
     assert shape.setup(train) == declared.setup(recipe_train)  # what --autofit and the OOM advice start from
+
+
+def test_the_multi_token_heads_and_the_teachers_are_priced(tmp_path):
+    """--mtp_heads adds one head's chunk of logits and its products for the share of the steps it runs; --teacher
+    adds each teacher's bf16 weights (its shape read from its folder), the KL's logits and its forward: in the
+    budget and in the shape the training task declares alike."""
+    from hf_cgpu.budget.card import CARDS
+    from hf_cgpu.budget.memory import BF16, LOSS_EXTRA_LOGIT_BYTES
+    from hf_cgpu.commands.budget import lm_run_time
+
+    def priced(*extra):
+        shape, train, _ = describe_run(["--preset", "zh-poetry-modern", *extra])
+        gpt, _ = parse(RECIPES.lookup("gpt"), ["--preset", "zh-poetry-modern", *extra])
+        assert shape == cgpt_run_shape(gpt.model_config(gpt.vocab_size, eos_token_id=0), "zh-poetry-modern",
+                                       settings=gpt)
+        setup = shape.setup(train)
+        rows = {r.key: r.bytes for r in ledger(shape.model, setup).rows}
+        return shape, setup, rows, lm_run_time(shape.model, setup, train, CARDS["RTX 5070 Ti"]).step.seconds
+
+    shape, setup, plain, step = priced()
+    logits = setup.tokens_per_micro_batch * shape.model.vocab_size  # the preset's loss is one chunk: no chunk size
+    _, _, heads, heads_step = priced("--mtp_heads", "2", "--mtp_anneal", "0.5")
+    assert heads["head_logits"] == LOSS_EXTRA_LOGIT_BYTES["head"] * logits and "teachers" not in heads
+    _, _, longer, longer_step = priced("--mtp_heads", "2", "--mtp_anneal", "1.0")
+    assert step < heads_step < longer_step and longer_step - step == pytest.approx(2 * (heads_step - step))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "cgpt", "n_layer": 2, "n_embd": 64, "n_head": 2,
+                                                      "vocab_size": shape.model.vocab_size, "n_positions": 512}))
+    small = ModelShape.from_config_file(tmp_path / "config.json")
+    _, setup_kd, kd, kd_step = priced("--teacher", str(tmp_path))
+    assert setup_kd.teachers == (small,) and kd["teachers"] == BF16 * small.n_params
+    assert kd["distill_logits"] == (LOSS_EXTRA_LOGIT_BYTES["kl_student"] + LOSS_EXTRA_LOGIT_BYTES["kl_teacher"]) * logits
+    _, _, kd2, kd2_step = priced("--teacher", f"{tmp_path},{tmp_path}")
+    assert kd2["teachers"] == 2 * kd["teachers"] and step < kd_step < kd2_step
+    assert {k for k in plain} == {k for k in kd} - {"teachers", "distill_logits"}
 
 
 def test_124m_is_priced_compiled_as_it_trains():

@@ -113,9 +113,9 @@ def test_a_companion_without_its_own_optimizer_is_trained_by_the_run_s():
     assert TaskPlan(torch.nn.Linear(2, 2)).joint_modules == []
 
 
-def test_the_ledger_says_it_leaves_the_heads_out():
-    assert "--mtp_heads 2) are not priced" in budget(["--preset", "tiny", "--mtp_heads", "2"]).splitlines()[-1]
-    assert "not priced" not in budget(["--preset", "tiny"])
+def test_the_ledger_prices_the_heads():
+    assert "multi-token heads' logits" in budget(["--preset", "tiny", "--mtp_heads", "2"])
+    assert "multi-token" not in budget(["--preset", "tiny"]) and "not priced" not in budget(["--preset", "tiny"])
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +153,7 @@ def test_the_saved_model_is_the_plain_model_and_the_heads_are_in_the_checkpoints
     assert config == json.loads((plain / "config.json").read_text()) and not any("mtp" in k for k in config)
     assert type(CgptForCausalLM.from_pretrained(str(mtp))) is CgptForCausalLM
     results = json.loads((mtp / "all_results.json").read_text())
-    assert results["settings"]["mtp_heads"] == 2 and "multi-token heads" in results["ledger"]["unpriced"]
-    assert "unpriced" not in json.loads((plain / "all_results.json").read_text())["ledger"]
+    assert results["settings"]["mtp_heads"] == 2 and "unpriced" not in results["ledger"]
     assert "`mtp_heads` | 2" in (mtp / "README.md").read_text()
     heads = load_file(mtp / "checkpoints" / "step_0000004" / "model_1.safetensors")
     assert sorted(heads) == ["norms.0.weight", "norms.1.weight", "projs.0.weight", "projs.1.weight"]

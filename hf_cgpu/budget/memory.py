@@ -77,6 +77,12 @@ LOGITS_EAGER_BYTES = 12
 fp32 gradient of the log-softmax and of the logits at once (4 + 4). A loop that takes ``model(...).loss`` at once (the
 trainer's, and the HF Trainer's) drops the logits before backward: the upcast is a new tensor and log-softmax saves
 its output. A loop that keeps them alive pays ``Regime.logits`` more per entry (``ledger(logits_held=True)``)."""
+LOSS_EXTRA_LOGIT_BYTES = {"head": 12.0, "kl_student": 11.0, "kl_teacher": 12.0}
+"""Bytes per logit of the losses a GPT run adds beside its own, each an eager checkpointed call over one loss chunk
+(all of a micro-batch's tokens without --loss_chunk_size): a multi-token head's cross-entropy (its bf16 logits, the
+fp32 upcast and log-softmax, re-created one head at a time in the backward), and distillation's KL (the student's
+logits so, and each teacher's fp32 log-softmax beside them). Fitted to the zh-poetry-modern preset at 16,384 tokens a
+micro-batch: 2 heads reserved 1.63 GiB more than the plain run, one teacher 3.33 GiB more (0.21 of it its weights)."""
 LOGITS_COMPILED_BYTES = 6
 """Full logits with the cross-entropy inside a torch.compile region (nanoGPT-style whole-model compile): inductor
 fuses the upcast, log-softmax and its gradient; fitted to measured peaks of compiled GPTs. Our GPT compiled whole
@@ -435,6 +441,28 @@ def logits_bytes(shape: ModelShape, setup: TrainSetup, r: Regime | None = None,
     return per * tokens * V, f"full {tokens} x {V} logits, eager fp32 loss, {per} B each{capped}"
 
 
+def extra_loss_rows(shape: ModelShape, setup: TrainSetup) -> list[Row]:
+    """The multi-token heads' and the distillation's memory (none when the run has neither): teachers' bf16 weights,
+    and the larger of the heads' and the KL's chunk of logits (they never run together)."""
+    rows = []
+    chunk = (min(setup.loss_chunk_size, setup.tokens_per_micro_batch) if setup.loss_chunk_size
+             else setup.tokens_per_micro_batch) * shape.vocab_size
+    b = LOSS_EXTRA_LOGIT_BYTES
+    if setup.teachers:
+        rows.append(Row("teachers", "teachers' weights", sum(BF16 * t.n_params for t in setup.teachers),
+                        f"{len(setup.teachers)} frozen bf16 model{'s' * (len(setup.teachers) > 1)} (--teacher), "
+                        "their forward under no_grad"))
+        per = b["kl_student"] + b["kl_teacher"] * len(setup.teachers)
+        rows.append(Row("distill_logits", "distillation logits", per * chunk,
+                        f"the KL's chunk: {chunk // shape.vocab_size:,} tokens x {shape.vocab_size} vocab, "
+                        f"{per:g} B each"))
+    elif setup.extra_heads:
+        rows.append(Row("head_logits", "multi-token heads' logits", b["head"] * chunk,
+                        f"one head's chunk at a time: {chunk // shape.vocab_size:,} tokens x {shape.vocab_size} "
+                        f"vocab, {b['head']:g} B each ({setup.extra_heads} heads, d x d each)"))
+    return rows
+
+
 # ===================================================================================================================
 # The ledger
 # ===================================================================================================================
@@ -586,6 +614,7 @@ def ledger(
                 f" + {fmt_gib(backward_grads)} of its gradients" if backward_grads else ""))
             if setup.recompute else "no recompute"),
         Row("logits", "logits + loss", logits, logits_note),
+        *extra_loss_rows(shape, setup),
         packed_mask_row(shape, setup),
         Row("workspace", "workspace (cuBLAS etc.)", WORKSPACE_BYTES, "cuBLAS/cuBLASLt workspaces, SDPA scratch"),
     ]

@@ -417,6 +417,14 @@ class TrainSetup(TrainSettings):
     packed: bool = False
     """Rows hold several examples (fine-tuning's ``--packing``, pretraining's ``--document_masking``): positions
     restart per example, and transformers builds a ``T x T`` mask per row from them for sdpa/eager attention."""
+    extra_heads: int = 0
+    """Multi-token prediction heads (a GPT's ``--mtp_heads``): each a d x d matrix, then the LM head and its
+    cross-entropy once more a micro-batch, outside the compiled model."""
+    extra_heads_share: float = 1.0
+    """Share of the steps the extra heads run (``--mtp_anneal``: none after it)."""
+    teachers: tuple[ModelShape, ...] = ()
+    """Distillation teachers (a GPT's ``--teacher``): a no-grad forward each a micro-batch from bf16 weights, and
+    their logits beside the student's in the KL's chunk."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -492,8 +500,19 @@ class TrainSetup(TrainSettings):
         return (
             f"{what}; seq {self.seq_len} x micro-batch {self.micro_batch_size} x accumulation "
             f"{self.gradient_accumulation_steps} = {self.tokens_per_step:,} tokens/step{gpus}; "
-            f"{self.recompute_words}; {loss}{'; packed rows' if self.packed else ''}"
+            f"{self.recompute_words}; {loss}{'; packed rows' if self.packed else ''}{self.extras_words}"
         )
+
+    @property
+    def extras_words(self) -> str:
+        """The multi-token heads and distillation teachers, as the description's tail."""
+        out = ""
+        if self.extra_heads:
+            out += f"; {self.extra_heads} multi-token heads for {self.extra_heads_share:.0%} of the steps"
+        if self.teachers:
+            out += f"; distilled from {len(self.teachers)} teacher{'s' * (len(self.teachers) > 1)} (" + ", ".join(
+                f"{fmt_count(t.n_params)} params" for t in self.teachers) + ")"
+        return out
 
 
 @dataclass(frozen=True)
@@ -518,6 +537,12 @@ class RunShape:
     unpriced: str = ""
     """What of the run the ledger leaves out (its figures are then a lower bound), said as "... come on top";
     empty: nothing."""
+    extra_heads: int = 0
+    """``TrainSetup.extra_heads``."""
+    extra_heads_share: float = 1.0
+    """``TrainSetup.extra_heads_share``."""
+    teachers: tuple[ModelShape, ...] = ()
+    """``TrainSetup.teachers``."""
 
     @property
     def pretrain(self) -> bool:
@@ -528,4 +553,5 @@ class RunShape:
         against the task's train mode, as training checks it)."""
         return TrainSetup.of(settings, seq_len=self.seq_len, loss_chunk_size=self.loss_chunk_size,
                              loss_in_forward=self.loss_in_forward, processes=processes, fsdp=fsdp,
-                             train_mode=self.train_mode, packed=self.packed)
+                             train_mode=self.train_mode, packed=self.packed, extra_heads=self.extra_heads,
+                             extra_heads_share=self.extra_heads_share, teachers=self.teachers)

@@ -64,6 +64,10 @@ MASKED_ATTENTION_SLOWDOWN = 1.75
 flash: this many times the flash time. Fitted: set A's zh-poetry-modern step (6.3 ms against 3.6 for flash)."""
 LOSS_KERNELS_PER_CHUNK = 12
 """Kernels of one checkpointed loss chunk, forward, recompute and backward."""
+EXTRA_LOSS_BYTES_PER_LOGIT = 127.0
+"""Device bytes per logit of a loss a GPT run adds beside its own (a multi-token head's cross-entropy, distillation's
+KL per model in it): eager, soft-capped, checkpointed (its forward twice), outside the compiled model. Fitted: the
+7-minute zh-poetry-modern run with 2 heads (a step 58 ms longer while the heads ran, 9 ms of it their products)."""
 
 
 @dataclass(frozen=True)
@@ -183,11 +187,58 @@ def lm_step_work(shape: ModelShape, setup: TrainSetup) -> StepWork:
         model_flops -= 2.0 * shape.matmul_params_per_token * t * micro
     if setup.packed and shape.family == "gpt" and shape.attention == "sdpa":
         attention *= MASKED_ATTENTION_SLOWDOWN
+    extra_gemms, extra_attention, extra_memory, extra_kernels = extra_loss_work(shape, setup)
+    gemms += extra_gemms
+    attention += extra_attention
+    memory += extra_memory
+    kernels += extra_kernels
     offload = setup.recompute_mode == "offload"
     offloaded = 2.0 * layers * regime(setup).resid * shape.d_model * t * micro if offload else 0.0
     return StepWork(tuple(gemms), attention, tuple(memory), kernels, model_flops, t * micro, setup.seq_len, compiled,
                     optimizer_kernels=OPTIMIZER_KERNELS.get(opt_kind, 20), host_copy_bytes=offloaded,
                     optimizer_host_ops=HOST_OPS_PER_TENSOR.get(opt_kind, 0.0) * _trainable_tensors(shape, setup))
+
+
+def extra_loss_work(shape: ModelShape, setup: TrainSetup) -> tuple[list[Gemm], float, list, float]:
+    """(products, attention FLOPs, memory-bound bytes, kernels) a step adds for its multi-token heads (each: a d x d
+    residual matrix, then the LM head and its cross-entropy, for ``extra_heads_share`` of the steps) or its
+    distillation teachers (each: a no-grad forward, then its LM head in the KL beside the student's)."""
+    micro, t, V, d = setup.gradient_accumulation_steps, float(setup.tokens_per_micro_batch), shape.vocab_size, \
+        shape.d_model
+    chunks = -(-int(t) // setup.loss_chunk_size) if setup.loss_chunk_size else 1
+    gemms: list[Gemm] = []
+    attention = kernels = 0.0
+    memory: list[tuple[str, float]] = []
+
+    def head(width: int, trainable: bool, share: float, label: str) -> list[Gemm]:
+        """An LM head inside a checkpointed loss: the forward twice, then (trainable) its two gradients."""
+        out = [Gemm(t, V, width, 2 * micro * share, f"{label} forward")]
+        if trainable:
+            out += [Gemm(t, width, V, micro * share, f"{label} input gradient"),
+                    Gemm(width, V, t, micro * share, f"{label} weight gradient")]
+        return out
+
+    if setup.extra_heads:
+        share = setup.extra_heads_share * setup.extra_heads
+        gemms += linear_gemms(t, d, d, True, "multi-token head", micro * share)
+        gemms += head(d, True, share, "multi-token head's LM head")
+        memory.append(("multi-token heads' loss", EXTRA_LOSS_BYTES_PER_LOGIT * t * V * micro * share))
+        kernels += 2 * LOSS_KERNELS_PER_CHUNK * chunks * micro * share
+    if setup.teachers:
+        gemms += head(d, True, 1.0, "distillation student head")
+        for i, teacher in enumerate(setup.teachers):
+            gemms += [Gemm(t, lin.d_out, lin.d_in, teacher.depth * micro, f"teacher {i} {lin.name} forward")
+                      for lin in teacher.linears()]
+            gemms += head(teacher.d_model, False, 1.0, f"teacher {i} head")
+            masked = MASKED_ATTENTION_SLOWDOWN if setup.packed and teacher.attention == "sdpa" else 1.0
+            attention += 0.5 * 4.0 * t * setup.seq_len * teacher.q_dim * teacher.depth * micro * masked
+            passes = ELEMENTWISE_PASSES["compiled" if setup.compile else "eager"]
+            memory.append((f"teacher {i} forward", layer_activation_bytes_per_token(teacher, setup, regime(setup))
+                           * t * teacher.depth * micro * passes / 3))
+            kernels += KERNELS_PER_LAYER[teacher.family] * teacher.depth * micro / 3
+        memory.append(("distillation KL", EXTRA_LOSS_BYTES_PER_LOGIT * t * V * micro * (1 + len(setup.teachers))))
+        kernels += 2 * LOSS_KERNELS_PER_CHUNK * chunks * micro * (1 + len(setup.teachers))
+    return gemms, attention, memory, kernels
 
 
 def muon_gemms(shape: ModelShape, iterations: int = 5) -> list[Gemm]:

@@ -7,6 +7,7 @@ torch nor transformers: the task modules (``causal_lm``, ``flow_images``, ...) r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from ..budget.shape import ModelShape, RunShape
@@ -144,15 +145,16 @@ class GPTSettings(CgptOptions):
         kwargs = self.model_config_kwargs(vocab_size or self.vocab_size, eos_token_id=0)
         shape = ModelShape.from_config({"model_type": "cgpt", **kwargs}, name or "cgpt")
         return RunShape(shape, self.seq_len, self.loss_chunk_size, train_mode=self.train_mode,
-                        packed=self.document_masking, unpriced=self.unpriced())
+                        packed=self.document_masking, **self.ledger_extras(shape))
 
-    def unpriced(self) -> str:
-        """What of this run the ledger leaves out (empty: nothing)."""
-        if not self.mtp_heads:
-            return ""
-        return (f"the multi-token heads (--mtp_heads {self.mtp_heads}) are not priced: their d x d products and "
-                f"{self.mtp_heads} more LM-head products and cross-entropies a micro-batch, until --mtp_anneal "
-                f"{self.mtp_anneal:g} of the schedule, come on top")
+    def ledger_extras(self, shape: ModelShape) -> dict[str, Any]:
+        """``RunShape``'s multi-token heads and distillation teachers of this run: each teacher's shape from its
+        folder's config.json (the student's own shape where the folder is not there yet: a run being planned)."""
+        teachers = []
+        for folder in self.teachers:
+            config = Path(folder).expanduser() / "config.json"
+            teachers.append(ModelShape.from_config_file(config) if config.is_file() else shape)
+        return {"extra_heads": self.mtp_heads, "extra_heads_share": self.mtp_anneal, "teachers": tuple(teachers)}
 
 
 @dataclass(frozen=True)
