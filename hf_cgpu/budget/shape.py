@@ -511,7 +511,7 @@ class TrainSetup(TrainSettings):
             out += f"; {self.extra_heads} multi-token heads for {self.extra_heads_share:.0%} of the steps"
         if self.teachers:
             out += f"; distilled from {len(self.teachers)} teacher{'s' * (len(self.teachers) > 1)} (" + ", ".join(
-                f"{fmt_count(t.n_params)} params" for t in self.teachers) + ")"
+                f"{t.name}: {fmt_count(t.n_params)} params" for t in self.teachers) + ")"
         return out
 
 

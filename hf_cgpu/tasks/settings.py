@@ -6,6 +6,7 @@ torch nor transformers: the task modules (``causal_lm``, ``flow_images``, ...) r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -153,7 +154,8 @@ class GPTSettings(CgptOptions):
         teachers = []
         for folder in self.teachers:
             config = Path(folder).expanduser() / "config.json"
-            teachers.append(ModelShape.from_config_file(config) if config.is_file() else shape)
+            teachers.append(ModelShape.from_config_file(config) if config.is_file() else
+                            dataclasses.replace(shape, name=f"{folder}: not there yet, the student's shape assumed"))
         return {"extra_heads": self.mtp_heads, "extra_heads_share": self.mtp_anneal, "teachers": tuple(teachers)}
 
 
