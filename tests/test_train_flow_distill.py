@@ -375,6 +375,7 @@ def test_without_the_range_the_loss_is_the_fixed_scales(runs, synthetic_data, tm
     assert torch.equal(got, want)
 
 
+@pytest.mark.slow  # a subprocess loading the folder through plain diffusers: the slow tier
 def test_the_guided_folder_samples_at_any_w_with_one_call_a_step(guided, tmp_path):
     """guidance_scale is the student's input: two scales give two different images, each step one UNet call of one
     row an image told that w; plain diffusers without hf_cgpu samples the same images at both scales."""
