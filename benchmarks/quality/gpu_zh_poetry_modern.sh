@@ -18,6 +18,9 @@ rm -rf /tmp/zhm  # a warm machine keeps /tmp: every call trains from scratch
 timeout 545 python3 recipes/train_gpt.py --preset $PRESET --dataset .data/zh-poetry --output_dir /tmp/zhm \
   --progress false $EXTRA "$@" > $OUT/train.log 2>&1
 echo "train exit $?" >> $OUT/train.log
+# KEEP=DIR: the saved run copied there, for a later call on the same warm machine (/tmp stays): e.g. a 7-minute
+# teacher, then EXTRA="--teacher DIR --distill_weight 0.5" distils it into a student in the next call's 7 minutes
+[ -n "${KEEP:-}" ] && rm -rf "$KEEP" && cp -r /tmp/zhm "$KEEP"
 cp /tmp/zhm/all_results.json /tmp/zhm/history.json /tmp/zhm/training_curves.png /tmp/zhm/config.json $OUT/ 2>/dev/null
 timeout $(( SECONDS < 570 ? 590 - SECONDS : 20 )) python3 -m hf_cgpu.cli eval /tmp/zhm --dataset .data/zh-poetry --seq_len 512 --output_json $OUT/eval.json \
   > $OUT/eval.log 2>&1
