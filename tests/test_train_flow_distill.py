@@ -3,16 +3,12 @@ step-size conditioned student, the saved folder's defaults (Euler, 2 steps, one 
 resume, and the folder loading through diffusers where hf_cgpu is absent."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 import torch
-from isolation import WITHOUT_HF_CGPU
+from isolation import run_without_hf_cgpu
 from safetensors.torch import load_file, save_file
 
 from hf_cgpu import FlowMatchPipeline
@@ -174,7 +170,7 @@ def test_loads_through_diffusers_without_hf_cgpu(run, request, tmp_path):
     local = FlowMatchPipeline.from_pretrained(folder)
     local.set_progress_bar_config(disable=True)
     expected = local(class_labels=[0, 1], generator=torch.Generator().manual_seed(42), output_type="np").images
-    script = WITHOUT_HF_CGPU + textwrap.dedent(
+    run_without_hf_cgpu(
         f"""
         import numpy as np, torch
         from diffusers import DiffusionPipeline
@@ -186,13 +182,9 @@ def test_loads_through_diffusers_without_hf_cgpu(run, request, tmp_path):
         images = pipe(class_labels=[0, 1], generator=torch.Generator().manual_seed(42), output_type="np").images
         np.save({str(tmp_path / "out.npy")!r}, images)
         print("OK")
-        """
+        """,
+        tmp_path,
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
     assert np.allclose(np.load(tmp_path / "out.npy"), expected, atol=1e-5)
 
 
@@ -390,7 +382,7 @@ def test_the_guided_folder_samples_at_any_w_with_one_call_a_step(guided, tmp_pat
                          output_type="np").images
     assert seen == [(2, [1.0, 1.0])] * 2 + [(2, [3.0, 3.0])] * 2  # 2 steps each, one row an image
     assert np.abs(images[1.0] - images[3.0]).max() > 1e-3
-    script = WITHOUT_HF_CGPU + textwrap.dedent(
+    run_without_hf_cgpu(
         f"""
         import numpy as np, torch
         from diffusers import DiffusionPipeline
@@ -402,13 +394,9 @@ def test_the_guided_folder_samples_at_any_w_with_one_call_a_step(guided, tmp_pat
                     output_type="np").images for w in (1.0, 3.0)]
         np.save({str(tmp_path / "out.npy")!r}, np.stack(out))
         print("OK")
-        """
+        """,
+        tmp_path,
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
     theirs = np.load(tmp_path / "out.npy")
     assert np.allclose(theirs[0], images[1.0], atol=1e-5) and np.allclose(theirs[1], images[3.0], atol=1e-5)
     assert cli_main(["sample", str(guided), "--class_labels", "0,1", "--num_images", "2", "--guidance_scale", "1.5",
