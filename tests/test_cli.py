@@ -44,6 +44,7 @@ def test_help_and_budget_import_no_framework(call):
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.slow  # two fresh interpreters importing transformers: the slow tier
 def test_auto_registration_waits_for_transformers():
     """`import hf_cgpu` registers the GPT with the Auto classes once transformers is imported, in either order."""
     for order in ("import hf_cgpu\nimport transformers", "import transformers\nimport hf_cgpu"):

@@ -37,6 +37,7 @@ def test_every_sampler_config_round_trips(name, tmp_path):
     check_scheduler_round_trip(name, tmp_path)
 
 
+@pytest.mark.slow  # a fresh interpreter per sampler without hf_cgpu: the slow tier
 def test_every_sampler_saves_a_pipeline_that_loads_with_and_without_hf_cgpu(tmp_path):
     """One fresh interpreter loads every sampler's folder."""
     folders = [tmp_path / name for name in SAMPLERS]

