@@ -73,13 +73,20 @@ def test_the_card_states_the_folders_own_figures(runs, synthetic_data, tmp_path)
     assert "classifier-free guidance (scale 3, t in full) is baked in" in card
 
 
-def test_resume_from_mid_run_checkpoint_is_bit_identical(runs, synthetic_data, tmp_path):
-    full, cut = runs / "student", tmp_path / "cut"
-    shutil.copytree(full, cut)
+def _died_after_first_checkpoint(run, tmp_path):
+    """A copy of the finished ``run`` as if it had died after its first checkpoint (step 6)."""
+    cut = tmp_path / "cut"
+    shutil.copytree(run, cut)
     for p in list_checkpoints(cut)[1:]:
-        shutil.rmtree(p)  # keep only step 6: as if the run had died after it
+        shutil.rmtree(p)
     for name in ("all_results.json", "history.json"):
         (cut / name).unlink()
+    return cut
+
+
+def test_resume_from_mid_run_checkpoint_is_bit_identical(runs, synthetic_data, tmp_path):
+    full = runs / "student"
+    cut = _died_after_first_checkpoint(full, tmp_path)
     _train("flow-distill", cut, "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data),
            "--resume_from_checkpoint", "latest")
     a = {h["step"]: h["train/loss"] for h in json.loads((full / "history.json").read_text()) if "train/loss" in h}
@@ -327,12 +334,7 @@ def test_the_student_takes_the_guidance_scale_once_trained(guided, runs):
 def test_the_guided_student_resumes_bit_identical(guided, runs, synthetic_data, tmp_path):
     """Killed after step 6 and resumed with the range on: every example's w is drawn from the run's generator, so
     every later loss and the saved student are the uninterrupted run's, bit for bit."""
-    cut = tmp_path / "cut"
-    shutil.copytree(guided, cut)
-    for p in list_checkpoints(cut)[1:]:
-        shutil.rmtree(p)
-    for name in ("all_results.json", "history.json"):
-        (cut / name).unlink()
+    cut = _died_after_first_checkpoint(guided, tmp_path)
     _train("flow-distill", cut, "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data), *RANGE,
            "--resume_from_checkpoint", "latest")
     a = {h["step"]: h["train/loss"] for h in json.loads((guided / "history.json").read_text()) if "train/loss" in h}
@@ -478,12 +480,7 @@ def test_the_adversarial_stage_trains_a_discriminator_and_starts_from_the_studen
 def test_the_adversarial_stage_resumes_bit_identical(gan, runs, synthetic_data, tmp_path):
     """Killed after step 6 and resumed: the discriminator's weights and moments come back, so every later loss and
     the saved student are the uninterrupted run's, bit for bit."""
-    cut = tmp_path / "cut"
-    shutil.copytree(gan, cut)
-    for p in list_checkpoints(cut)[1:]:
-        shutil.rmtree(p)
-    for name in ("all_results.json", "history.json"):
-        (cut / name).unlink()
+    cut = _died_after_first_checkpoint(gan, tmp_path)
     _train("flow-distill", cut, "--teacher", str(runs / "teacher"), "--dataset", str(synthetic_data),
            "--init_student", str(runs / "student"), *GAN, "--resume_from_checkpoint", "latest")
     a = {h["step"]: h["train/loss"] for h in json.loads((gan / "history.json").read_text()) if "train/loss" in h}
