@@ -15,6 +15,7 @@ from hf_cgpu import FlowMatchPipeline
 from hf_cgpu.budget.card import CPU
 from hf_cgpu.cli import main as cli_main
 from hf_cgpu.commands.budget import price
+from hf_cgpu.commands.budget import run as run_budget
 from hf_cgpu.flow.scheduling_flow_match import FlowMatchEulerScheduler
 from hf_cgpu.integrity import update_manifest
 from hf_cgpu.train.checkpoint import list_checkpoints
@@ -403,6 +404,23 @@ def test_the_guided_folder_samples_at_any_w_with_one_call_a_step(guided, tmp_pat
     assert np.allclose(theirs[0], images[1.0], atol=1e-5) and np.allclose(theirs[1], images[3.0], atol=1e-5)
     assert cli_main(["sample", str(guided), "--class_labels", "0,1", "--num_images", "2", "--guidance_scale", "1.5",
                      "--output_dir", str(tmp_path / "png")]) == 0  # any w of the range from the command line
+
+
+def test_a_guided_student_takes_its_scale_without_labels_and_a_plain_folder_does_not(guided, runs, tmp_path,
+                                                                                     capsys):
+    """The student is told w, so `sample --guidance_scale` needs no class labels or guidance model for it (nor does
+    `budget --task sample`); a folder whose UNet is not told w still refuses a scale with nothing to guide by, in one
+    line, before any image is written."""
+    assert cli_main(["sample", str(guided), "--num_images", "2", "--guidance_scale", "1.5", "--output_dir",
+                     str(tmp_path / "w")]) == 0
+    assert "images/s" in run_budget(["--task", "sample", str(guided), "--guidance_scale", "1.5"])
+    capsys.readouterr()
+    for argv in (["sample", str(runs / "student"), "--guidance_scale", "2", "--output_dir", str(tmp_path / "x")],
+                 ["budget", "--task", "sample", str(runs / "student"), "--guidance_scale", "2"]):
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--guidance_scale needs --class_labels" in err[0], err
+    assert not (tmp_path / "x").exists()
 
 
 def test_bad_guidance_ranges_are_one_line_and_exit_2(guided, runs, synthetic_data, tmp_path, capsys):

@@ -551,6 +551,7 @@ def sample_job(argv: Sequence[str]):
     price = SamplePrice(**{k: v for k, v in given.items() if k in names})
     s = SampleSettings(**{k: v for k, v in given.items() if k not in names})
     info = read_pipeline(folder)
+    s.check_guided(bool(info.unet.get("guidance_embedding")))
     guide = info.guide if s.guidance_model == "" else s.guidance_model != "none"
     conditional = bool(info.unet.get("num_classes"))
     saved = {"num_inference_steps": info.steps, "guidance_scale": info.guidance_scale,

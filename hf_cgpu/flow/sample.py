@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SettingsError(f"--save_pipeline {a.save_pipeline} holds other files, which the saved pipeline would "
                             "replace; name a new or empty folder (an earlier saved pipeline is replaced whole)")
     pipe = load_pipeline_folder(model_dir, checked=True)
+    a.check_guided(pipe.takes_guidance)
     set_guidance_model(pipe, a.guidance_model, model_dir, a.verify)
     if sampler is not None:
         pipe.scheduler = sampler.from_config(pipe.scheduler.config)

@@ -59,7 +59,12 @@ class SampleSettings:
             parse_interval(self.guidance_interval)
         if self.guidance_scale < 0:
             raise SettingsError(f"--guidance_scale {self.guidance_scale}; use a value >= 1 (or 0: the default)")
-        if self.guidance_scale not in (0.0, 1.0) and not self.class_labels and self.guidance_model in ("", "none"):
+
+    def check_guided(self, takes_guidance: bool) -> None:
+        """A guidance scale needs something to guide by: class labels, a guidance model, or a UNet told the scale
+        (``takes_guidance``: a student distilled with --guidance_range)."""
+        if (self.guidance_scale not in (0.0, 1.0) and not self.class_labels and self.guidance_model in ("", "none")
+                and not takes_guidance):
             raise SettingsError("--guidance_scale needs --class_labels (guidance contrasts a class with the null "
                                 "class) or --guidance_model (autoguidance)")
 
