@@ -534,9 +534,6 @@ class RunShape:
     packed: bool = False
     """Several examples per row, positions restarting at each (fine-tuning's ``--packing`` on instruction data, a
     GPT's ``--document_masking``)."""
-    unpriced: str = ""
-    """What of the run the ledger leaves out (its figures are then a lower bound), said as "... come on top";
-    empty: nothing."""
     extra_heads: int = 0
     """``TrainSetup.extra_heads``."""
     extra_heads_share: float = 1.0

@@ -486,8 +486,6 @@ def run(argv: Sequence[str] | None = None) -> str:
                    "once before the first step (and again on a resume)")
     if not setup.adapters:
         out.append(format_chinchilla(shape, setup, rt.step))
-    if run_shape.unpriced:
-        out.append(f"note: {run_shape.unpriced} of the figures above")
     return "\n".join(out)
 
 

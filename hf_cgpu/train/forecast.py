@@ -81,7 +81,7 @@ def forecast(task, plan, settings, accelerator, start_step: int = 0) -> Forecast
         setup = shape.setup(settings, processes=accelerator.num_processes)
         rt = lm_run_time(shape.model, setup, settings, card, task.eval_micro_batches(settings))
         reserved = ledger(shape.model, setup).reserved if gpu else None
-        return Forecast(label, rt, reserved, shape.unpriced, start_step, emulated)
+        return Forecast(label, rt, reserved, start_step=start_step, emulated=emulated)
     if task.ledger_task is None:
         return None
     from ..budget.images import image_ledger, unpriced
