@@ -380,17 +380,19 @@ def flow_unet(config: dict[str, Any], device: str = "cuda") -> ImageNet:
     order = ["in_conv", "d1.", "down1", "d2.", "down2", "mid.", "u2.", "u1.", "out."]
     convs.sort(key=lambda c: next(i for i, p in enumerate(order) if c.name.startswith(p)))
     n_skip = sum(1 for _, a, b, _ in blocks if a != b)
-    # the guidance embedding launches what the step-size one does: each scalar embedding adds the same kernels
     scalars, conditional = step + told, classes is not None
-    key = (conditional, scalars > 0)
-    more = max(0, scalars - 1)
+
+    def with_scalars(table: dict[tuple[bool, bool], int]) -> int:
+        """``table``'s kernels with ``scalars`` scalar embeddings: the guidance one launches what the step-size one
+        does, each adding the same kernels."""
+        plain = table[(conditional, False)]
+        return plain + scalars * (table[(conditional, True)] - plain)
+
     kernels = (KERNELS_PER_RESBLOCK[True] * n_skip + KERNELS_PER_RESBLOCK[False] * (len(blocks) - n_skip)
-               + KERNELS_UNET_OUTSIDE_BLOCKS[key] + more * (KERNELS_UNET_OUTSIDE_BLOCKS[(conditional, True)]
-                                                            - KERNELS_UNET_OUTSIDE_BLOCKS[(conditional, False)]))
+               + with_scalars(KERNELS_UNET_OUTSIDE_BLOCKS))
     if device == "cuda":
         kernels += CUDA_KERNELS_PER_GROUPNORM * (2 * len(blocks) + 1)
-    call = KERNELS_UNET_CALL[key] + more * (KERNELS_UNET_CALL[(conditional, True)]
-                                            - KERNELS_UNET_CALL[(conditional, False)])
+    call = with_scalars(KERNELS_UNET_CALL)
     added = " and ".join(n for n, on in (("step-size", step), ("guidance", told)) if on)
     name = f"FlowUNet2DModel base {c1}" + (f" ({added} embedding{'s' if step and told else ''})" if added else "")
     return ImageNet(name, "unet", s, tuple(convs), tuple(linears), tuple(others), tuple(saved), float(kernels),

@@ -442,8 +442,8 @@ def logits_bytes(shape: ModelShape, setup: TrainSetup, r: Regime | None = None,
 
 
 def extra_loss_rows(shape: ModelShape, setup: TrainSetup) -> list[Row]:
-    """The multi-token heads' and the distillation's memory (none when the run has neither): teachers' bf16 weights,
-    and the larger of the heads' and the KL's chunk of logits (they never run together)."""
+    """The multi-token heads' and the distillation's memory (none when the run has neither): the teachers' bf16
+    weights and the KL's chunk of logits, or the heads' chunk (the settings refuse both in one run)."""
     rows = []
     chunk = (min(setup.loss_chunk_size, setup.tokens_per_micro_batch) if setup.loss_chunk_size
              else setup.tokens_per_micro_batch) * shape.vocab_size
