@@ -27,6 +27,7 @@ UPLOAD_IGNORE_PATTERNS = [
     "checkpoints/*",
     "best/*",  # the best-by-validation copy; with load_best_at_end the top-level model is that copy
     "tokenizer/*",  # the training copy of the tokenizer (resume reads it); the model folder has its own
+    "teacher_cache/*",  # a distilled run's cache of its teacher's predictions (--teacher_top_k), training state
     "*/checkpoints/*",
     "__pycache__/*",
     "*/__pycache__/*",

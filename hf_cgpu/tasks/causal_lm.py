@@ -205,8 +205,15 @@ class CausalLMTask(PackedTokensTask):
                                     "distill on one GPU, or on several without FSDP (data parallel)")
             self.distiller = Distiller(cfg.teachers, self.tokenizer, config.vocab_size, accelerator.device,
                                        cfg.distill_weight, cfg.distill_temperature, accelerator.autocast,
-                                       compile=settings.compile and accelerator.device.type == "cuda")
+                                       compile=settings.compile and accelerator.device.type == "cuda",
+                                       top_k=cfg.teacher_top_k)
             accelerator.print(self.distiller.describe())
+            if cfg.teacher_top_k:  # built by the main process, read by the others
+                with accelerator.main_process_first():
+                    self.distiller.cache_over(self.train_data, out, settings.micro_batch_size,
+                                              self.tokenizer.eos_token_id if cfg.document_masking else None,
+                                              accelerator.device, settings.progress and accelerator.is_main_process,
+                                              log)
         if cfg.mtp_heads:
             if is_sharded(accelerator):
                 raise SettingsError("--mtp_heads reads the model's LM head beside its forward, and FSDP2 shards it: "
@@ -282,7 +289,7 @@ class CausalLMTask(PackedTokensTask):
         if self.cfg.input_noise:
             inputs = replace_tokens(inputs, self.cfg.input_noise, len(self.tokenizer), generator)
         if self.distiller is not None:
-            return self.distiller.loss(model, inputs, positions, targets)
+            return self.distiller.loss(model, inputs, positions, targets, batch.get("starts"))
         out = model(input_ids=inputs, position_ids=positions, shift_labels=targets, use_cache=False,
                     return_logits=False, **({"output_hidden_states": True} if self.mtp is not None else {}))
         if not self.mtp_now:
@@ -295,6 +302,13 @@ class CausalLMTask(PackedTokensTask):
                              self.tokenizer.eos_token_id, bare.config.loss_chunk_size, bare.config.logit_softcap)
         return out.loss + self.mtp_now * extra
 
+    def train_batch(self, indices, device, generator) -> dict:
+        """The packed windows; with a teacher cache also their offsets in the stream (``starts``), where it is read."""
+        batch = super().train_batch(indices, device, generator)
+        if self.distiller is not None and self.distiller.cache is not None:
+            batch["starts"] = indices.to(device, non_blocking=True)
+        return batch
+
     def save_pretrained(self, model, output_dir: Path) -> None:
         model.save_pretrained(str(output_dir))
         self.tokenizer.save_pretrained(str(output_dir))
@@ -305,7 +319,8 @@ class CausalLMTask(PackedTokensTask):
         samples = continue_texts(model, self.tokenizer, self.sample_prompts(), self.cfg.max_new_tokens, log=log)
         model.train(was_training)
         log("\n".join(f"--- sample {i + 1}\n{s}" for i, s in enumerate(samples)))
-        return {"samples": samples}
+        cache = self.distiller is not None and self.distiller.cache is not None
+        return {"samples": samples, **({"teacher_cache_seconds": self.distiller.cache_seconds} if cache else {})}
 
     def data_fingerprint(self) -> dict[str, Any]:
         """The tokenizer's content and the packed data's content (not the path it was read from)."""

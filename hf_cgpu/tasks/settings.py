@@ -77,6 +77,12 @@ class GPTSettings(CgptOptions):
     distill_temperature: float = field(default=1.0, metadata=FIXED)
     """Temperature T of the teachers' and the student's softmax in the distillation term (--teacher); the term is
     scaled by T^2 so that its gradients keep their size."""
+    teacher_top_k: int = field(default=0, metadata=FIXED)
+    """Distil from a cache of the teacher's K likeliest next tokens at every position of the training stream (e.g.
+    32): the teacher runs once over the stream before the first step (outside --max_minutes; its seconds are
+    teacher_cache_seconds in all_results.json), the cache is kept in output_dir/teacher_cache (neither sealed nor
+    pushed; a resume reads it), and the KL is over those K tokens, the teacher's probabilities renormalised over
+    them; the step then costs about a plain one. One teacher; 0 = its logits on the fly every step."""
     mtp_heads: int = field(default=0, metadata=FIXED)
     """Multi-token prediction: this many extra heads, head k predicting token t + 1 + k from the final hidden state at
     position t (a residual d x d linear on an RMSNorm) through the model's own LM head, their mean cross-entropy added
@@ -116,6 +122,13 @@ class GPTSettings(CgptOptions):
             raise SettingsError(f"--distill_weight {self.distill_weight} / --distill_temperature "
                                 f"{self.distill_temperature}; use a weight in (0, 1] and a temperature > 0, e.g. 0.5 "
                                 "and 1")
+        if self.teacher_top_k and len(self.teachers) != 1:
+            raise SettingsError(f"--teacher_top_k {self.teacher_top_k} caches the predictions of one --teacher DIR, "
+                                f"this run has {len(self.teachers)}: give one, or --teacher_top_k 0 (an ensemble's "
+                                "logits on the fly)")
+        if self.teacher_top_k < 0 or (self.teacher_top_k > self.vocab_size and not self.tokenizer):
+            raise SettingsError(f"--teacher_top_k {self.teacher_top_k}; use 1 .. --vocab_size {self.vocab_size:,} "
+                                "(e.g. 32), or 0 for the teacher's logits on the fly")
         if self.mtp_heads and self.teachers:
             raise SettingsError("--mtp_heads and --teacher do not combine (the distillation loss makes its own "
                                 "forward): keep one, e.g. --mtp_heads 0")

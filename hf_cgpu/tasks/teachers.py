@@ -4,7 +4,8 @@ The loss is ``(1 - a) CE + a T^2 KL(teacher || student)``, the KL at temperature
 probabilities and the student's, per token. It is computed one loss chunk of positions at a time from the two
 models' last hidden states: each chunk's student and teacher logits live only inside a checkpointed call (as the
 model's own chunked cross-entropy), so distillation holds no more logits than the cross-entropy does. The teachers
-run under no_grad, in bf16 on CUDA, compiled where the student is.
+run under no_grad, in bf16 on CUDA, compiled where the student is. With ``--teacher_top_k K`` the teacher runs
+once before training instead, and the term is a sparse KL from its cached top-K (``teacher_cache``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..errors import SettingsError
 from ..integrity import sha256_file
 from ..models.cgpt.modeling_cgpt import CgptForCausalLM, soft_cap
 from ..verify import check_saved
+from .teacher_cache import TeacherCache, cache_key, check_top_k, chunked_ce_sparse_kl, top_k_of_stream
 
 
 def load_teacher(folder: str, tokenizer, vocab_size: int, device: torch.device) -> CgptForCausalLM:
@@ -85,27 +87,56 @@ class Distiller:
     """The teachers of a run and its distillation loss."""
 
     def __init__(self, folders: list[str], tokenizer, vocab_size: int, device: torch.device, weight: float,
-                 temperature: float, autocast, compile: bool = False):
+                 temperature: float, autocast, compile: bool = False, top_k: int = 0):
         self.folders, self.weight, self.temperature, self.autocast = folders, weight, temperature, autocast
+        self.top_k = top_k
+        """Above 0: the KL from the teacher's top-K cached over the training stream (``cache_over``)."""
         self.teachers = [load_teacher(f, tokenizer, vocab_size, device) for f in folders]
-        if compile:  # as the student is compiled: the teachers' blocks, once, on the first step's shapes
+        self.sizes = ", ".join(f"{sum(p.numel() for p in t.parameters()) / 1e6:.2f}M" for t in self.teachers)
+        self.cache: TeacherCache | None = None
+        self.cache_seconds = 0.0
+        if compile and not top_k:  # as the student is compiled: the teachers' blocks, once, on the first step's shapes
             for t in self.teachers:
                 t.transformer.compile()
 
     def describe(self) -> str:
-        sizes = ", ".join(f"{sum(p.numel() for p in t.parameters()) / 1e6:.2f}M" for t in self.teachers)
-        return (f"distilling from {len(self.teachers)} teacher{'s' * (len(self.teachers) > 1)} ({sizes} parameters; "
-                f"{', '.join(self.folders)}): loss = {1 - self.weight:g} x CE + {self.weight:g} x T^2 x KL at T = "
-                f"{self.temperature:g}")
+        n = len(self.folders)
+        return (f"distilling from {n} teacher{'s' * (n > 1)} ({self.sizes} parameters; {', '.join(self.folders)}): "
+                f"loss = {1 - self.weight:g} x CE + {self.weight:g} x T^2 x KL at T = {self.temperature:g}"
+                + (f", the KL over the teacher's top-{self.top_k} cached over the training stream before the first "
+                   "step" if self.top_k else ""))
+
+    def cache_over(self, stream, output_dir: Path, batch_size: int, eos: int | None, device: torch.device,
+                   progress: bool = False, log=print) -> None:
+        """Distil from the one teacher's ``top_k`` over the packed training ``stream`` (``TeacherCache``: read from
+        ``output_dir`` when its key matches, else built and saved there); the teacher is then let go. ``eos``: the
+        positions restart after it (--document_masking)."""
+        if len(self.teachers) != 1:
+            raise SettingsError("--teacher_top_k caches one teacher; distil an ensemble with --teacher_top_k 0")
+        teacher, k = self.teachers[0], self.top_k
+        check_top_k(k, teacher.config.vocab_size)
+        key = cache_key(sha256_file(Path(self.folders[0]).expanduser() / "model.safetensors"), stream.content_hash,
+                        stream.seq_len, eos is not None, k, teacher.dtype)
+
+        def build():
+            return top_k_of_stream(teacher, stream.tokens, stream.seq_len, k, batch_size, device, eos,
+                                   teacher.config.loss_chunk_size, progress)
+
+        self.cache, self.cache_seconds = TeacherCache.load_or_build(output_dir, key, build, device, log)
+        self.teachers = []  # its predictions are in the cache
 
     def fingerprint(self) -> dict[str, Any]:
         """The teachers' weights by content: a resume against another teacher is refused."""
         return {f"teacher_weights_{i}": sha256_file(Path(f) / "model.safetensors") for i, f in enumerate(self.folders)}
 
-    def loss(self, model, inputs: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor) -> torch.Tensor:
-        """The run's training loss of ``model`` (as prepared: compiled, wrapped) on ``inputs``."""
+    def loss(self, model, inputs: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor,
+             starts: torch.Tensor | None = None) -> torch.Tensor:
+        """The run's training loss of ``model`` (as prepared: compiled, wrapped) on ``inputs``; ``starts``: the
+        windows' offsets in the training stream (where the cache is read)."""
         from accelerate.utils import extract_model_from_parallel
 
+        if self.cache is not None:
+            return self._cached_loss(model, inputs, positions, targets, starts)
         out = model(input_ids=inputs, position_ids=positions, shift_labels=targets, use_cache=False,
                     return_logits=False, output_hidden_states=True)
         bare = extract_model_from_parallel(model)
@@ -119,6 +150,23 @@ class Distiller:
                             [t.lm_head.weight for t in self.teachers], bare.config.loss_chunk_size, self.temperature,
                             bare.config.logit_softcap, [t.config.logit_softcap for t in self.teachers])
         return (1 - self.weight) * out.loss + self.weight * self.temperature**2 * kl
+
+    def _cached_loss(self, model, inputs, positions, targets, starts) -> torch.Tensor:
+        """The cross-entropy and the sparse KL from the cache, in one pass over the student's logits (the model
+        computes none itself: only its last position's, unused)."""
+        from accelerate.utils import extract_model_from_parallel
+
+        out = model(input_ids=inputs, position_ids=positions, use_cache=False, logits_to_keep=1,
+                    output_hidden_states=True)
+        bare = extract_model_from_parallel(model)
+        hidden = out.hidden_states[-1]  # after the final norm: what the head reads
+        ids, values = self.cache.rows(starts, inputs.shape[1])
+        with self.autocast():
+            ce, kl = chunked_ce_sparse_kl(hidden.reshape(-1, hidden.shape[-1]), bare.lm_head.weight,
+                                          targets.reshape(-1), ids.reshape(-1, ids.shape[-1]),
+                                          values.reshape(-1, ids.shape[-1]), bare.config.loss_chunk_size,
+                                          self.temperature, bare.config.logit_softcap)
+        return (1 - self.weight) * ce + self.weight * self.temperature**2 * kl
 
 
 __all__ = ["Distiller", "chunked_kl", "load_teacher"]
