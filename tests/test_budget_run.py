@@ -70,6 +70,41 @@ def test_the_multi_token_heads_and_the_teachers_are_priced(tmp_path):
     assert {k for k in plain} == {k for k in kd} - {"teachers", "distill_logits"}
 
 
+def test_a_teacher_cache_is_priced_instead_of_the_teacher(tmp_path):
+    """--teacher_top_k K: no teacher weights or forward in the step, K (int16 id, fp16 value) per stream position on
+    the GPU, an eager loss beside the model (its head called aside), a step between the plain one and the on-the-fly
+    teacher's, and the cache's one-off build as a row outside --max_minutes: in the budget (--corpus_tokens: the
+    stream) and in the shape the training task declares alike."""
+    from hf_cgpu.budget.card import CARDS
+    from hf_cgpu.commands.budget import lm_run_time
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "cgpt", "n_layer": 2, "n_embd": 64, "n_head": 2,
+                                                      "vocab_size": 8192, "n_positions": 512}))
+
+    def priced(*extra, tokens=0):
+        args = ["--preset", "zh-poetry-modern", *extra]
+        shape, train, _ = describe_run([*args, *(["--corpus_tokens", str(tokens)] if tokens else [])])
+        gpt, _ = parse(RECIPES.lookup("gpt"), args)
+        assert shape == cgpt_run_shape(gpt.model_config(gpt.vocab_size, eos_token_id=0), "zh-poetry-modern",
+                                       settings=gpt, stream_tokens=tokens)
+        setup = shape.setup(train)
+        rt = lm_run_time(shape.model, setup, train, CARDS["RTX 5070 Ti"])
+        return {r.key: r.bytes for r in ledger(shape.model, setup).rows}, rt
+
+    plain, plain_rt = priced()
+    _, fly_rt = priced("--teacher", str(tmp_path))
+    cached, rt = priced("--teacher", str(tmp_path), "--teacher_top_k", "32", tokens=10_000_000)
+    assert "teachers" not in cached and cached["teacher_cache"] == 10_000_000 * 32 * 4
+    assert cached["logits"] > plain["logits"]  # the loss left the compiled model
+    assert plain_rt.step.seconds < rt.step.seconds < fly_rt.step.seconds
+    build = {r.key: r.seconds for r in rt.rows}["teacher_cache"]
+    _, longer = priced("--teacher", str(tmp_path), "--teacher_top_k", "32", tokens=1_000_000_000)
+    assert {r.key: r.seconds for r in longer.rows}["teacher_cache"] > 50 * build > 0
+    assert longer.steps == rt.steps and rt.limited_by_minutes  # built before the loop's minutes start
+    unknown, none = priced("--teacher", str(tmp_path), "--teacher_top_k", "32")
+    assert unknown["teacher_cache"] == 0 and "teacher_cache" not in {r.key for r in none.rows}
+
+
 def test_124m_is_priced_compiled_as_it_trains():
     """The issue's case: 124m compiles the whole model with full logits, so the loss is fused (10.04 GiB measured)."""
     shape, train, _ = describe_run(["--preset", "124m"])

@@ -83,6 +83,11 @@ LOSS_EXTRA_LOGIT_BYTES = {"head": 12.0, "kl_student": 11.0, "kl_teacher": 12.0}
 fp32 upcast and log-softmax, re-created one head at a time in the backward), and distillation's KL (the student's
 logits so, and each teacher's fp32 log-softmax beside them). Fitted to the zh-poetry-modern preset at 16,384 tokens a
 micro-batch: 2 heads reserved 1.63 GiB more than the plain run, one teacher 3.33 GiB more (0.21 of it its weights)."""
+SPARSE_KL_BYTES_PER_ENTRY = 24.0
+"""Bytes per cached entry a micro-batch's sparse KL holds (``--teacher_top_k``): its cache rows gathered (int64 id,
+fp32 value) and the K-entry softmax with its gradient (fp32 each); counted, not fitted."""
+TEACHER_CACHE_VALUE_BYTES = 2
+"""A cached log-probability on CUDA: fp16 (the bf16 teacher's logits lose nothing in it)."""
 LOGITS_COMPILED_BYTES = 6
 """Full logits with the cross-entropy inside a torch.compile region (nanoGPT-style whole-model compile): inductor
 fuses the upcast, log-softmax and its gradient; fitted to measured peaks of compiled GPTs. Our GPT compiled whole
@@ -441,6 +446,13 @@ def logits_bytes(shape: ModelShape, setup: TrainSetup, r: Regime | None = None,
     return per * tokens * V, f"full {tokens} x {V} logits, eager fp32 loss, {per} B each{capped}"
 
 
+def teacher_cache_bytes(setup: TrainSetup, vocab_size: int) -> float:
+    """The teacher cache on the GPU: K (token id, log-probability) per position of the training stream, the ids in
+    2 bytes where the vocabulary fits int16."""
+    ids = 2 if vocab_size <= 2**15 else 4
+    return float(setup.stream_tokens * setup.teacher_top_k * (ids + TEACHER_CACHE_VALUE_BYTES))
+
+
 def extra_loss_rows(shape: ModelShape, setup: TrainSetup) -> list[Row]:
     """The multi-token heads' and the distillation's memory (none when the run has neither): the teachers' bf16
     weights and the KL's chunk of logits, or the heads' chunk (the settings refuse both in one run)."""
@@ -448,7 +460,15 @@ def extra_loss_rows(shape: ModelShape, setup: TrainSetup) -> list[Row]:
     chunk = (min(setup.loss_chunk_size, setup.tokens_per_micro_batch) if setup.loss_chunk_size
              else setup.tokens_per_micro_batch) * shape.vocab_size
     b = LOSS_EXTRA_LOGIT_BYTES
-    if setup.teachers:
+    if setup.teachers and setup.teacher_top_k:  # the teacher let go once its cache is built
+        k, n = setup.teacher_top_k, setup.stream_tokens
+        rows.append(Row("teacher_cache", "teacher cache", teacher_cache_bytes(setup, shape.vocab_size),
+                        f"top-{k} (id, fp16 log-probability) at {n:,} stream positions, on the GPU all run" if n else
+                        "not priced: the stream's size is not known (hf-cgpu budget: --corpus_tokens N)"))
+        rows.append(Row("distill_logits", "sparse KL", SPARSE_KL_BYTES_PER_ENTRY * setup.tokens_per_micro_batch * k,
+                        f"the micro-batch's cache rows, {SPARSE_KL_BYTES_PER_ENTRY:g} B an entry; the student's logits "
+                        "are the cross-entropy's chunk"))
+    elif setup.teachers:
         rows.append(Row("teachers", "teachers' weights", sum(BF16 * t.n_params for t in setup.teachers),
                         f"{len(setup.teachers)} frozen bf16 model{'s' * (len(setup.teachers) > 1)} (--teacher), "
                         "their forward under no_grad"))

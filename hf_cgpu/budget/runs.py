@@ -10,8 +10,8 @@ from ..options import CUDA_GRAPH_MODES
 from .card import CPU, Card
 from .memory import model_state_bytes
 from .shape import ModelShape, TrainSetup
-from .time import RunTime, compile_seconds, run_time, step_time
-from .work import lm_step_work
+from .time import RunTime, TimeRow, compile_seconds, run_time, step_time
+from .work import lm_step_work, teacher_cache_work
 
 IMAGE_COMPILE_BLOCKS = 5
 """Blocks a compiled image step unrolls, for the compile row (the UNet's five residual blocks)."""
@@ -24,7 +24,19 @@ def lm_run_time(shape: ModelShape, setup: TrainSetup, train, card: Card, eval_mi
     evals = train.eval_batches or eval_micro_batches
     st = model_state_bytes(shape, setup)
     return run_time(step, train, compile_seconds(shape.depth, setup.compile and card is not CPU), evals,
-                    checkpoint_bytes=st.weights + st.optimizer + (st.trainable_params * 4 if setup.ema else 0))
+                    checkpoint_bytes=st.weights + st.optimizer + (st.trainable_params * 4 if setup.ema else 0),
+                    before=teacher_cache_rows(shape, setup, card))
+
+
+def teacher_cache_rows(shape: ModelShape, setup: TrainSetup, card: Card) -> tuple[TimeRow, ...]:
+    """The build of a ``--teacher_top_k`` cache before the first step (none without one, or where the stream's size
+    is not known); a resume or a second student in the same folder reads it instead."""
+    if not (setup.teachers and setup.teacher_top_k and setup.stream_tokens):
+        return ()
+    build = step_time(teacher_cache_work(setup, shape.vocab_size), card)
+    return (TimeRow("teacher_cache", "teacher cache (once)", build.seconds,
+                    f"the teacher's forward over the {setup.stream_tokens / 1e6:,.2f}M-token stream and its top-"
+                    f"{setup.teacher_top_k}, before the loop (outside --max_minutes; reused when its key matches)"),)
 
 
 def image_run_time(task: str, cfg, train, card: Card, extra: dict[str, Any]) -> RunTime:

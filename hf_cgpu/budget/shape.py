@@ -425,6 +425,12 @@ class TrainSetup(TrainSettings):
     teachers: tuple[ModelShape, ...] = ()
     """Distillation teachers (a GPT's ``--teacher``): a no-grad forward each a micro-batch from bf16 weights, and
     their logits beside the student's in the KL's chunk."""
+    teacher_top_k: int = 0
+    """The teacher's predictions read from a cache of its top-K over the training stream (a GPT's
+    ``--teacher_top_k``), built by one forward over the stream before the first step: no teacher in the step, the
+    cache on the GPU, a sparse KL in the cross-entropy's chunk; 0 = the teachers on the fly."""
+    stream_tokens: int = 0
+    """Tokens of the training stream: the cache's positions (0 = not known, the cache not priced)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -512,6 +518,8 @@ class TrainSetup(TrainSettings):
         if self.teachers:
             out += f"; distilled from {len(self.teachers)} teacher{'s' * (len(self.teachers) > 1)} (" + ", ".join(
                 f"{t.name}: {fmt_count(t.n_params)} params" for t in self.teachers) + ")"
+            if self.teacher_top_k:
+                out += f", its top-{self.teacher_top_k} cached over the stream"
         return out
 
 
@@ -540,6 +548,10 @@ class RunShape:
     """``TrainSetup.extra_heads_share``."""
     teachers: tuple[ModelShape, ...] = ()
     """``TrainSetup.teachers``."""
+    teacher_top_k: int = 0
+    """``TrainSetup.teacher_top_k``."""
+    stream_tokens: int = 0
+    """``TrainSetup.stream_tokens``."""
 
     @property
     def pretrain(self) -> bool:
@@ -551,4 +563,5 @@ class RunShape:
         return TrainSetup.of(settings, seq_len=self.seq_len, loss_chunk_size=self.loss_chunk_size,
                              loss_in_forward=self.loss_in_forward, processes=processes, fsdp=fsdp,
                              train_mode=self.train_mode, packed=self.packed, extra_heads=self.extra_heads,
-                             extra_heads_share=self.extra_heads_share, teachers=self.teachers)
+                             extra_heads_share=self.extra_heads_share, teachers=self.teachers,
+                             teacher_top_k=self.teacher_top_k, stream_tokens=self.stream_tokens)

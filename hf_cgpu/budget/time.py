@@ -220,11 +220,13 @@ class RunTime:
 
 
 def run_time(step: StepTime, train, startup_s: float = 0.0, eval_batches: float = 0.0,
-             checkpoint_bytes: float = 0.0, extra: tuple[TimeRow, ...] = ()) -> RunTime:
+             checkpoint_bytes: float = 0.0, extra: tuple[TimeRow, ...] = (), before: tuple[TimeRow, ...] = ()
+             ) -> RunTime:
     """The run of ``train`` (its TrainSettings) at ``step`` per optimizer step: ``startup_s`` before the first step
     (compile), ``eval_batches`` forward micro-batches per evaluation (every ``eval_steps`` and at the end),
     ``checkpoint_bytes`` written every ``checkpointing_steps``; ``--max_minutes`` (counted from the first step's
-    start, compile included, as the loop counts it) bounds the steps."""
+    start, compile included, as the loop counts it) bounds the steps; ``before``: what the run does before the loop
+    (a teacher cache), outside those minutes."""
     micro = max(1, train.gradient_accumulation_steps)
     eval_each = eval_batches * step.seconds / micro * FORWARD_SHARE
     ckpt_each = checkpoint_bytes / (CHECKPOINT_WRITE_GBS * 1e9)
@@ -243,7 +245,7 @@ def run_time(step: StepTime, train, startup_s: float = 0.0, eval_batches: float 
                     f"{evals} x {eval_batches:,.0f} forward micro-batches" if eval_batches else "none priced"),
             TimeRow("checkpoints", "checkpoints", ckpts * ckpt_each,
                     f"{ckpts} x {checkpoint_bytes / 1e9:.2f} GB at {CHECKPOINT_WRITE_GBS:g} GB/s"),
-            *extra)
+            *extra, *before)
     return RunTime(step, rows, steps, train.max_steps, train.max_minutes)
 
 

@@ -14,9 +14,11 @@ kernels) fewer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from .memory import BF16, FP32, adapted_linears, layer_activation_bytes_per_token, regime
+from .memory import (BF16, FP32, SPARSE_KL_BYTES_PER_ENTRY, adapted_linears, layer_activation_bytes_per_token,
+                     regime)
 from .shape import ModelShape, TrainSetup
 
 ELEMENTWISE_PASSES = {"eager": 9.4, "compiled": 3.8}
@@ -202,7 +204,8 @@ def lm_step_work(shape: ModelShape, setup: TrainSetup) -> StepWork:
 def extra_loss_work(shape: ModelShape, setup: TrainSetup) -> tuple[list[Gemm], float, list, float]:
     """(products, attention FLOPs, memory-bound bytes, kernels) a step adds for its multi-token heads (each: a d x d
     residual matrix, then the LM head and its cross-entropy, for ``extra_heads_share`` of the steps) or its
-    distillation teachers (each: a no-grad forward, then its LM head in the KL beside the student's)."""
+    distillation teachers (each: a no-grad forward, then its LM head in the KL beside the student's; from a cache
+    of the teacher's top-K: the sparse KL in the cross-entropy's chunk, the student's logits read once more at T)."""
     micro, t, V, d = setup.gradient_accumulation_steps, float(setup.tokens_per_micro_batch), shape.vocab_size, \
         shape.d_model
     chunks = -(-int(t) // setup.loss_chunk_size) if setup.loss_chunk_size else 1
@@ -224,21 +227,46 @@ def extra_loss_work(shape: ModelShape, setup: TrainSetup) -> tuple[list[Gemm], f
         gemms += head(d, True, share, "multi-token head's LM head")
         memory.append(("multi-token heads' loss", EXTRA_LOSS_BYTES_PER_LOGIT * t * V * micro * share))
         kernels += 2 * LOSS_KERNELS_PER_CHUNK * chunks * micro * share
-    if setup.teachers:
+    if setup.teachers and setup.teacher_top_k:
+        memory.append(("sparse KL", (SPARSE_KL_BYTES_PER_ENTRY * setup.teacher_top_k + 3 * FP32 * V) * t * micro))
+        kernels += LOSS_KERNELS_PER_CHUNK * chunks * micro
+    elif setup.teachers:
         gemms += head(d, True, 1.0, "distillation student head")
         for i, teacher in enumerate(setup.teachers):
-            gemms += [Gemm(t, lin.d_out, lin.d_in, teacher.depth * micro, f"teacher {i} {lin.name} forward")
-                      for lin in teacher.linears()]
-            gemms += head(teacher.d_model, False, 1.0, f"teacher {i} head")
-            masked = MASKED_ATTENTION_SLOWDOWN if setup.packed and teacher.attention == "sdpa" else 1.0
-            attention += 0.5 * 4.0 * t * setup.seq_len * teacher.q_dim * teacher.depth * micro * masked
-            passes = ELEMENTWISE_PASSES["compiled" if setup.compile else "eager"]
-            memory.append((f"teacher {i} forward", layer_activation_bytes_per_token(teacher, setup, regime(setup))
-                           * t * teacher.depth * micro * passes / 3))
-            kernels += KERNELS_PER_LAYER[teacher.family] * teacher.depth * micro / 3
+            g, a, m, k = teacher_forward(teacher, setup, t, micro, f"teacher {i}")
+            gemms += g + head(teacher.d_model, False, 1.0, f"teacher {i} head")
+            attention, kernels = attention + a, kernels + k
+            memory.append((f"teacher {i} forward", m))
         memory.append(("distillation KL", EXTRA_LOSS_BYTES_PER_LOGIT * t * V * micro * (1 + len(setup.teachers))))
         kernels += 2 * LOSS_KERNELS_PER_CHUNK * chunks * micro * (1 + len(setup.teachers))
     return gemms, attention, memory, kernels
+
+
+def teacher_forward(teacher: ModelShape, setup: TrainSetup, tokens: float, count: float, label: str
+                    ) -> tuple[list[Gemm], float, float, float]:
+    """(products, attention FLOPs, memory-bound bytes, kernels) of ``count`` no-grad forwards of ``teacher``'s blocks
+    over ``tokens`` tokens in sequences of ``setup.seq_len`` (its LM head apart)."""
+    gemms = [Gemm(tokens, lin.d_out, lin.d_in, teacher.depth * count, f"{label} {lin.name} forward")
+             for lin in teacher.linears()]
+    masked = MASKED_ATTENTION_SLOWDOWN if setup.packed and teacher.attention == "sdpa" else 1.0
+    attention = 0.5 * 4.0 * tokens * setup.seq_len * teacher.q_dim * teacher.depth * count * masked
+    passes = ELEMENTWISE_PASSES["compiled" if setup.compile else "eager"]
+    per_token = layer_activation_bytes_per_token(teacher, setup, regime(setup))
+    memory = per_token * tokens * teacher.depth * count * passes / 3
+    return gemms, attention, memory, KERNELS_PER_LAYER[teacher.family] * teacher.depth * count / 3
+
+
+def teacher_cache_work(setup: TrainSetup, vocab_size: int) -> StepWork:
+    """The one-off build of a teacher cache (``--teacher_top_k``): the teacher's eager no-grad forward over the
+    training stream in micro-batches, its LM head, and the fp32 log-softmax and top-K of its logits."""
+    teacher, t = setup.teachers[0], float(setup.tokens_per_micro_batch)
+    count = setup.stream_tokens / t
+    eager = dataclasses.replace(setup, compile=False)
+    gemms, attention, memory, kernels = teacher_forward(teacher, eager, t, count, "teacher")
+    gemms.append(Gemm(t, vocab_size, teacher.d_model, count, "teacher head"))
+    logits = ("log-softmax and top-K", 4 * FP32 * vocab_size * setup.stream_tokens)
+    return StepWork(tuple(gemms), attention, (("teacher forward", memory), logits), kernels,
+                    samples=setup.stream_tokens, seq_len=setup.seq_len)
 
 
 def muon_gemms(shape: ModelShape, iterations: int = 5) -> list[Gemm]:

@@ -74,7 +74,8 @@ class BudgetSettings:
     """With --num_processes > 1: FSDP2 (recipes/accelerate/fsdp2.yaml, states sharded) instead of DDP (ddp.yaml)."""
     corpus_tokens: int = 0
     """With --preset auto (--auto): the training split's token count to choose the run for (a run prints it as
-    "train N tokens"); the report shows the choice and prices the chosen run. 0 with --dataset: counted from it."""
+    "train N tokens"); the report shows the choice and prices the chosen run. 0 with --dataset: counted from it.
+    With --teacher_top_k: the stream the teacher cache covers (its GPU memory and its one-off build)."""
 
     def __post_init__(self) -> None:
         if self.num_processes < 1:
@@ -204,10 +205,10 @@ def _describe(argv: Sequence[str] | None = None, task: str = ""):
         notes = []
         if gpt.auto:
             gpt, train, notes = auto_budget(gpt, train, opts)
-        elif opts.corpus_tokens:
-            raise SettingsError("--corpus_tokens is what --preset auto chooses the run for: add --preset auto or "
-                                "drop it")
-        return gpt.run_shape(name=preset or DEFAULT_PRESET), train, opts, notes
+        elif opts.corpus_tokens and not gpt.teacher_top_k:
+            raise SettingsError("--corpus_tokens is what --preset auto chooses the run for (and the size of a "
+                                "--teacher_top_k cache): add --preset auto or drop it")
+        return gpt.run_shape(name=preset or DEFAULT_PRESET, stream_tokens=opts.corpus_tokens), train, opts, notes
     shape_flags = [a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in GPT_SHAPE_FLAGS]
     if shape_flags:
         raise SettingsError(f"{', '.join(shape_flags)} shape a from-scratch GPT (--preset); with --model or "

@@ -34,14 +34,15 @@ from .settings import GPTSettings
 from .teachers import Distiller
 
 
-def cgpt_run_shape(config: CgptConfig, name: str = "", settings: GPTSettings | None = None) -> RunShape:
+def cgpt_run_shape(config: CgptConfig, name: str = "", settings: GPTSettings | None = None,
+                   stream_tokens: int = 0) -> RunShape:
     """Our GPT's run shape: the sequence is its position table, the loss chunk its config's, the loss in forward, a
     mask per row when it keeps attention within documents; ``settings``: the run's, for its multi-token heads and
-    distillation teachers."""
+    distillation teachers (``stream_tokens``: the training stream's, a teacher cache's positions)."""
     shape = ModelShape.from_config(config, name or "cgpt")
     return RunShape(shape, config.n_positions, config.loss_chunk_size, train_mode="pretrain",
                     packed=bool(getattr(config, "document_masking", False)),
-                    **(settings.ledger_extras(shape) if settings is not None else {}))
+                    **(settings.ledger_extras(shape, stream_tokens) if settings is not None else {}))
 
 
 MANY_EPOCHS = 4
@@ -224,7 +225,7 @@ class CausalLMTask(PackedTokensTask):
                               f"model) predict tokens t+2..t+{cfg.mtp_heads + 1} through the LM head; their loss "
                               f"weighs {cfg.mtp_weight:g}, falling to 0 at {cfg.mtp_anneal:g} of the schedule")
         return TaskPlan(model, expected_initial_loss=math.log(vocab), settings=chosen,
-                        shape=cgpt_run_shape(config, settings=cfg),
+                        shape=cgpt_run_shape(config, settings=cfg, stream_tokens=self.train_data.n_tokens),
                         companions=(self.mtp,) if self.mtp is not None else ())
 
     def make_heads(self, config: CgptConfig, device) -> MTPHeads:

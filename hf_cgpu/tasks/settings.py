@@ -153,23 +153,28 @@ class GPTSettings(CgptOptions):
         """The ``CgptConfig`` of this run (imports transformers)."""
         return cgpt.CgptConfig(**self.model_config_kwargs(vocab_size, eos_token_id))
 
-    def run_shape(self, name: str = "", vocab_size: int | None = None) -> RunShape:
+    def run_shape(self, name: str = "", vocab_size: int | None = None, stream_tokens: int = 0) -> RunShape:
         """What the ledger needs of this GPT: the config training builds, read as ``config.json`` would be (no
-        transformers import, so ``hf-cgpu budget`` stays quick; ``vocab_size``: the tokenizer's)."""
+        transformers import, so ``hf-cgpu budget`` stays quick; ``vocab_size``: the tokenizer's; ``stream_tokens``:
+        the training stream's, where a teacher cache is priced)."""
         kwargs = self.model_config_kwargs(vocab_size or self.vocab_size, eos_token_id=0)
         shape = ModelShape.from_config({"model_type": "cgpt", **kwargs}, name or "cgpt")
         return RunShape(shape, self.seq_len, self.loss_chunk_size, train_mode=self.train_mode,
-                        packed=self.document_masking, **self.ledger_extras(shape))
+                        packed=self.document_masking, **self.ledger_extras(shape, stream_tokens))
 
-    def ledger_extras(self, shape: ModelShape) -> dict[str, Any]:
+    def ledger_extras(self, shape: ModelShape, stream_tokens: int = 0) -> dict[str, Any]:
         """``RunShape``'s multi-token heads and distillation teachers of this run: each teacher's shape from its
-        folder's config.json (the student's own shape where the folder is not there yet: a run being planned)."""
+        folder's config.json (the student's own shape where the folder is not there yet: a run being planned), and
+        with --teacher_top_k the cache's K and positions (``stream_tokens``; 0: not known)."""
         teachers = []
         for folder in self.teachers:
             config = Path(folder).expanduser() / "config.json"
             teachers.append(ModelShape.from_config_file(config) if config.is_file() else
                             dataclasses.replace(shape, name=f"{folder}: not there yet, the student's shape assumed"))
-        return {"extra_heads": self.mtp_heads, "extra_heads_share": self.mtp_anneal, "teachers": tuple(teachers)}
+        cached = {"teacher_top_k": self.teacher_top_k, "stream_tokens": stream_tokens,
+                  "loss_in_forward": False} if self.teacher_top_k else {}  # its loss: the student's head called aside
+        return {"extra_heads": self.mtp_heads, "extra_heads_share": self.mtp_anneal, "teachers": tuple(teachers),
+                **cached}
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,8 @@ class TeacherCache:
 
     def rows(self, starts: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids int64, log-probabilities fp32), each ``(len(starts), length, K)``, of the windows at ``starts``."""
-        index = (starts.to(self.ids.device)[:, None] + torch.arange(length, device=self.ids.device)[None, :]).reshape(-1)
+        device = self.ids.device
+        index = (starts.to(device)[:, None] + torch.arange(length, device=device)[None, :]).reshape(-1)
         shape = (len(starts), length, self.ids.shape[1])
         return (self.ids.index_select(0, index).long().reshape(shape),
                 self.values.index_select(0, index).float().reshape(shape))
