@@ -115,13 +115,15 @@ CUDA_KERNELS_PER_GROUPNORM = 4
 """What CUDA adds per GroupNorm to the CPU count: autocast's fp32 cast of its input and the contiguous copy of a
 channels_last input (``group_norm`` runs on NCHW on CUDA), and their gradients' copies in the backward. An
 assumption until counted on a GPU (``benchmarks/ledger/image_check.py`` prints the profiled kernels per step)."""
-KERNELS_ADVERSARIAL = {False: {"call": 179, "count": 5, "rest": 452}, True: {"call": 193, "count": 6, "rest": 464}}
-"""Kernels of the adversarial term of one micro-batch under autocast, by class-conditional teacher: each student call
-of the fake sampling, forward and backward, with its Euler update ("call"); the row selection of each further step
-count ("count"); and the rest ("rest"): the noise, the critic's no-grad encoder call on the real and fake rows, the
-heads' forward and backward and their fused Adam step, the encoder's and heads' forward and backward to the fakes,
-the hinge losses. Beside them autograd sums the gradients of each student weight tensor once per further use
-(``adversarial_kernels``). Counted at ``disc_time`` < 1 (at 1 the critic draws no noise: a few kernels fewer)."""
+KERNELS_ADVERSARIAL = {False: {"call": 283, "count": 5, "rest": 348, "shortcut": -2},
+                       True: {"call": 297, "count": 6, "rest": 360, "shortcut": -2}}
+"""Kernels of the adversarial term of one micro-batch, by class-conditional teacher: each student call of the fake
+sampling, forward and backward under its own autocast (its weight casts, as the loop's prepared model runs), with its
+Euler update ("call"); the row selection of each further step count ("count"); the rest ("rest"): the noise, the
+critic's no-grad encoder call on the real and fake rows, the heads' forward and backward and their fused Adam step,
+the encoder's and heads' forward and backward to the fakes, the hinge losses; and beside a shortcut term, the
+difference in the losses' sum ("shortcut"). Autograd also sums the gradients of each student weight tensor once per
+further use (``Critic.kernels``). Counted at ``disc_time`` < 1 (at 1 the critic draws no noise: a few fewer)."""
 SAMPLER_KERNELS_PER_CALL = 6
 """Kernels of the sampler's own step per network call (the scheduler's update, guidance's combination, the time
 expansion). An assumption."""
@@ -679,7 +681,8 @@ class Critic:
         ``CUDA_KERNELS_PER_GROUPNORM``: the student's calls', the encoder's on the fakes, the heads' twice."""
         table = KERNELS_ADVERSARIAL[net.config.get("num_classes") is not None]
         sums = len(net.param_tensors()) * (calls.calls - 1 + shortcut)
-        kernels = table["rest"] + table["call"] * calls.calls + table["count"] * (len(calls.groups) - 1) + sums
+        kernels = (table["rest"] + table["call"] * calls.calls + table["count"] * (len(calls.groups) - 1) + sums
+                   + table["shortcut"] * shortcut)
         if device == "cuda":
             kernels += CUDA_KERNELS_PER_GROUPNORM * (net.norms * calls.calls + self.encoder.norms
                                                      + 2 * self.heads.norms)
@@ -1181,8 +1184,12 @@ def _adversarial_work(cfg, net: ImageNet, teacher: ImageNet, b: int, micro: int,
     calls = adversarial_calls(b, cfg.adversarial_step_counts)
     critic = critic_nets(teacher.config, cfg.disc_width)
     gemms: list[Gemm] = []
+    first = net.convs[0]  # the input convolution: a later step's input is the earlier steps' output
     for n, rows in calls.groups:
         gemms += net.gemms(rows, n * micro, tag=f"fake sample call ({n}-step): ")
+        if n > 1:
+            gemms.append(Gemm(rows * first.size**2, first.c_in, first.c_out * first.kernel**2, (n - 1) * micro,
+                              f"fake sample call ({n}-step): {first.name} input gradient of the later steps"))
     gemms += critic.encoder.gemms(2 * b, micro, backward=False, tag="critic on real and fake rows: ")
     gemms += critic.heads.gemms(2 * b, micro, tag="discriminator heads on real and fake rows: ")
     gemms += critic.encoder.gemms(b, micro, frozen=True, tag="critic on the fakes: ")
