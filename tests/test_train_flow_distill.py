@@ -485,7 +485,8 @@ def test_the_adversarial_stage_trains_a_discriminator_and_starts_from_the_studen
     assert results["steps"] == 12 and results["settings"]["adversarial_weight"] == 0.5
     argv = ["--preset", "tiny", "--teacher", str(runs / "teacher"), *GAN]
     priced, plain = (price("flow-distill", argv + extra, CPU)["step_s"] for extra in ([], ["--adversarial_weight", "0"]))
-    assert results["ledger"]["step_seconds"] == pytest.approx(priced, rel=1e-4) and priced > 1.5 * plain
+    assert results["ledger"]["step_seconds"] == pytest.approx(priced, rel=1e-4)
+    assert priced > 1.5 * plain  # the fake samples' student calls and the critic on top of the shortcut term
     ckpt = list_checkpoints(gan)[0]
     heads = load_file(str(ckpt / "model_1.safetensors"))
     assert any(k.startswith("heads.2.") for k in heads) and (ckpt / "optimizer_1.bin").is_file()
