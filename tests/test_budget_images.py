@@ -243,6 +243,19 @@ def test_unet_nograd_peak_matches_live_tensors_fp32(cfg):
     assert abs(live.peak - predicted) / predicted < 0.01
 
 
+@pytest.mark.parametrize("cfg", UNETS[:2])
+def test_the_critics_encoder_call_peak_matches_live_tensors_fp32(cfg):
+    model = unet_module(cfg).to(memory_format=torch.contiguous_format)
+    b = 3
+    x = torch.randn(b, 3, 32, 32)
+    y = torch.arange(b) % cfg["num_classes"] if cfg["num_classes"] else None
+    live = LiveBytes(base=x.nbytes)
+    with torch.no_grad(), live:
+        unet_encoder_features(model, x, 1.0, y)
+    predicted = I.unet_inference(cfg, bf16=False, encoder=True).peak * b
+    assert abs(live.peak - predicted) / predicted < 0.01
+
+
 @pytest.mark.skipif(not CUDA, reason="max_memory_allocated needs a GPU")
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_unet_nograd_peak_under_cuda_autocast(channels_last):
@@ -467,9 +480,11 @@ def test_critic_and_fake_calls_save_what_the_ledger_counts(device):
     call = net.saved_elements_by_dtype()
     call[FP32] -= net.saved_by_kind()[I.FLOW_LOSS_SAVED] // FP32
     for counts in ((1,), (2,), (3,)):  # the third image adds one row of counts[0] calls
+        def sampled(m, x0, y):
+            return sample_in_steps(_student(m), x0, row_steps(len(x0), counts, x0.device), y).sum()
+
         traced = saved_per_image(student, lambda m, b, dev: (images(b, device=dev), torch.arange(b, device=dev) % 10),
-                                 lambda m, x0, y: sample_in_steps(_student(m), x0, row_steps(len(x0), counts, x0.device),
-                                                                  y).sum(), device)
+                                 sampled, device)
         assert (traced[BF16], traced[FP32]) == (counts[0] * call[BF16], counts[0] * call[FP32])
         assert sum(n * size for size, n in traced.items() if size in (I.INT64, I.BOOL)) <= 16
 

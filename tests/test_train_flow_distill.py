@@ -484,7 +484,7 @@ def test_the_adversarial_stage_trains_a_discriminator_and_starts_from_the_studen
     results = json.loads((gan / "all_results.json").read_text())
     assert results["steps"] == 12 and results["settings"]["adversarial_weight"] == 0.5
     argv = ["--preset", "tiny", "--teacher", str(runs / "teacher"), *GAN]
-    priced, plain = (price("flow-distill", argv + extra, CPU)["step_s"] for extra in ([], ["--adversarial_weight", "0"]))
+    priced, plain = (price("flow-distill", argv + more, CPU)["step_s"] for more in ([], ["--adversarial_weight", "0"]))
     assert results["ledger"]["step_seconds"] == pytest.approx(priced, rel=1e-4)
     assert priced > 1.5 * plain  # the fake samples' student calls and the critic on top of the shortcut term
     ckpt = list_checkpoints(gan)[0]

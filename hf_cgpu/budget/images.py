@@ -11,7 +11,8 @@ Structural (exact, checked against the real modules on the CPU by tests/test_bud
     forward FLOPs torch's ``FlopCounterMode`` counts (what the trainer's MFU uses); the tensors a training forward
     saves for its backward under bf16 autocast, per tensor and dtype (``AUTOCAST``: CUDA runs GroupNorm in fp32,
     the CPU in bf16); the live tensors of a no-grad forward (``unet_inference``); the network calls of the
-    distillation objective and of a sampler (``sampler_calls``); the data each task keeps on the device.
+    distillation objective, of its adversarial stage (``adversarial_calls``, the critic: ``critic_nets``) and of a
+    sampler (``sampler_calls``); the data each task keeps on the device.
 Fitted or assumed (named constants below, to be calibrated against GPU measurements): what a compiled step keeps
 of the eager tensors (``torch.compile``'s partitioner recomputes elementwise work in the backward), the CUDA-graph
 pool and the eager moments' blocks beside a compiled step (reserved, not allocated), the CUDA rules' extra kernels,
@@ -946,7 +947,9 @@ def image_ledger(task: str, cfg, train, memory_cap: float | None = None,
     bf16 weight copies, the micro-batch's saved activations, the batch, the data set, the gradients too with
     accumulation > 1), the optimizer step (every gradient, the EMA update's fp32 differences), the evaluation (an
     eager no-grad forward of a micro-batch or of the sample grid's rows) and, for flow-distill, each no-grad call of
-    the objective (the frozen teacher runs in fp32: it is not under the trainer's autocast). Reserved adds to the
+    the objective (the frozen teacher runs in fp32: it is not under the trainer's autocast) and the adversarial
+    stage's discriminator step (``_adversarial_rows``; its fakes' and critic's tensors add to the backward's start).
+    With ``distill_weight`` 0 the shortcut term's calls are not made. Reserved adds to the
     allocator's fragmentation what the peak's tensors cannot reuse: the CUDA-graph pool, and beside a compiled step
     the blocks of the eager moments (evaluation, teacher calls), which have other sizes.
     flow-distill: ``teacher_config`` is the teacher's unet/config.json (None: the flow preset's UNet), ``guide``
@@ -1121,8 +1124,9 @@ def image_step_work(task: str, cfg, train, teacher_config: dict[str, Any] | None
     """The work of one optimizer step of ``train TASK`` (every micro-batch), arguments as ``image_ledger``'s.
 
     The student's and the classifier's products run under bf16 autocast; flow-distill adds its no-grad calls: the
-    teacher's in fp32 (``FP32_PRODUCT_COST``), the student's target calls in bf16. ``model_flops`` is what the
-    trainer's MFU counts: 3 x the trained network's forward FLOPs per image (the teacher's calls not included)."""
+    teacher's in fp32 (``FP32_PRODUCT_COST``), the student's target calls in bf16 (none with ``distill_weight`` 0),
+    and the adversarial term's work (``_adversarial_work``). ``model_flops`` is what the trainer's MFU counts: 3 x
+    the trained network's forward FLOPs per image (the teacher's and the adversarial term's calls not included)."""
     _check_train(task, train)
     net = task_net(task, cfg, teacher_config)
     micro, b = train.gradient_accumulation_steps, train.micro_batch_size
@@ -1141,7 +1145,7 @@ def image_step_work(task: str, cfg, train, teacher_config: dict[str, Any] | None
     ]
     if train.ema_decay > 0:
         memory.append(("EMA update", EMA_SKIPPABLE_BYTES_PER_PARAM * n))
-    kernels = net.kernels * micro * (COMPILED_KERNEL_SHARE if compiled else 1.0) * shortcut
+    kernels = net.kernels * micro * (COMPILED_KERNEL_SHARE if compiled else 1.0) if shortcut else 0.0
     notes = {"model": net.describe()}
     if task == "flow-distill" and cfg.adversarial_weight > 0:
         teacher, _ = _teacher(cfg, teacher_config, guide, guidance_scale)
