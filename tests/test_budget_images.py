@@ -8,10 +8,12 @@ run this file on a GPU to check those rules too."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import subprocess
 import sys
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,15 +22,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from hf_cgpu.budget import images as I
-from hf_cgpu.budget.memory import FRAGMENTATION_FRACTION
+from hf_cgpu.budget.memory import BF16, FP32, FRAGMENTATION_FRACTION
 from hf_cgpu.errors import MissingPathError, SettingsError
 from hf_cgpu.evaluation.classifier import CifarResNet, ClassifierConfig, conv_bn
+from hf_cgpu.flow.adversarial import (FeatureHeads, generator_loss, row_steps, sample_in_steps, unet_encoder_features,
+                                      unet_feature_channels)
 from hf_cgpu.flow.matching import FlowMatcher
 from hf_cgpu.flow.samplers import SAMPLERS
 from hf_cgpu.flow.samplers import evaluations_per_image as real_evaluations
 from hf_cgpu.flow.shortcut import ShortcutObjective, guided_teacher
 from hf_cgpu.flow.unet import FlowUNet2DModel, ResBlock
 from hf_cgpu.settings import TrainSettings, parse_settings
+from hf_cgpu.tasks.flow_distill import FlowDistillTask, _student
 from hf_cgpu.tasks.settings import ClassifierSettings, FlowDistillSettings, FlowSettings
 
 CUDA = torch.cuda.is_available()
@@ -238,6 +243,19 @@ def test_unet_nograd_peak_matches_live_tensors_fp32(cfg):
     assert abs(live.peak - predicted) / predicted < 0.01
 
 
+@pytest.mark.parametrize("cfg", UNETS[:2])
+def test_the_critics_encoder_call_peak_matches_live_tensors_fp32(cfg):
+    model = unet_module(cfg).to(memory_format=torch.contiguous_format)
+    b = 3
+    x = torch.randn(b, 3, 32, 32)
+    y = torch.arange(b) % cfg["num_classes"] if cfg["num_classes"] else None
+    live = LiveBytes(base=x.nbytes)
+    with torch.no_grad(), live:
+        unet_encoder_features(model, x, 1.0, y)
+    predicted = I.unet_inference(cfg, bf16=False, encoder=True).peak * b
+    assert abs(live.peak - predicted) / predicted < 0.01
+
+
 @pytest.mark.skipif(not CUDA, reason="max_memory_allocated needs a GPU")
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_unet_nograd_peak_under_cuda_autocast(channels_last):
@@ -380,6 +398,154 @@ def test_distill_calls_match_the_objective(mode, levels, fraction):
         rows = I.distill_rows(batch, levels, fraction, mode)
         assert list(rows.calls) == calls, batch
         assert rows.flow == obj.flow_rows(batch)
+
+
+# ---- the adversarial stage: the critic and the student's calls, against FlowDistillTask.loss -----------------------
+
+TEACHER = dict(base_channels=8, norm_num_groups=4, time_embed_dim=16, num_classes=10)
+
+
+@pytest.mark.parametrize("cfg", [TEACHER, {**TEACHER, "num_classes": None, "sample_size": 16}])
+def test_critic_parameters_are_the_modules(cfg):
+    teacher = unet_module(cfg)
+    critic = I.critic_nets(cfg, 16)
+    heads = FeatureHeads(unet_feature_channels(teacher.config), 16)
+    assert {n: k for n, k, _ in critic.heads.param_tensors()} == {n: p.numel() for n, p in heads.named_parameters()}
+    encoder = ("in_conv.", "time_mlp.", "class_embedding.", "d1.", "down1.", "d2.", "down2.", "mid.")
+    assert {n: k for n, k, _ in critic.encoder.param_tensors()} == \
+        {n: p.numel() for n, p in teacher.named_parameters() if n.startswith(encoder)}
+
+
+class Autocast(torch.nn.Module):
+    """A model whose every call runs under its own bf16 autocast, as Accelerate's ``prepare`` wraps the student."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.model(*args, **kwargs)
+
+
+def adversarial_task(tcfg: dict, steps: str = "1,2", distill_weight: float = 0.0):
+    """(FlowDistillTask with its teacher, critic and shortcut objective as ``setup`` builds them, the student as the
+    loop prepares it): the real ``loss`` on tiny modules, the heads' Adam fused as on CUDA."""
+    teacher = unet_module(tcfg).eval().requires_grad_(False)
+    student = Autocast(unet_module({**tcfg, "step_size_embedding": True}).train())
+    cfg = FlowDistillSettings(adversarial_weight=0.1, distill_weight=distill_weight, disc_width=8,
+                              adversarial_steps=steps)
+    task = FlowDistillTask(cfg)
+    task.teacher, task.scales = teacher, None
+    task.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    task.discriminator(teacher.config, SimpleNamespace(device=torch.device("cpu")))
+    task.disc_optimizer = torch.optim.Adam(task.disc.parameters(), lr=cfg.disc_lr, betas=(0.0, 0.99), fused=True)
+    task.teacher_fn = guided_teacher(lambda x, t, y: teacher(x, t, y).sample, tcfg["num_classes"], 2.0, (0.25, 0.8))
+    task.objective, task.matcher = ShortcutObjective(cfg.levels, cfg.consistency_fraction), FlowMatcher()
+    return task, student
+
+
+def adversarial_step(task, student, b: int):
+    """One micro-batch of ``task.loss`` and its backward, the student's gradients cleared first as the loop does."""
+    x1 = images(b)
+    labels = torch.arange(b) % 10 if task.teacher.config.num_classes else None
+    gen = torch.Generator().manual_seed(0)
+
+    def step():
+        student.zero_grad(set_to_none=True)
+        task.loss(student, {"x1": x1, "labels": labels}, gen).backward()
+
+    step()  # the heads' Adam creates its moments on the first step
+    return step
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_critic_and_fake_calls_save_what_the_ledger_counts(device):
+    """Per image: the critic's pass over the fakes saves the frozen encoder's and the heads' tensors (the student's
+    gradient goes through them); each student call of the fake sampling saves a training call's tensors but the
+    loss's (its labels and row masks, a few bytes a row, aside)."""
+    teacher = unet_module(TEACHER).to(device).eval().requires_grad_(False)
+    heads = FeatureHeads(unet_feature_channels(teacher.config), 8).to(device).requires_grad_(False)
+    critic = I.critic_nets(TEACHER, 8, device)
+
+    def fakes(model, b, dev):
+        return images(b, device=dev).requires_grad_(), torch.arange(b, device=dev) % 10
+
+    traced = saved_per_image(teacher, fakes, lambda m, x, y: generator_loss(
+        lambda z, c: heads(unet_encoder_features(m, z, 0.8, c)), x, y), device)
+    assert traced == dict(collections.Counter(critic.encoder.saved_elements_by_dtype())
+                          + collections.Counter(critic.heads.saved_elements_by_dtype()))
+    student = unet_module({**TEACHER, "step_size_embedding": True}).to(device)
+    net = described({**TEACHER, "step_size_embedding": True}, device)
+    call = net.saved_elements_by_dtype()
+    call[FP32] -= net.saved_by_kind()[I.FLOW_LOSS_SAVED] // FP32
+    for counts in ((1,), (2,), (3,)):  # the third image adds one row of counts[0] calls
+        def sampled(m, x0, y):
+            return sample_in_steps(_student(m), x0, row_steps(len(x0), counts, x0.device), y).sum()
+
+        traced = saved_per_image(student, lambda m, b, dev: (images(b, device=dev), torch.arange(b, device=dev) % 10),
+                                 sampled, device)
+        assert (traced[BF16], traced[FP32]) == (counts[0] * call[BF16], counts[0] * call[FP32])
+        assert sum(n * size for size, n in traced.items() if size in (I.INT64, I.BOOL)) <= 16
+
+
+@pytest.mark.parametrize("tcfg", [TEACHER, {**TEACHER, "num_classes": None}])
+@pytest.mark.parametrize("steps", ["1", "2", "1,2", "3"])
+def test_adversarial_term_products_and_kernels_match_the_loss(tcfg, steps):
+    """The products and kernels of FlowDistillTask's adversarial term on a micro-batch, as FlopCounterMode and a
+    dispatch trace count them: the student's calls with a backward, the critic's no-grad encoder call and the heads'
+    training on real and fake rows, the heads' Adam, the encoder's and heads' backward to the fakes only; and with
+    the shortcut term beside it, the kernels it adds to that term's."""
+    b = 4
+    cfg = FlowDistillSettings(adversarial_weight=0.1, distill_weight=0.0, disc_width=8, adversarial_steps=steps)
+    work = I.image_step_work("flow-distill", cfg, TrainSettings(micro_batch_size=b, gradient_accumulation_steps=1,
+                                                                compile=False), teacher_config=tcfg)
+    task, student = adversarial_task(tcfg, steps)
+    assert work.gemm_flops == _flops(adversarial_step(task, student, b))
+    net = described({**tcfg, "step_size_embedding": True}, "cpu")
+    critic, calls = I.critic_nets(tcfg, 8, "cpu"), I.adversarial_calls(b, cfg.adversarial_step_counts)
+    assert kernels_of(adversarial_step(task, student, b)) == critic.kernels(net, calls, False, "cpu")
+    with_shortcut = kernels_of(adversarial_step(*adversarial_task(tcfg, steps, distill_weight=1.0), b))
+    task, student = adversarial_task(tcfg, steps, distill_weight=1.0)
+    task.cfg = dataclasses.replace(task.cfg, adversarial_weight=0.0)
+    assert with_shortcut - kernels_of(adversarial_step(task, student, b)) == critic.kernels(net, calls, True, "cpu")
+
+
+ADVERSARIAL_ROWS = ("discriminator", "fake_activations", "critic_activations")
+
+
+def test_the_adversarial_stage_is_priced_in_closed_forms():
+    """The gan preset's rows: the heads' fp32 weights and Adam moments, the student's calls' tensors (the training
+    call's without its loss, on every row of every call), the critic's tensors per fake, all linear in the batch;
+    weight 0 leaves every other row and the step's other work as they were."""
+    cfg, train = preset("flow-distill", "cifar10-gan")
+    led, work = I.image_ledger("flow-distill", cfg, train), I.image_step_work("flow-distill", cfg, train)
+    net, s, b = led.net, led.net.image_size, train.micro_batch_size
+    heads = sum(p.numel() for p in FeatureHeads(unet_feature_channels(I.unet_config()), cfg.disc_width).parameters())
+    assert led.row("discriminator") == 3 * FP32 * heads  # weights, m, v
+    calls = I.adversarial_calls(b, cfg.adversarial_step_counts)
+    assert (calls.calls, calls.call_rows) == (3, 3 * b // 2)  # 1,2: half the rows in one call, half in two
+    call = net.saved_bytes - FP32 * 2 * 3 * s * s
+    assert led.row("fake_activations") == call * calls.call_rows + 2 * FP32 * 3 * s * s * b
+    critic = I.critic_nets(I.unet_config(), cfg.disc_width)
+    assert led.row("critic_activations") == (critic.encoder.saved_bytes + critic.heads.saved_bytes) * b
+    twice = I.image_ledger("flow-distill", cfg, dataclasses.replace(train, micro_batch_size=2 * b))
+    for key in ADVERSARIAL_ROWS[1:]:
+        assert twice.row(key) == 2 * led.row(key)
+    assert twice.row("discriminator") == led.row("discriminator")
+    assert led.peak_phase == "discriminator step" and led.allocated > I.image_ledger(
+        "flow-distill", cfg, train).row("activations") + led.row("fake_activations")
+    off = dataclasses.replace(cfg, adversarial_weight=0.0)
+    led0, work0 = I.image_ledger("flow-distill", off, train), I.image_step_work("flow-distill", off, train)
+    assert led0.rows == tuple(r for r in led.rows if r.key not in ADVERSARIAL_ROWS)
+    assert (round(led0.allocated / GiB, 3), work0.kernels + work0.optimizer_kernels) == (2.070, 1047)
+    ours = ("fake sample call", "critic", "discriminator heads")
+    assert work0.gemms == tuple(g for g in work.gemms if not g.label.startswith(ours))
+    assert work.kernels - work0.kernels == critic.kernels(net, calls, True)
+    assert work.model_flops == work0.model_flops  # what the trainer's MFU counts: the student's training call
+    alone = I.image_step_work("flow-distill", dataclasses.replace(cfg, distill_weight=0.0), train)
+    assert not any(g.label.startswith(("teacher", "student")) for g in alone.gemms)
+    assert I.image_ledger("flow-distill", dataclasses.replace(cfg, distill_weight=0.0), train).row("activations") == 0
 
 
 # ---- the ledger: bad input, speed, the shipped presets ------------------------------------------------------------

@@ -151,9 +151,11 @@ def test_the_image_tasks_have_a_budget_answer():
     assert "this run         39,000 steps x 256 images" in text
     for task in ("flow-distill", "classifier"):
         assert "images/s per GPU" in run(["--task", task, "--preset", "cifar10"])
-    assert "adversarial term" not in run(["--task", "flow-distill", "--preset", "cifar10"])
-    gan = run(["--task", "flow-distill", "--preset", "cifar10-gan"])  # what the ledger leaves out is said
-    assert "images/s per GPU" in gan and "note: the adversarial term (--adversarial_weight) is not priced" in gan
+    assert "fake samples' activations" not in run(["--task", "flow-distill", "--preset", "cifar10"])
+    gan = run(["--task", "flow-distill", "--preset", "cifar10-gan"])  # the adversarial stage's rows, nothing left out
+    assert "images/s per GPU" in gan and "note:" not in gan
+    assert all(row in gan for row in ("discriminator heads", "fake samples' activations", "critic's activations",
+                                      "peak at the discriminator step"))
     with pytest.raises(SettingsError, match="^--task 'toy2d': the ledger prices gpt, lora, dpo, flow"):
         run(["--task", "toy2d"])
 

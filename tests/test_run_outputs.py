@@ -125,13 +125,12 @@ def test_the_card_says_how_long_it_trained_and_what_the_ledger_predicted():
     assert "ledger" not in _summary({"train_seconds": 60.0}, 0) and "trained in" not in _summary({}, 0)
 
 
-def test_the_forecast_counts_a_resumed_processs_own_steps_and_says_what_it_leaves_out():
+def test_the_forecast_counts_a_resumed_processs_own_steps():
     from hf_cgpu.train.forecast import Forecast
 
     time = SimpleNamespace(step=SimpleNamespace(seconds=0.1), steps=4000, minutes=7.0, limited_by_minutes=True)
-    f = Forecast("H100 (bench)", time, 2**30, unpriced="the adversarial term", start_step=5000)
+    f = Forecast("H100 (bench)", time, 2**30, start_step=5000)
     led = f.checked({"steps": 9000, "step_seconds": 0.125, "peak_reserved_gib": 1.25})
     assert led["measured_steps"] == 4000 and led["steps_in_minutes"] == 4000  # this process's, not the run's total
     assert led["step_error"] == pytest.approx(0.1 / 0.125 - 1) and led["reserved_error"] == pytest.approx(-0.2)
-    assert led["unpriced"] == "the adversarial term" and "a lower bound: the adversarial term" in f.line()
-    assert "unpriced" not in Forecast("cpu", time, None).checked({"steps": 10})
+    assert "reserved_gib" not in Forecast("cpu", time, None).checked({"steps": 10})

@@ -479,9 +479,14 @@ def gan(runs, synthetic_data):
 
 @pytest.mark.slow  # trains the adversarial stage (the slow tier: `-m slow`)
 def test_the_adversarial_stage_trains_a_discriminator_and_starts_from_the_student(gan, runs):
-    """The checkpoints hold the heads and their optimizer beside the student; the student moved from its start."""
+    """The checkpoints hold the heads and their optimizer beside the student; the student moved from its start; the
+    run's ledger prices the stage, as `hf-cgpu budget` does."""
     results = json.loads((gan / "all_results.json").read_text())
     assert results["steps"] == 12 and results["settings"]["adversarial_weight"] == 0.5
+    argv = ["--preset", "tiny", "--teacher", str(runs / "teacher"), *GAN]
+    priced, plain = (price("flow-distill", argv + more, CPU)["step_s"] for more in ([], ["--adversarial_weight", "0"]))
+    assert results["ledger"]["step_seconds"] == pytest.approx(priced, rel=1e-4)
+    assert priced > 1.5 * plain  # the fake samples' student calls and the critic on top of the shortcut term
     ckpt = list_checkpoints(gan)[0]
     heads = load_file(str(ckpt / "model_1.safetensors"))
     assert any(k.startswith("heads.2.") for k in heads) and (ckpt / "optimizer_1.bin").is_file()

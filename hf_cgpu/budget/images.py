@@ -11,7 +11,8 @@ Structural (exact, checked against the real modules on the CPU by tests/test_bud
     forward FLOPs torch's ``FlopCounterMode`` counts (what the trainer's MFU uses); the tensors a training forward
     saves for its backward under bf16 autocast, per tensor and dtype (``AUTOCAST``: CUDA runs GroupNorm in fp32,
     the CPU in bf16); the live tensors of a no-grad forward (``unet_inference``); the network calls of the
-    distillation objective and of a sampler (``sampler_calls``); the data each task keeps on the device.
+    distillation objective, of its adversarial stage (``adversarial_calls``, the critic: ``critic_nets``) and of a
+    sampler (``sampler_calls``); the data each task keeps on the device.
 Fitted or assumed (named constants below, to be calibrated against GPU measurements): what a compiled step keeps
 of the eager tensors (``torch.compile``'s partitioner recomputes elementwise work in the backward), the CUDA-graph
 pool and the eager moments' blocks beside a compiled step (reserved, not allocated), the CUDA rules' extra kernels,
@@ -67,6 +68,10 @@ UNET_TIME_EMBED_DIM = 256
 """``FlowUNet2DModel``'s default ``time_embed_dim``; the flow task does not change it."""
 UNET_GROUPS = 8
 """``FlowUNet2DModel``'s default ``norm_num_groups``; the flow task does not change it."""
+HEAD_GROUPS = 8
+"""``FeatureHeads``' GroupNorm groups (``GroupNorm(8, width)``)."""
+FLOW_LOSS_SAVED = "loss (fp32 prediction and target)"
+"""What a flow training call saves for its loss: a call of the adversarial stage's sampling has no loss of its own."""
 GRID_IMAGES_PER_CLASS = 8
 """A flow run's sample grid: 8 images per class (``FlowMatchingTask.on_evaluate``), 64 without classes."""
 
@@ -111,6 +116,15 @@ CUDA_KERNELS_PER_GROUPNORM = 4
 """What CUDA adds per GroupNorm to the CPU count: autocast's fp32 cast of its input and the contiguous copy of a
 channels_last input (``group_norm`` runs on NCHW on CUDA), and their gradients' copies in the backward. An
 assumption until counted on a GPU (``benchmarks/ledger/image_check.py`` prints the profiled kernels per step)."""
+KERNELS_ADVERSARIAL = {False: {"call": 283, "count": 5, "rest": 348, "shortcut": -2},
+                       True: {"call": 297, "count": 6, "rest": 360, "shortcut": -2}}
+"""Kernels of the adversarial term of one micro-batch, by class-conditional teacher: each student call of the fake
+sampling, forward and backward under its own autocast (its weight casts, as the loop's prepared model runs), with its
+Euler update ("call"); the row selection of each further step count ("count"); the rest ("rest"): the noise, the
+critic's no-grad encoder call on the real and fake rows, the heads' forward and backward and their fused Adam step,
+the encoder's and heads' forward and backward to the fakes, the hinge losses; and beside a shortcut term, the
+difference in the losses' sum ("shortcut"). Autograd also sums the gradients of each student weight tensor once per
+further use (``Critic.kernels``). Counted at ``disc_time`` < 1 (at 1 the critic draws no noise: a few fewer)."""
 SAMPLER_KERNELS_PER_CALL = 6
 """Kernels of the sampler's own step per network call (the scheduler's update, guidance's combination, the time
 expansion). An assumption."""
@@ -207,7 +221,7 @@ class ImageNet:
 
     name: str
     kind: str
-    """unet or classifier (``COMPILED_ACTIVATION_SHARE``)."""
+    """unet, classifier (``COMPILED_ACTIVATION_SHARE``) or heads (the adversarial stage's discriminator, eager)."""
     image_size: int
     convs: tuple[Conv, ...]
     linears: tuple[Dense, ...]
@@ -241,6 +255,11 @@ class ImageNet:
         return sum(n for _, n, _ in self.param_tensors())
 
     @property
+    def norms(self) -> int:
+        """Normalisation layers (one "norm" weight each)."""
+        return sum(1 for _, _, kind in self.others if kind == "norm")
+
+    @property
     def product_params(self) -> int:
         """Weights and biases of the convolutions and linears: what autocast casts to bf16 (2 B each)."""
         return sum(c.params for c in self.convs) + sum(lin.params for lin in self.linears)
@@ -251,24 +270,27 @@ class ImageNet:
         return sum(c.flops(images) for c in self.convs) + sum(lin.flops(images) for lin in self.linears)
 
     def gemms(self, images: float, count: float = 1.0, backward: bool = True, tag: str = "",
-              cost: float = 1.0) -> list[Gemm]:
+              cost: float = 1.0, frozen: bool = False) -> list[Gemm]:
         """The products of ``count`` passes over ``images`` images: each convolution's forward (m = images x H_out x
         W_out rows of C_in kh kw), and with ``backward`` its input gradient (the transposed product: k = C_out kh kw
         over the input's pixels, where the input needs one) and weight gradient; the linears likewise over one row
-        per image. ``cost`` multiplies the count (``FP32_PRODUCT_COST``)."""
+        per image. ``cost`` multiplies the count (``FP32_PRODUCT_COST``). ``frozen``: the weights take no gradient
+        and the backward only carries the image's (the critic on the student's samples): every convolution's input
+        gradient, no weight gradients, none for the linears (they read the embeddings, not the image)."""
         out: list[Gemm] = []
         n = count * cost
         for c in self.convs:
             rows = images * c.out_size**2
             out.append(Gemm(rows, c.c_out, c.c_in * c.kernel**2, n, f"{tag}{c.name} forward"))
             if backward:
-                if c.input_grad:
+                if c.input_grad or frozen:
                     out.append(Gemm(images * c.size**2, c.c_in, c.c_out * c.kernel**2 / c.stride**2, n,
                                     f"{tag}{c.name} input gradient"))
-                out.append(Gemm(c.c_in * c.kernel**2, c.c_out, rows, n, f"{tag}{c.name} weight gradient"))
+                if not frozen:
+                    out.append(Gemm(c.c_in * c.kernel**2, c.c_out, rows, n, f"{tag}{c.name} weight gradient"))
         for lin in self.linears:
             out.append(Gemm(images, lin.d_out, lin.d_in, n, f"{tag}{lin.name} forward"))
-            if backward:
+            if backward and not frozen:
                 if lin.input_grad:
                     out.append(Gemm(images, lin.d_in, lin.d_out, n, f"{tag}{lin.name} input gradient"))
                 out.append(Gemm(lin.d_in, lin.d_out, images, n, f"{tag}{lin.name} weight gradient"))
@@ -311,9 +333,12 @@ def unet_config(base_channels: int = 128, class_conditional: bool = True, step_s
             "num_classes": num_classes if class_conditional else None, "step_size_embedding": step_size_embedding}
 
 
-def flow_unet(config: dict[str, Any], device: str = "cuda") -> ImageNet:
+def flow_unet(config: dict[str, Any], device: str = "cuda", encoder: bool = False) -> ImageNet:
     """The UNet of ``config`` (a ``FlowUNet2DModel`` config.json, or ``unet_config``), its training forward's saved
-    tensors under ``AUTOCAST[device]``."""
+    tensors under ``AUTOCAST[device]``. ``encoder``: only its frozen encoder as the adversarial stage's critic runs it
+    (``unet_encoder_features``: the input convolution, the down blocks and the middle block), the gradient going to
+    the image alone: the embeddings save nothing, the input convolution takes an input gradient, and its kernels are
+    the critic's (``KERNELS_ADVERSARIAL``)."""
     cfg = {**unet_config(), **{k: v for k, v in config.items() if not k.startswith("_")}}
     s, c1, tdim, g = int(cfg["sample_size"]), int(cfg["base_channels"]), int(cfg["time_embed_dim"]), \
         int(cfg["norm_num_groups"])
@@ -325,7 +350,7 @@ def flow_unet(config: dict[str, Any], device: str = "cuda") -> ImageNet:
                             f"sample_size {s} a multiple of 4")
     rules = AUTOCAST[device]
     c2 = c3 = 2 * c1
-    convs: list[Conv] = [Conv("in_conv", cin, c1, 3, s, input_grad=False)]
+    convs: list[Conv] = [Conv("in_conv", cin, c1, 3, s, input_grad=encoder)]
     linears = [Dense("time_mlp.0", tdim, tdim, input_grad=False), Dense("time_mlp.2", tdim, tdim)]
     if step:
         linears += [Dense("step_mlp.0", tdim, tdim, input_grad=False), Dense("step_mlp.2", tdim, tdim)]
@@ -337,7 +362,8 @@ def flow_unet(config: dict[str, Any], device: str = "cuda") -> ImageNet:
     saved: list[Saved] = []
 
     def add(what: str, elements: int, nbytes: int) -> None:
-        saved.append(Saved(what, elements, nbytes))
+        if not (encoder and what.startswith(("embedding", "class labels"))):  # a frozen embedding of constants
+            saved.append(Saved(what, elements, nbytes))
 
     # the embedding: sinusoid (fp32) -> Linear (its bf16 cast) -> SiLU (bf16 in) -> Linear; the step size and the
     # guidance scale alike; + the class row (fp32 table: the sum turns fp32) -> SiLU, whose output each block's
@@ -351,7 +377,7 @@ def flow_unet(config: dict[str, Any], device: str = "cuda") -> ImageNet:
     if not emb_fp32:  # a bf16 embedding: every block's emb_proj saves the same tensor
         add("embedding (the blocks' emb_proj input)", tdim, BF16)
     blocks = (("d1", c1, c1, s), ("d2", c1, c2, s // 2), ("mid", c2, c3, s // 4), ("u2", c3 + c2, c2, s // 2),
-              ("u1", c2 + c1, c1, s))
+              ("u1", c2 + c1, c1, s))[:3 if encoder else 5]
     add("input convolution's bf16 cast", cin * s * s, BF16)
     for name, a, b, size in blocks:
         n_in, n_out = a * size * size, b * size * size
@@ -372,10 +398,13 @@ def flow_unet(config: dict[str, Any], device: str = "cuda") -> ImageNet:
         elif name == "d2":
             convs.append(Conv("down2", c2, c2, 3, s // 2, stride=2))
             add("down-sampling convolution inputs", c2 * (s // 2) ** 2, BF16)
+    if encoder:
+        return ImageNet(f"FlowUNet2DModel base {c1} encoder", "unet", s, tuple(convs), tuple(linears), tuple(others),
+                        tuple(saved), 0.0, 0.0, cfg)
     convs.append(Conv("out.2", c1, cout, 3, s))
     others += [("out.0.weight", c1, "norm"), ("out.0.bias", c1, "bias")]
     _norm_silu_conv(add, rules, c1 * s * s, g, block_input_saved=False)
-    add("loss (fp32 prediction and target)", 2 * cout * s * s, FP32)
+    add(FLOW_LOSS_SAVED, 2 * cout * s * s, FP32)
     # convolutions first (their order is the forward's), then the rest in module order for param_tensors
     order = ["in_conv", "d1.", "down1", "d2.", "down2", "mid.", "u2.", "u1.", "out."]
     convs.sort(key=lambda c: next(i for i, p in enumerate(order) if c.name.startswith(p)))
@@ -423,13 +452,15 @@ class Inference:
     written: float
 
 
-def unet_inference(config: dict[str, Any], bf16: bool = True, channels_last: bool = False) -> Inference:
+def unet_inference(config: dict[str, Any], bf16: bool = True, channels_last: bool = False,
+                   encoder: bool = False) -> Inference:
     """The tensors of one no-grad UNet call on one row (the input included), followed through
     ``FlowUNet2DModel.forward`` and ``ResBlock.forward``: every local of ``forward`` (h0, h1, h2, m, up2, h, up1)
     lives until it returns, a block keeps its input for the skip, and each op's inputs and outputs coexist.
     ``bf16``: under autocast (GroupNorm in fp32, each convolution's input cast to bf16); else fp32 throughout.
     ``channels_last``: the model and input are channels_last (the training model), so CUDA's GroupNorm first copies
-    its input to NCHW."""
+    its input to NCHW. ``encoder``: the critic's call (``unet_encoder_features``), which ends with the middle block
+    and returns its three maps."""
     cfg = {**unet_config(), **config}
     s, c1, cin = int(cfg["sample_size"]), int(cfg["base_channels"]), int(cfg["in_channels"])
     c2 = c3 = 2 * c1
@@ -464,6 +495,8 @@ def unet_inference(config: dict[str, Any], bf16: bool = True, channels_last: boo
     live.new("down2", act * c2 * (s // 4) ** 2)
     block("m", "down2", c2, c3, s // 4)
     live.free("down2")
+    if encoder:
+        return Inference(live.peak, live.written)
     live.new("up", act * c3 * (s // 2) ** 2)
     live.new("up2", act * (c3 + c2) * (s // 2) ** 2)
     live.free("up")
@@ -572,6 +605,95 @@ def cifar_resnet(widths: list[int] | tuple[int, ...], num_classes: int = DEFAULT
                     tuple(saved),
                     float(kernels), 0.0, {"widths": [c0, c1, c2, c3], "num_classes": num_classes,
                                           "image_size": s})
+
+
+# ===================================================================================================================
+# The adversarial stage's critic (hf_cgpu/flow/adversarial.py): the teacher's encoder and the discriminator heads
+# ===================================================================================================================
+
+
+def feature_heads(config: dict[str, Any], width: int, device: str = "cuda") -> ImageNet:
+    """``FeatureHeads(unet_feature_channels(config), width)``: per encoder map (C, H) of the UNet of ``config``, a 3x3
+    convolution to ``width`` channels, GroupNorm, LeakyReLU and a 1x1 convolution to one logit per pixel; the tensors
+    one image saves through them under ``AUTOCAST[device]`` (the map's bf16 cast, then what GroupNorm, the activation
+    and the convolution save, as in the UNet's blocks). Its kernels are the critic's (``KERNELS_ADVERSARIAL``)."""
+    unet = {**unet_config(), **config}
+    s, c1 = int(unet["sample_size"]), int(unet["base_channels"])
+    rules = AUTOCAST[device]
+    convs: list[Conv] = []
+    others: list[tuple[str, int, str]] = []
+    saved: list[Saved] = []
+
+    def add(what: str, elements: int, nbytes: int) -> None:
+        saved.append(Saved(what, elements, nbytes))
+
+    for i, (c, size) in enumerate(((c1, s), (2 * c1, s // 2), (2 * c1, s // 4))):
+        convs += [Conv(f"heads.{i}.0", c, width, 3, size, input_grad=False), Conv(f"heads.{i}.3", width, 1, 1, size)]
+        others += [(f"heads.{i}.1.weight", width, "norm"), (f"heads.{i}.1.bias", width, "bias")]
+        add("encoder features' bf16 casts", c * size * size, BF16)
+        _norm_silu_conv(add, rules, width * size * size, HEAD_GROUPS, block_input_saved=False)
+    return ImageNet(f"FeatureHeads width {width}", "heads", s, tuple(convs), (), tuple(others), tuple(saved), 0.0,
+                    0.0, {"width": width})
+
+
+@dataclass(frozen=True)
+class AdversarialCalls:
+    """The network calls the adversarial term of ``train flow-distill`` makes on one micro-batch
+    (``FlowDistillTask.loss``): the student samples every row in its step count (``row_steps``), one call a step,
+    with a backward; the critic judges the real and fake rows (no grad to the UNet), then the fake rows again with
+    the gradient going back to the student."""
+
+    batch: int
+    groups: tuple[tuple[int, int], ...]
+    """(step count n, rows) of each step count in use: n student calls on those rows (``sample_in_steps``)."""
+
+    @property
+    def calls(self) -> int:
+        return sum(n for n, _ in self.groups)
+
+    @property
+    def call_rows(self) -> int:
+        """Rows of all the student's calls: each keeps its activations for the backward."""
+        return sum(n * rows for n, rows in self.groups)
+
+
+def adversarial_calls(batch: int, step_counts: tuple[int, ...]) -> AdversarialCalls:
+    """The calls of ``sample_in_steps`` on ``batch`` rows whose step counts are ``step_counts`` in turn by row."""
+    rows = [step_counts[r % len(step_counts)] for r in range(batch)]
+    return AdversarialCalls(batch, tuple((n, rows.count(n)) for n in sorted(set(rows))))
+
+
+@dataclass(frozen=True)
+class Critic:
+    """The adversarial stage's critic on a teacher UNet (``critic_nets``): its frozen encoder and the heads."""
+
+    encoder: ImageNet
+    heads: ImageNet
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes one fake image's pass through the critic saves for the student's backward."""
+        return self.encoder.saved_bytes + self.heads.saved_bytes
+
+    def kernels(self, net: ImageNet, calls: AdversarialCalls, shortcut: bool, device: str = "cuda") -> float:
+        """Kernels of the adversarial term of one micro-batch (``KERNELS_ADVERSARIAL``) for the student ``net``: its
+        calls, the critic, and autograd's sums of each student weight tensor's gradients over its uses (the fake
+        calls, and the shortcut term's training call when ``shortcut``). On CUDA each GroupNorm with a backward adds
+        ``CUDA_KERNELS_PER_GROUPNORM``: the student's calls', the encoder's on the fakes, the heads' twice."""
+        table = KERNELS_ADVERSARIAL[net.config.get("num_classes") is not None]
+        sums = len(net.param_tensors()) * (calls.calls - 1 + shortcut)
+        kernels = (table["rest"] + table["call"] * calls.calls + table["count"] * (len(calls.groups) - 1) + sums
+                   + table["shortcut"] * shortcut)
+        if device == "cuda":
+            kernels += CUDA_KERNELS_PER_GROUPNORM * (net.norms * calls.calls + self.encoder.norms
+                                                     + 2 * self.heads.norms)
+        return float(kernels)
+
+
+def critic_nets(config: dict[str, Any], width: int, device: str = "cuda") -> Critic:
+    """The critic on a teacher UNet of ``config`` with heads of ``width`` channels."""
+    return Critic(flow_unet({**config, "step_size_embedding": False, "guidance_embedding": False}, device,
+                            encoder=True), feature_heads(config, width, device))
 
 
 # ===================================================================================================================
@@ -825,7 +947,9 @@ def image_ledger(task: str, cfg, train, memory_cap: float | None = None,
     bf16 weight copies, the micro-batch's saved activations, the batch, the data set, the gradients too with
     accumulation > 1), the optimizer step (every gradient, the EMA update's fp32 differences), the evaluation (an
     eager no-grad forward of a micro-batch or of the sample grid's rows) and, for flow-distill, each no-grad call of
-    the objective (the frozen teacher runs in fp32: it is not under the trainer's autocast). Reserved adds to the
+    the objective (the frozen teacher runs in fp32: it is not under the trainer's autocast) and the adversarial
+    stage's discriminator step (``_adversarial_rows``; its fakes' and critic's tensors add to the backward's start).
+    With ``distill_weight`` 0 the shortcut term's calls are not made. Reserved adds to the
     allocator's fragmentation what the peak's tensors cannot reuse: the CUDA-graph pool, and beside a compiled step
     the blocks of the eager moments (evaluation, teacher calls), which have other sizes.
     flow-distill: ``teacher_config`` is the teacher's unet/config.json (None: the flow preset's UNet), ``guide``
@@ -863,20 +987,28 @@ def image_ledger(task: str, cfg, train, memory_cap: float | None = None,
         _dataset_row(task, cfg, s, labels),
         Row("workspace", "workspace (cuDNN, cuBLAS)", float(WORKSPACE_BYTES), "cuDNN/cuBLAS workspaces"),
     ]
-    keep = {"weights", "optimizer", "ema", "dataset", "workspace", "teacher"}
+    keep = {"weights", "optimizer", "ema", "dataset", "workspace", "teacher", "discriminator"}
     eager: list[tuple[str, float]] = []  # (moment, live bytes beyond the fixed ones) of the eager no-grad moments
+    critic_step = 0.0  # the adversarial stage's discriminator step: live bytes beyond the step's own tensors
     if task == "flow-distill":
         teacher, mode = _teacher(cfg, teacher_config, guide, guidance_scale)
         r = distill_rows(b, cfg.levels, cfg.consistency_fraction, mode)
         copies = 2 if mode == "guide" else 1
         rows.insert(4, Row("teacher", "teacher weights (frozen)", float(FP32 * teacher.params * copies),
                            f"fp32 {fmt_count(teacher.params)}" + (" + its autoguidance guide" if copies > 1 else "")))
-        rows.append(Row("targets", "targets", float(FP32 * 3 * s * s * b), f"{b} fp32 target velocities"))
-        around = sum(r.bytes for r in rows if r.key in ("batch", "targets"))
-        for who, k in r.calls:
-            one = unet_inference(net.config, bf16=True, channels_last=True) if who == "student" else \
-                unet_inference(teacher.config, bf16=False)
-            eager.append((f"{who} call ({k} rows)", around + one.peak * k))
+        if cfg.distill_weight > 0:
+            rows.append(Row("targets", "targets", float(FP32 * 3 * s * s * b), f"{b} fp32 target velocities"))
+            around = sum(r.bytes for r in rows if r.key in ("batch", "targets"))
+            for who, k in r.calls:
+                one = unet_inference(net.config, bf16=True, channels_last=True) if who == "student" else \
+                    unet_inference(teacher.config, bf16=False)
+                eager.append((f"{who} call ({k} rows)", around + one.peak * k))
+        else:
+            rows = [Row("activations", "activations", 0.0, "none: --distill_weight 0 makes no shortcut call")
+                    if r.key == "activations" else r for r in rows]
+        if cfg.adversarial_weight > 0:
+            adv_rows, critic_step = _adversarial_rows(cfg, net, teacher, b, share)
+            rows += adv_rows
     if task == "classifier":
         evaluation = classifier_inference(net).peak * b
     else:
@@ -887,6 +1019,8 @@ def image_ledger(task: str, cfg, train, memory_cap: float | None = None,
     ema_temp = grads if ema else 0.0  # the deferred EMA update's fp32 (weight - average) of every parameter
     phases = [("backward start", fixed + step), ("optimizer step", fixed + grads + ema_temp),
               *((what, fixed + live) for what, live in eager)]
+    if critic_step:
+        phases.append(("discriminator step", fixed + step - _row(rows, "critic_activations") + critic_step))
     largest_eager = max(live for _, live in eager)
     apart = min(step, largest_eager) if compiled else 0.0
     pool = CUDA_GRAPH_POOL_SHARE * act if compiled and train.compile_mode in CUDA_GRAPH_MODES else 0.0
@@ -899,6 +1033,39 @@ def image_ledger(task: str, cfg, train, memory_cap: float | None = None,
             "none (no CUDA graphs)"),
     ]
     return _finish(task, net, rows, phases, memory_cap, kept_apart=apart + pool)
+
+
+def _row(rows: list[Row], key: str) -> float:
+    return sum(r.bytes for r in rows if r.key == key)
+
+
+def _adversarial_rows(cfg, net: ImageNet, teacher: ImageNet, b: int, share: float) -> tuple[list[Row], float]:
+    """The memory the adversarial term adds to a flow-distill step, and its discriminator step's live bytes.
+
+    Rows: the heads' fp32 weights and Adam moments; what the student's calls of the fake sampling save (the training
+    call's tensors without its loss's, ``share`` of them compiled) beside the noise and the fakes; what the critic's
+    pass over the fakes saves for the student's backward (the frozen encoder's and the heads' tensors). The
+    discriminator step comes before that pass, with the fake calls' tensors alive: the encoder's no-grad call on the
+    real and fake rows, the heads' tensors of those rows and their gradients."""
+    s, calls = net.image_size, adversarial_calls(b, cfg.adversarial_step_counts)
+    critic = critic_nets(teacher.config, cfg.disc_width)
+    call_saved = net.saved_bytes - net.saved_by_kind().get(FLOW_LOSS_SAVED, 0)
+    fakes = float(2 * FP32 * 3 * s * s * b)
+    groups = ", ".join(f"{rows} rows x {n} call{'s' if n > 1 else ''}" for n, rows in calls.groups)
+    heads = critic.heads.params
+    rows = [
+        Row("discriminator", "discriminator heads", float(3 * FP32 * heads),
+            f"{fmt_count(heads)} parameters: fp32 weights and Adam's m, v (their own optimizer)"),
+        Row("fake_activations", "fake samples' activations", call_saved * calls.call_rows * share + fakes,
+            f"{call_saved / 1024:,.0f} KiB per row x {calls.call_rows} ({groups})"
+            + (f" x {share:g} compiled" if share != 1.0 else "") + " + the noise and the fakes (fp32)"),
+        Row("critic_activations", "critic's activations", float(critic.saved_bytes * b),
+            f"{critic.saved_bytes / 1024:,.0f} KiB per fake x {b}: the frozen encoder's and the heads' tensors, "
+            "for the student's gradient"),
+    ]
+    encoder = unet_inference(teacher.config, bf16=True, channels_last=True, encoder=True)
+    step = 2 * b * (encoder.peak + critic.heads.saved_bytes + FP32 * 3 * s * s) + FP32 * heads
+    return rows, float(step)
 
 
 def _eval_rows(task: str, cfg, net: ImageNet, micro_batch: int) -> int:
@@ -952,41 +1119,42 @@ def _passes(train) -> float:
     return ELEMENTWISE_PASSES["compiled" if train.compile else "eager"]
 
 
-def unpriced(task: str, cfg) -> str:
-    """What of ``train TASK`` with ``cfg`` the image ledger leaves out (empty: nothing): its figures are then a lower
-    bound."""
-    if task == "flow-distill" and getattr(cfg, "adversarial_weight", 0) > 0:
-        return ("the adversarial term (--adversarial_weight) is not priced: its student calls with a backward on the "
-                "1- and 2-step samples, the teacher encoder's calls and the discriminator heads come on top")
-    return ""
-
-
 def image_step_work(task: str, cfg, train, teacher_config: dict[str, Any] | None = None, guide: bool = False,
                     guidance_scale: float | None = None) -> StepWork:
     """The work of one optimizer step of ``train TASK`` (every micro-batch), arguments as ``image_ledger``'s.
 
     The student's and the classifier's products run under bf16 autocast; flow-distill adds its no-grad calls: the
-    teacher's in fp32 (``FP32_PRODUCT_COST``), the student's target calls in bf16. ``model_flops`` is what the
-    trainer's MFU counts: 3 x the trained network's forward FLOPs per image (the teacher's calls not included)."""
+    teacher's in fp32 (``FP32_PRODUCT_COST``), the student's target calls in bf16 (none with ``distill_weight`` 0),
+    and the adversarial term's work (``_adversarial_work``). ``model_flops`` is what the trainer's MFU counts: 3 x
+    the trained network's forward FLOPs per image (the teacher's and the adversarial term's calls not included)."""
     _check_train(task, train)
     net = task_net(task, cfg, teacher_config)
     micro, b = train.gradient_accumulation_steps, train.micro_batch_size
     s = net.image_size
     compiled = bool(train.compile)
-    gemms = net.gemms(b, micro)
+    shortcut = task != "flow-distill" or cfg.distill_weight > 0  # the training call (flow-distill's shortcut term)
+    trained = b * micro if shortcut else 0
+    gemms = net.gemms(b, micro) if shortcut else []
     n = net.params
     opt_kind = "adamw8bit" if train.tier == "adamw8bit" else train.optimizer
     memory = [
-        ("elementwise kernels", net.saved_bytes * b * micro * _passes(train)),
+        ("elementwise kernels", net.saved_bytes * trained * _passes(train)),
         ("batch preparation", BATCH_BYTES_PER_VALUE * 3 * s * s * b * micro),
         ("optimizer step", OPTIMIZER_BYTES_PER_PARAM.get(opt_kind, OPTIMIZER_BYTES_PER_PARAM["adamw"]) * n),
         ("autocast weight casts", (FP32 + BF16) * net.product_params * micro),
     ]
     if train.ema_decay > 0:
         memory.append(("EMA update", EMA_SKIPPABLE_BYTES_PER_PARAM * n))
-    kernels = net.kernels * micro * (COMPILED_KERNEL_SHARE if compiled else 1.0)
+    kernels = net.kernels * micro * (COMPILED_KERNEL_SHARE if compiled else 1.0) if shortcut else 0.0
     notes = {"model": net.describe()}
-    if task == "flow-distill":
+    if task == "flow-distill" and cfg.adversarial_weight > 0:
+        teacher, _ = _teacher(cfg, teacher_config, guide, guidance_scale)
+        work = _adversarial_work(cfg, net, teacher, b, micro, shortcut, _passes(train))
+        gemms += work.gemms
+        memory += work.memory_bytes
+        kernels += work.kernels
+        notes["adversarial"] = work.notes["adversarial"]
+    if task == "flow-distill" and shortcut:
         teacher, mode = _teacher(cfg, teacher_config, guide, guidance_scale)
         r = distill_rows(b, cfg.levels, cfg.consistency_fraction, mode)
         teacher_fp32 = unet_inference(teacher.config, bf16=False).written
@@ -1008,6 +1176,43 @@ def image_step_work(task: str, cfg, train, teacher_config: dict[str, Any] | None
     model_flops = 3.0 * net.forward_flops(b * micro)
     return StepWork(tuple(gemms), 0.0, tuple(memory), kernels, model_flops, float(b * micro), notes=notes,
                     compiled=compiled, optimizer_kernels=OPTIMIZER_KERNELS.get(opt_kind, OPTIMIZER_KERNELS["adamw"]))
+
+
+def _adversarial_work(cfg, net: ImageNet, teacher: ImageNet, b: int, micro: int, shortcut: bool,
+                      passes: float) -> StepWork:
+    """The work the adversarial term adds to ``micro`` micro-batches of ``b`` rows: the student's calls of the fake
+    sampling, forward and backward (``passes``: the step's bytes per saved byte); the critic's no-grad encoder call
+    on the real and fake rows and the heads' forward and backward on them; the heads' Adam step (every micro-batch);
+    the encoder's and heads' forward on the fakes and their backward to the image only (frozen: no weight
+    gradients); and their kernels (``Critic.kernels``, the critic eager)."""
+    calls = adversarial_calls(b, cfg.adversarial_step_counts)
+    critic = critic_nets(teacher.config, cfg.disc_width)
+    gemms: list[Gemm] = []
+    first = net.convs[0]  # the input convolution: a later step's input is the earlier steps' output
+    for n, rows in calls.groups:
+        gemms += net.gemms(rows, n * micro, tag=f"fake sample call ({n}-step): ")
+        if n > 1:
+            gemms.append(Gemm(rows * first.size**2, first.c_in, first.c_out * first.kernel**2, (n - 1) * micro,
+                              f"fake sample call ({n}-step): {first.name} input gradient of the later steps"))
+    gemms += critic.encoder.gemms(2 * b, micro, backward=False, tag="critic on real and fake rows: ")
+    gemms += critic.heads.gemms(2 * b, micro, tag="discriminator heads on real and fake rows: ")
+    gemms += critic.encoder.gemms(b, micro, frozen=True, tag="critic on the fakes: ")
+    gemms += critic.heads.gemms(b, micro, frozen=True, tag="discriminator heads on the fakes: ")
+    call_saved = net.saved_bytes - net.saved_by_kind().get(FLOW_LOSS_SAVED, 0)
+    encoder = unet_inference(teacher.config, bf16=True, channels_last=True, encoder=True)
+    eager = ELEMENTWISE_PASSES["eager"]
+    memory = (
+        ("fake sample calls' elementwise kernels", call_saved * calls.call_rows * passes * micro),
+        ("critic's elementwise kernels", (INFERENCE_PASSES * encoder.written * 2 * b
+                                          + eager * (critic.saved_bytes * b + critic.heads.saved_bytes * 2 * b))
+         * micro),
+        ("discriminator step", OPTIMIZER_BYTES_PER_PARAM["adamw"] * critic.heads.params * micro),
+    )
+    note = (f"per micro-batch: {calls.calls} student calls with a backward on "
+            + ", ".join(f"{rows} rows x {n}" for n, rows in calls.groups)
+            + f"; the critic ({critic.heads.describe()}) on {2 * b} real and fake rows, then on the {b} fakes")
+    return StepWork(tuple(gemms), 0.0, memory, critic.kernels(net, calls, shortcut) * micro,
+                    notes={"adversarial": note})
 
 
 def sample_work(unet: dict[str, Any], num_images: int, steps: int, sampler: str = "heun", guidance_scale: float = 1.0,
@@ -1045,8 +1250,9 @@ def sample_work(unet: dict[str, Any], num_images: int, steps: int, sampler: str 
                     net.forward_flops(evaluations), float(num_images), notes=notes)
 
 
-__all__ = ["AUTOCAST", "CUDA_GRAPH_POOL_SHARE", "Conv", "Dense", "DistillRows", "FP32_PRODUCT_COST", "ImageLedger",
-           "ImageNet", "Inference", "PipelineInfo", "Saved", "TASKS", "cifar_resnet", "classifier_inference",
-           "distill_rows", "evaluations_per_image", "flow_unet", "guidance_mode", "image_ledger", "image_step_work",
-           "read_pipeline", "sample_memory", "sample_work", "sampler_calls", "task_net", "unet_config", "unpriced",
+__all__ = ["AUTOCAST", "AdversarialCalls", "CUDA_GRAPH_POOL_SHARE", "Conv", "Critic", "Dense", "DistillRows",
+           "FP32_PRODUCT_COST", "ImageLedger", "ImageNet", "Inference", "PipelineInfo", "Saved", "TASKS",
+           "adversarial_calls", "cifar_resnet", "classifier_inference", "critic_nets", "distill_rows",
+           "evaluations_per_image", "feature_heads", "flow_unet", "guidance_mode", "image_ledger", "image_step_work",
+           "read_pipeline", "sample_memory", "sample_work", "sampler_calls", "task_net", "unet_config",
            "unet_inference"]

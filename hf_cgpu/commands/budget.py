@@ -411,7 +411,7 @@ def image_run(task: str, argv: Sequence[str]):
 
 
 def image_report(task: str, argv: Sequence[str]) -> str:
-    from ..budget.images import image_ledger, unpriced
+    from ..budget.images import image_ledger
 
     cfg, train, opts, extra = image_run(task, argv)
     cap = parse_memory(train.memory_cap or DEFAULT_MEMORY_CAP)
@@ -422,8 +422,6 @@ def image_report(task: str, argv: Sequence[str]) -> str:
            f"  micro-batch {train.micro_batch_size} x accumulation {train.gradient_accumulation_steps} = {per_step} "
            f"images/step; {'compiled (' + train.compile_mode + ')' if train.compile else 'eager'}", "",
            format_ledger(led), "", format_time(rt, per_step, unit="images", fitted=train.fit_schedule_to_time)]
-    if left_out := unpriced(task, cfg):
-        out.append(f"note: {left_out} of the figures above")
     return "\n".join(out)
 
 

@@ -28,8 +28,6 @@ class Forecast:
     time: RunTime
     reserved_bytes: float | None
     """Peak reserved memory per GPU (None on a CPU, where the ledger prices no allocator)."""
-    unpriced: str = ""
-    """What of the run the ledger leaves out (its figures are then a lower bound); empty: nothing."""
     start_step: int = 0
     """The step this process starts at (a resumed run's checkpoint): its minutes hold the steps after it."""
     emulated: bool = False
@@ -44,17 +42,15 @@ class Forecast:
         steps = (f"; --max_minutes {self.time.minutes:g} holds ~{self.time.steps:,} steps"
                  if self.time.limited_by_minutes else "")
         memory = f", {self.reserved_bytes / GiB:.2f} GiB reserved" if self.reserved_bytes is not None else ""
-        bound = f"; a lower bound: {self.unpriced}" if self.unpriced else ""
         head = "ledger (emulated card)" if self.emulated else "ledger"
-        return f"{head}: about {self.step_seconds:.4g} s a step{memory} on {self.card}{steps} (hf-cgpu budget){bound}"
+        return f"{head}: about {self.step_seconds:.4g} s a step{memory} on {self.card}{steps} (hf-cgpu budget)"
 
     def checked(self, results: dict[str, Any]) -> dict[str, Any]:
         """The prediction beside the run's measurement (``results``: all_results.json's figures): the mean step
         after each process's first, peak reserved memory, steps done in this process's --max_minutes (from
         ``start_step``)."""
         measured = results.get("step_seconds")
-        out: dict[str, Any] = {"card": self.card, **({"unpriced": self.unpriced} if self.unpriced else {}),
-                               "step_seconds": float(f"{self.step_seconds:.6g}"),
+        out: dict[str, Any] = {"card": self.card, "step_seconds": float(f"{self.step_seconds:.6g}"),
                                "measured_step_seconds": float(f"{measured:.6g}") if measured else None,
                                "step_error": round(self.step_seconds / measured - 1, 4) if measured else None}
         if self.emulated:  # the step was measured on another card than the one priced: no error to state
@@ -84,12 +80,12 @@ def forecast(task, plan, settings, accelerator, start_step: int = 0) -> Forecast
         return Forecast(label, rt, reserved, start_step=start_step, emulated=emulated)
     if task.ledger_task is None:
         return None
-    from ..budget.images import image_ledger, unpriced
+    from ..budget.images import image_ledger
 
     extra = teacher_extra(task.cfg)
     rt = image_run_time(task.ledger_task, task.cfg, settings, card, extra)
     reserved = image_ledger(task.ledger_task, task.cfg, settings, **extra).reserved if gpu else None
-    return Forecast(label, rt, reserved, unpriced(task.ledger_task, task.cfg), start_step, emulated)
+    return Forecast(label, rt, reserved, start_step=start_step, emulated=emulated)
 
 
 def emulate(predicted: Forecast | None, settings, state, log=print) -> None:
