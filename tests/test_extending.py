@@ -162,6 +162,7 @@ def midpoint(new_file):
     SAMPLERS.remove("midpoint")
 
 
+@pytest.mark.slow
 def test_a_sampler_in_a_new_file_gets_every_samplers_checks(midpoint, tmp_path):
     check_grid_and_calls("midpoint")
     check_order("midpoint")

@@ -560,6 +560,7 @@ print("REPORT " + json.dumps(report))
 """
 
 
+@pytest.mark.slow
 def test_real_small_and_read_only_disks(reference, tmp_path):
     """Small tmpfs disks and a read-only one, in a private mount namespace: each run ends in one line and exit 2
     (or, on a disk big enough, finishes); each resumes elsewhere (more room) to the reference run; the read-only

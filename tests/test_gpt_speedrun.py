@@ -221,6 +221,7 @@ def test_cached_generation_equals_the_uncached_forward(options):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_save_load_round_trip_and_trust_remote_code_without_hf_cgpu(tmp_path):
     m = model(**ALL)
     m.save_pretrained(tmp_path / "m")

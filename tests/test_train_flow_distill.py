@@ -165,7 +165,8 @@ def test_bad_teacher_is_one_line_and_exit_2(runs, synthetic_data, tmp_path, caps
         assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("run", ["student", pytest.param("gan", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("run", [pytest.param("student", marks=pytest.mark.slow),
+                                 pytest.param("gan", marks=pytest.mark.slow)])
 def test_loads_through_diffusers_without_hf_cgpu(run, request, tmp_path):
     """The distilled folder, and the adversarial stage's (its discriminator stays in the checkpoints): plain diffusers
     samples them as hf_cgpu does."""
