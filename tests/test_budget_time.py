@@ -173,8 +173,17 @@ def test_a_cpu_run_that_cannot_fit_the_machines_memory_is_refused_before_its_fir
         check_cpu_run(shape.setup(train), shape.model, train, available=16 * GiB)
     said = []
     check_cpu_run(shape.setup(train), shape.model, train, said.append, available=64 * GiB)
-    assert said and "--max_minutes 7 holds about 0 of them; --preset tiny is the CPU-sized run" in said[0]
+    assert said and "--max_minutes 7 holds about 1 of them; --preset tiny is the CPU-sized run" in said[0]
     tiny, train, _ = describe_run(["--preset", "tiny"])
     said = []
     check_cpu_run(tiny.setup(train), tiny.model, train, said.append, available=4 * GiB)
     assert said == []
+
+
+def test_the_cpu_card_prices_small_products_near_its_top_rate():
+    """A CPU's BLAS reaches most of its rate from a few hundred rows, unlike a GPU's tiles: the assumed CPU must not
+    price a small model's products as launch-bound (with the GPU curve a 256-row product ran at 0.4% of the rate)."""
+    top = CPU.matmul_tflops * 1e12
+    assert CPU.matmul_rate(256, 256, 256) >= 0.5 * top
+    assert CPU.matmul_rate(32, 32, 32) < CPU.matmul_rate(256, 256, 256) <= CPU.matmul_rate(2048, 2048, 2048)
+    assert CPU.matmul_rate(2048, 2048, 2048) == pytest.approx(top)

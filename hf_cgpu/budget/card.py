@@ -128,9 +128,13 @@ DEFAULT_CARD = "RTX 5070 Ti"
 hf_cgpu is made for."""
 
 
-CPU = Card("CPU", 0, 0.04, 10.0, launch_us=20.0, graph_launch_us=20.0,
-           source="an assumed CPU: 0.04 TFLOP/s fp32 matmul, 10 GB/s", aliases=("cpu",))
-"""A CPU run's card, roughly (a run with --fit_schedule_to_time then times its real steps)."""
+CPU_MATMUL = ((32, 0.007), (64, 0.03), (128, 0.09), (256, 0.12), (1024, 0.14), (2048, 0.17))
+"""(square size, TFLOP/s) of an fp32 matmul on two cores of a current x86 server (PyTorch's CPU BLAS): unlike a GPU's,
+the rate is near its top from a few hundred rows, so a small model is not priced as launch-bound."""
+CPU = Card("CPU", 0, CPU_MATMUL[-1][1], 5.0, launch_us=5.0, graph_launch_us=5.0, matmul_curve=CPU_MATMUL,
+           source="an assumed two-core CPU: 0.17 TFLOP/s fp32 matmul, 5 GB/s", aliases=("cpu",))
+"""A CPU run's card, roughly: a machine with more cores runs faster than it says (a run with --fit_schedule_to_time
+then times its real steps)."""
 
 
 def _key(text: str) -> str:

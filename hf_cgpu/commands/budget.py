@@ -341,7 +341,9 @@ def format_step(step, label_w: int, column: str, total: str, rate: str) -> list[
     """The card's line, one row per kind of work in ``step`` (a ``StepTime``), and its total."""
     card = step.card
     measure = "" if card.matmul_curve else "; run `hf-cgpu bench` on your card for its own figures"
-    lines = [f"time on {card.name} ({card.matmul_tflops:,.0f} TFLOP/s bf16, {card.bandwidth_gbs:,.0f} GB/s; "
+    tflops = f"{card.matmul_tflops:,.0f}" if card.matmul_tflops >= 10 else f"{card.matmul_tflops:.2g}"
+    kind = "fp32" if card.name == "CPU" else "bf16"
+    lines = [f"time on {card.name} ({tflops} TFLOP/s {kind}, {card.bandwidth_gbs:,.0f} GB/s; "
              f"{card.source}{measure}):", f"  {'':<{label_w}}{column:>8}   how"]
     lines += [f"  {r.label:<{label_w}}{r.seconds:>8.3f}   {r.note}" for r in step.rows]
     lines.append(f"  {'-' * (label_w + 8)}")
