@@ -220,8 +220,7 @@ class RunTime:
 
 
 def run_time(step: StepTime, train, startup_s: float = 0.0, eval_batches: float = 0.0,
-             checkpoint_bytes: float = 0.0, extra: tuple[TimeRow, ...] = (), before: tuple[TimeRow, ...] = ()
-             ) -> RunTime:
+             checkpoint_bytes: float = 0.0, before: tuple[TimeRow, ...] = ()) -> RunTime:
     """The run of ``train`` (its TrainSettings) at ``step`` per optimizer step: ``startup_s`` before the first step
     (compile), ``eval_batches`` forward micro-batches per evaluation (every ``eval_steps`` and at the end),
     ``checkpoint_bytes`` written every ``checkpointing_steps``; ``--max_minutes`` (counted from the first step's
@@ -232,10 +231,9 @@ def run_time(step: StepTime, train, startup_s: float = 0.0, eval_batches: float 
     ckpt_each = checkpoint_bytes / (CHECKPOINT_WRITE_GBS * 1e9)
     per_step = step.seconds + (eval_each / train.eval_steps if train.eval_steps else 0.0) + (
         ckpt_each / train.checkpointing_steps if train.checkpointing_steps else 0.0)
-    fixed = startup_s + sum(r.seconds for r in extra)
     steps = train.max_steps
     if train.max_minutes > 0:
-        held = max(0, int((train.max_minutes * 60 - fixed) / per_step))
+        held = max(0, int((train.max_minutes * 60 - startup_s) / per_step))
         steps = min(steps, held)
     evals = (steps // train.eval_steps if train.eval_steps else 0) + 1
     ckpts = (steps // train.checkpointing_steps if train.checkpointing_steps else 0) + 1
@@ -245,7 +243,7 @@ def run_time(step: StepTime, train, startup_s: float = 0.0, eval_batches: float 
                     f"{evals} x {eval_batches:,.0f} forward micro-batches" if eval_batches else "none priced"),
             TimeRow("checkpoints", "checkpoints", ckpts * ckpt_each,
                     f"{ckpts} x {checkpoint_bytes / 1e9:.2f} GB at {CHECKPOINT_WRITE_GBS:g} GB/s"),
-            *extra, *before)
+            *before)
     return RunTime(step, rows, steps, train.max_steps, train.max_minutes)
 
 
