@@ -1039,6 +1039,12 @@ def _row(rows: list[Row], key: str) -> float:
     return sum(r.bytes for r in rows if r.key == key)
 
 
+def _fake_call_saved(net: ImageNet) -> float:
+    """Bytes one row of a student call of the fake sampling saves for the backward: a training call's tensors without
+    its loss's (the sampling has no loss of its own)."""
+    return net.saved_bytes - net.saved_by_kind().get(FLOW_LOSS_SAVED, 0)
+
+
 def _adversarial_rows(cfg, net: ImageNet, teacher: ImageNet, b: int, share: float) -> tuple[list[Row], float]:
     """The memory the adversarial term adds to a flow-distill step, and its discriminator step's live bytes.
 
@@ -1049,7 +1055,7 @@ def _adversarial_rows(cfg, net: ImageNet, teacher: ImageNet, b: int, share: floa
     real and fake rows, the heads' tensors of those rows and their gradients."""
     s, calls = net.image_size, adversarial_calls(b, cfg.adversarial_step_counts)
     critic = critic_nets(teacher.config, cfg.disc_width)
-    call_saved = net.saved_bytes - net.saved_by_kind().get(FLOW_LOSS_SAVED, 0)
+    call_saved = _fake_call_saved(net)
     fakes = float(2 * FP32 * 3 * s * s * b)
     groups = ", ".join(f"{rows} rows x {n} call{'s' if n > 1 else ''}" for n, rows in calls.groups)
     heads = critic.heads.params
@@ -1147,15 +1153,15 @@ def image_step_work(task: str, cfg, train, teacher_config: dict[str, Any] | None
         memory.append(("EMA update", EMA_SKIPPABLE_BYTES_PER_PARAM * n))
     kernels = net.kernels * micro * (COMPILED_KERNEL_SHARE if compiled else 1.0) if shortcut else 0.0
     notes = {"model": net.describe()}
+    if task == "flow-distill":
+        teacher, mode = _teacher(cfg, teacher_config, guide, guidance_scale)
     if task == "flow-distill" and cfg.adversarial_weight > 0:
-        teacher, _ = _teacher(cfg, teacher_config, guide, guidance_scale)
         work = _adversarial_work(cfg, net, teacher, b, micro, shortcut, _passes(train))
         gemms += work.gemms
         memory += work.memory_bytes
         kernels += work.kernels
         notes["adversarial"] = work.notes["adversarial"]
     if task == "flow-distill" and shortcut:
-        teacher, mode = _teacher(cfg, teacher_config, guide, guidance_scale)
         r = distill_rows(b, cfg.levels, cfg.consistency_fraction, mode)
         teacher_fp32 = unet_inference(teacher.config, bf16=False).written
         student_bf16 = unet_inference(net.config, bf16=True, channels_last=True).written
@@ -1198,7 +1204,7 @@ def _adversarial_work(cfg, net: ImageNet, teacher: ImageNet, b: int, micro: int,
     gemms += critic.heads.gemms(2 * b, micro, tag="discriminator heads on real and fake rows: ")
     gemms += critic.encoder.gemms(b, micro, frozen=True, tag="critic on the fakes: ")
     gemms += critic.heads.gemms(b, micro, frozen=True, tag="discriminator heads on the fakes: ")
-    call_saved = net.saved_bytes - net.saved_by_kind().get(FLOW_LOSS_SAVED, 0)
+    call_saved = _fake_call_saved(net)
     encoder = unet_inference(teacher.config, bf16=True, channels_last=True, encoder=True)
     eager = ELEMENTWISE_PASSES["eager"]
     memory = (
