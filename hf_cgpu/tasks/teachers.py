@@ -92,6 +92,8 @@ class Distiller:
         self.top_k = top_k
         """Above 0: the KL from the teacher's top-K cached over the training stream (``cache_over``)."""
         self.teachers = [load_teacher(f, tokenizer, vocab_size, device) for f in folders]
+        self.weight_hashes = [sha256_file(Path(f).expanduser() / "model.safetensors") for f in folders]
+        """The teachers' weights by content (the resume fingerprint and the cache's key)."""
         self.sizes = ", ".join(f"{sum(p.numel() for p in t.parameters()) / 1e6:.2f}M" for t in self.teachers)
         self.cache: TeacherCache | None = None
         self.cache_seconds = 0.0
@@ -111,12 +113,9 @@ class Distiller:
         """Distil from the one teacher's ``top_k`` over the packed training ``stream`` (``TeacherCache``: read from
         ``output_dir`` when its key matches, else built and saved there); the teacher is then let go. ``eos``: the
         positions restart after it (--document_masking)."""
-        if len(self.teachers) != 1:
-            raise SettingsError("--teacher_top_k caches one teacher; distil an ensemble with --teacher_top_k 0")
         teacher, k = self.teachers[0], self.top_k
         check_top_k(k, teacher.config.vocab_size)
-        key = cache_key(sha256_file(Path(self.folders[0]).expanduser() / "model.safetensors"), stream.content_hash,
-                        stream.seq_len, eos is not None, k, teacher.dtype)
+        key = cache_key(self.weight_hashes[0], stream.content_hash, stream.seq_len, eos is not None, k, teacher.dtype)
 
         def build():
             return top_k_of_stream(teacher, stream.tokens, stream.seq_len, k, batch_size, device, eos,
@@ -127,7 +126,7 @@ class Distiller:
 
     def fingerprint(self) -> dict[str, Any]:
         """The teachers' weights by content: a resume against another teacher is refused."""
-        return {f"teacher_weights_{i}": sha256_file(Path(f) / "model.safetensors") for i, f in enumerate(self.folders)}
+        return {f"teacher_weights_{i}": h for i, h in enumerate(self.weight_hashes)}
 
     def loss(self, model, inputs: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor,
              starts: torch.Tensor | None = None) -> torch.Tensor:
