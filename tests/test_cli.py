@@ -249,6 +249,7 @@ def test_bad_input_is_one_line_and_exit_2(command, argv, fix, tmp_path, capsys, 
 
 
 # ---------------------------------------------------------------------------------------------------- the launcher
+@pytest.mark.slow
 def test_launched_run_reports_the_child_error_in_one_line(tmp_path):
     """`hf-cgpu train ... --config_file`: accelerate's launcher starts the run; a user error in the child is its one
     line and exit code 2, without the launcher's CalledProcessError traceback."""

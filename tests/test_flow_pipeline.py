@@ -150,6 +150,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_loads_with_trust_remote_code_without_hf_cgpu(tmp_path):
     pipe = _pipe(FlowMatchHeunScheduler())
     expected = pipe(2, 3, _gen(), class_labels=[0, 1], guidance_scale=2.0, output_type="np").images
