@@ -11,6 +11,7 @@ import pytest
 
 from hf_cgpu.budget import autofit_settings, ledger
 from hf_cgpu.commands.budget import describe_run, run
+from hf_cgpu.budget.memory import GiB
 from hf_cgpu.budget.shape import REFERENCE_CONFIGS, ModelShape
 from hf_cgpu.errors import SettingsError
 from hf_cgpu.recipes import RECIPES, parse
@@ -103,6 +104,29 @@ def test_a_teacher_cache_is_priced_instead_of_the_teacher(tmp_path):
     assert longer.steps == rt.steps and rt.limited_by_minutes  # built before the loop's minutes start
     unknown, none = priced("--teacher", str(tmp_path), "--teacher_top_k", "32")
     assert unknown["teacher_cache"] == 0 and "teacher_cache" not in {r.key for r in none.rows}
+
+
+def test_a_cached_teacher_s_run_is_priced_as_measured_on_an_h200(tmp_path):
+    """The 7-minute zh-poetry-modern run distilled from a 5-minute one's cached top-32 (benchmarks/RESULTS.md, issue 52;
+    H200): 12.13 GiB allocated at its peak (the plain run 9.07, the cache 1.27 of the rise), a step 1.156x the plain
+    one's (0.1542 s against 0.1334), and the cache built and written in 18.9 s over the 10.64M-token stream."""
+    from hf_cgpu.budget.card import CARDS
+    from hf_cgpu.commands.budget import lm_run_time
+
+    gpt, _ = parse(RECIPES.lookup("gpt"), ["--preset", "zh-poetry-modern"])
+    gpt.model_config(8192, eos_token_id=0).save_pretrained(tmp_path)  # the teacher: the preset's own shape
+    h200, tokens = CARDS["H200"], 10_639_175
+
+    def priced(*extra):
+        shape, train, _ = describe_run(["--preset", "zh-poetry-modern", "--max_minutes", "7", *extra])
+        setup = shape.setup(train)
+        return ledger(shape.model, setup).allocated / GiB, lm_run_time(shape.model, setup, train, h200)
+
+    plain, plain_rt = priced()
+    cached, rt = priced("--teacher", str(tmp_path), "--teacher_top_k", "32", "--corpus_tokens", str(tokens))
+    assert plain == pytest.approx(9.07, rel=0.05) and cached == pytest.approx(12.13, rel=0.05)
+    assert rt.step.seconds / plain_rt.step.seconds == pytest.approx(0.1542 / 0.1334, rel=0.03)
+    assert {r.key: r.seconds for r in rt.rows}["teacher_cache"] == pytest.approx(18.9, rel=0.1)
 
 
 def test_124m_is_priced_compiled_as_it_trains():

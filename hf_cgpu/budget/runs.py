@@ -8,9 +8,9 @@ from typing import Any
 
 from ..options import CUDA_GRAPH_MODES
 from .card import CPU, Card
-from .memory import model_state_bytes
+from .memory import model_state_bytes, teacher_cache_bytes
 from .shape import ModelShape, TrainSetup
-from .time import RunTime, TimeRow, compile_seconds, run_time, step_time
+from .time import CHECKPOINT_WRITE_GBS, RunTime, TimeRow, compile_seconds, run_time, step_time
 from .work import lm_step_work, teacher_cache_work
 
 IMAGE_COMPILE_BLOCKS = 5
@@ -33,10 +33,12 @@ def teacher_cache_rows(shape: ModelShape, setup: TrainSetup, card: Card) -> tupl
     is not known); a resume or a second student in the same folder reads it instead."""
     if not (setup.teachers and setup.teacher_top_k and setup.stream_tokens):
         return ()
-    build = step_time(teacher_cache_work(setup, shape.vocab_size), card)
-    return (TimeRow("teacher_cache", "teacher cache (once)", build.seconds,
-                    f"the teacher's forward over the {setup.stream_tokens / 1e6:,.2f}M-token stream and its top-"
-                    f"{setup.teacher_top_k}, before the loop (outside --max_minutes; reused when its key matches)"),)
+    build = step_time(teacher_cache_work(setup, shape.vocab_size, gpu=card is not CPU), card)
+    saved = teacher_cache_bytes(setup, shape.vocab_size)
+    return (TimeRow("teacher_cache", "teacher cache (once)", build.seconds + saved / (CHECKPOINT_WRITE_GBS * 1e9),
+                    f"the teacher's forward over the {setup.stream_tokens / 1e6:,.2f}M-token stream, its top-"
+                    f"{setup.teacher_top_k} and the {saved / 1e9:.2f} GB file, before the loop (outside "
+                    "--max_minutes; reused when its key matches)"),)
 
 
 def image_run_time(task: str, cfg, train, card: Card, extra: dict[str, Any]) -> RunTime:

@@ -70,6 +70,16 @@ EXTRA_LOSS_BYTES_PER_LOGIT = 127.0
 """Device bytes per logit of a loss a GPT run adds beside its own (a multi-token head's cross-entropy, distillation's
 KL per model in it): eager, soft-capped, checkpointed (its forward twice), outside the compiled model. Fitted: the
 7-minute zh-poetry-modern run with 2 heads (a step 58 ms longer while the heads ran, 9 ms of it their products)."""
+SPARSE_KL_BYTES_PER_LOGIT = 93.0
+"""Device bytes per logit a cached teacher's sparse KL adds to the eager cross-entropy it shares a checkpointed chunk
+with (``--teacher_top_k``): the logits' fp32 copy, log-sum-exp and gathers recomputed in the backward, the gathers'
+scattered gradients and their sums. Fitted: the 7-minute zh-poetry-modern run with a cached top-32 against the plain
+preset on the same card (a step 1.156x the plain one)."""
+TOP_K_BYTES_PER_LOGIT = 490.0
+"""The top-K selection of a teacher cache's build (``--teacher_top_k``) on a GPU, in bytes per logit at the card's
+bandwidth: a radix select per row runs far below it, and each batch's rows are copied to the host before the next
+starts. Fitted: the zh-poetry-modern teacher's top-32 over the 10.64M-token stream, 18.9 s on an H200 with the file's
+write."""
 
 
 @dataclass(frozen=True)
@@ -205,7 +215,7 @@ def extra_loss_work(shape: ModelShape, setup: TrainSetup) -> tuple[list[Gemm], f
     """(products, attention FLOPs, memory-bound bytes, kernels) a step adds for its multi-token heads (each: a d x d
     residual matrix, then the LM head and its cross-entropy, for ``extra_heads_share`` of the steps) or its
     distillation teachers (each: a no-grad forward, then its LM head in the KL beside the student's; from a cache
-    of the teacher's top-K: the sparse KL in the cross-entropy's chunk, the student's logits read once more at T)."""
+    of the teacher's top-K: the sparse KL in the cross-entropy's checkpointed chunk, whose head runs once more)."""
     micro, t, V, d = setup.gradient_accumulation_steps, float(setup.tokens_per_micro_batch), shape.vocab_size, \
         shape.d_model
     chunks = -(-int(t) // setup.loss_chunk_size) if setup.loss_chunk_size else 1
@@ -227,8 +237,10 @@ def extra_loss_work(shape: ModelShape, setup: TrainSetup) -> tuple[list[Gemm], f
         gemms += head(d, True, share, "multi-token head's LM head")
         memory.append(("multi-token heads' loss", EXTRA_LOSS_BYTES_PER_LOGIT * t * V * micro * share))
         kernels += 2 * LOSS_KERNELS_PER_CHUNK * chunks * micro * share
-    if setup.teachers and setup.teacher_top_k:
-        memory.append(("sparse KL", (SPARSE_KL_BYTES_PER_ENTRY * setup.teacher_top_k + 3 * FP32 * V) * t * micro))
+    if setup.teachers and setup.teacher_top_k:  # the head runs in the checkpointed chunk: its forward once more
+        gemms.append(Gemm(t, V, d, micro, "sparse KL chunk's head, recomputed in the backward"))
+        memory.append(("sparse KL", (SPARSE_KL_BYTES_PER_ENTRY * setup.teacher_top_k + SPARSE_KL_BYTES_PER_LOGIT * V)
+                       * t * micro))
         kernels += LOSS_KERNELS_PER_CHUNK * chunks * micro
     elif setup.teachers:
         gemms += head(d, True, 1.0, "distillation student head")
@@ -256,7 +268,7 @@ def teacher_forward(teacher: ModelShape, setup: TrainSetup, tokens: float, count
     return gemms, attention, memory, KERNELS_PER_LAYER[teacher.family] * teacher.depth * count / 3
 
 
-def teacher_cache_work(setup: TrainSetup, vocab_size: int) -> StepWork:
+def teacher_cache_work(setup: TrainSetup, vocab_size: int, gpu: bool = True) -> StepWork:
     """The one-off build of a teacher cache (``--teacher_top_k``): the teacher's eager no-grad forward over the
     training stream in micro-batches, its LM head, and the fp32 log-softmax and top-K of its logits."""
     teacher, t = setup.teachers[0], float(setup.tokens_per_micro_batch)
@@ -264,7 +276,8 @@ def teacher_cache_work(setup: TrainSetup, vocab_size: int) -> StepWork:
     eager = dataclasses.replace(setup, compile=False)
     gemms, attention, memory, kernels = teacher_forward(teacher, eager, t, count, "teacher")
     gemms.append(Gemm(t, vocab_size, teacher.d_model, count, "teacher head"))
-    logits = ("log-softmax and top-K", 4 * FP32 * vocab_size * setup.stream_tokens)
+    select = TOP_K_BYTES_PER_LOGIT if gpu else 0.0
+    logits = ("log-softmax and top-K", (4 * FP32 + select) * vocab_size * setup.stream_tokens)
     return StepWork(tuple(gemms), attention, (("teacher forward", memory), logits), kernels,
                     samples=setup.stream_tokens, seq_len=setup.seq_len)
 
