@@ -39,8 +39,8 @@ def test_budget_describes_the_run_the_recipe_trains(preset, extra):
 
 def test_the_multi_token_heads_and_the_teachers_are_priced(tmp_path):
     """--mtp_heads adds one head's chunk of logits and its products for the share of the steps it runs; --teacher
-    adds each teacher's bf16 weights (its shape read from its folder), the KL's logits and its forward: in the
-    budget and in the shape the training task declares alike."""
+    adds each teacher's bf16 weights (its shape read from its folder), the KL's logits and its forward, for the share
+    of the steps --distill_anneal leaves them: in the budget and in the shape the training task declares alike."""
     from hf_cgpu.budget.card import CARDS
     from hf_cgpu.budget.memory import BF16, LOSS_EXTRA_LOGIT_BYTES
     from hf_cgpu.commands.budget import lm_run_time
@@ -68,6 +68,8 @@ def test_the_multi_token_heads_and_the_teachers_are_priced(tmp_path):
     assert kd["distill_logits"] == (LOSS_EXTRA_LOGIT_BYTES["kl_student"] + LOSS_EXTRA_LOGIT_BYTES["kl_teacher"]) * logits
     _, _, kd2, kd2_step = priced("--teacher", f"{tmp_path},{tmp_path}")
     assert kd2["teachers"] == 2 * kd["teachers"] and step < kd_step < kd2_step
+    _, _, kd_half, kd_half_step = priced("--teacher", str(tmp_path), "--distill_anneal", "0.5")
+    assert kd_half == kd and kd_half_step - step == pytest.approx(0.5 * (kd_step - step))  # the peak is step 0's
     assert {k for k in plain} == {k for k in kd} - {"teachers", "distill_logits"}
 
 

@@ -78,8 +78,11 @@ def test_the_sparse_kl_at_k_vocab_is_the_full_kl_and_zero_for_the_teacher_itself
         _, same = chunked_ce_sparse_kl(h[0], w[0], targets, s_ids, s_values, chunk_size=7, temperature=2.0, cap=20.0)
         values5, ids5 = values[:, :5], ids[:, :5]
         _, kl5 = chunked_ce_sparse_kl(h[0], w[0], targets, ids5, values5, chunk_size=0, temperature=2.0, cap=20.0)
+        nowhere = torch.full_like(ids, 10**6)  # not read without the KL (--distill_anneal's weight 0)
+        ce_alone, none = chunked_ce_sparse_kl(h[0], w[0], targets, nowhere, values, chunk_size=7, cap=20.0, kl=False)
     torch.testing.assert_close(kl, full, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(ce, own, rtol=1e-6, atol=1e-7)
+    assert torch.equal(ce_alone, ce) and none.item() == 0
     assert kl > 1e-3 and same.abs().item() < 1e-6
     p = F.softmax(values5 / 2.0, dim=-1)
     log_q = (logp[0] / 2.0).log_softmax(-1).gather(1, ids5)  # log-softmax at T of the log-softmax: that of the logits
@@ -142,6 +145,10 @@ def test_the_cached_loss_and_gradients_at_k_vocab_are_the_on_the_fly_ones(inputs
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6, msg=name)
     plain = student(input_ids=x[:, :-1], shift_labels=x[:, 1:], use_cache=False).loss
     assert abs(losses[0] - 0.6 * plain) > 1e-3  # the KL is there
+    for distiller in (cached, fly):  # --distill_anneal's weight 0: the plain cross-entropy, on both paths
+        distiller.weight_now = 0.0
+        torch.testing.assert_close(distiller.loss(student, x[:, :-1], None, x[:, 1:], starts), plain, rtol=1e-6,
+                                   atol=1e-6)
 
 
 def test_the_cache_is_reused_for_its_key_and_rebuilt_for_other_weights(inputs, teacher, tmp_path, monkeypatch):

@@ -169,6 +169,39 @@ def test_a_teacher_equal_to_the_student_adds_no_kl(inputs, teacher):
     assert student.lm_head.weight.grad is not None
 
 
+def test_the_distillation_weight_anneals_to_the_plain_loss_without_the_teacher(inputs, teacher, monkeypatch):
+    """--distill_anneal: the weight falls linearly from --distill_weight at step 0 to 0 at that share of the schedule;
+    the loss mixes the KL at the weight of its step, and at 0 it is the plain cross-entropy with no teacher call."""
+    tok = load_tokenizer(inputs / "tok")
+    student = CgptForCausalLM(CgptConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tok), n_positions=32)).train()
+    task = CausalLMTask(GPTSettings(**GPT, teacher=str(teacher), distill_weight=0.6, distill_anneal=0.5))
+    task.distiller = Distiller([str(teacher)], tok, len(tok), torch.device("cpu"), 0.6, 1.0, nullcontext)
+    weights = []
+    for step in (0, 10, 20, 30, 39):
+        task.at_step(step, 40)
+        weights.append(task.distiller.weight_now)
+    assert weights == pytest.approx([0.6, 0.3, 0.0, 0.0, 0.0])
+    x = torch.randint(0, len(tok), (2, 33), generator=torch.Generator().manual_seed(1))
+    ce = student(input_ids=x[:, :-1], shift_labels=x[:, 1:], use_cache=False).loss
+    task.at_step(10, 40)
+    half = task.distiller.loss(student, x[:, :-1], None, x[:, 1:])
+    task.distiller.weight_now = 1.0  # the KL alone
+    kl = task.distiller.loss(student, x[:, :-1], None, x[:, 1:])
+    torch.testing.assert_close(half, 0.7 * ce + 0.3 * kl, rtol=1e-5, atol=1e-6)
+    assert kl > 0.01  # an untrained student is far from the teacher
+    task.at_step(20, 40)
+    monkeypatch.setattr(task.distiller.teachers[0], "transformer", None)  # called at weight 0: a TypeError
+    torch.testing.assert_close(task.distiller.loss(student, x[:, :-1], None, x[:, 1:]), ce, rtol=0, atol=0)
+    held = CausalLMTask(GPTSettings(**GPT, teacher=str(teacher), distill_weight=0.6))
+    held.distiller = task.distiller
+    held.distiller.weight_now = 0.6
+    held.at_step(39, 40)
+    assert held.distiller.weight_now == 0.6  # --distill_anneal 0: the weight held all run
+    for bad in ({"distill_anneal": 1.5, "teacher": str(teacher)}, {"distill_anneal": 0.5}):
+        with pytest.raises(SettingsError, match=r"^--distill_anneal .*--teacher DIR"):
+            GPTSettings(**GPT, **bad)
+
+
 def test_a_teacher_of_another_tokenizer_is_refused_in_one_line(inputs, teacher, tmp_path):
     with pytest.raises(SettingsError, match=r"^--teacher .* has another tokenizer than this run .*--tokenizer"):
         run(inputs, tmp_path / "run", tokenizer="other_tok", teacher=str(teacher))
@@ -187,7 +220,7 @@ def test_a_damaged_teacher_folder_is_refused_by_its_manifest(inputs, teacher, tm
 @pytest.fixture(scope="module")
 def full(inputs, teacher):
     """All three levers on, four steps, a checkpoint every two."""
-    levers = dict(input_noise=0.1, teacher=f"{teacher},{teacher}", distill_weight=0.6)
+    levers = dict(input_noise=0.1, teacher=f"{teacher},{teacher}", distill_weight=0.6, distill_anneal=0.75)
     results = run(inputs, inputs / "full", train=SCHEDULE, **levers)
     return levers, results
 
@@ -219,6 +252,7 @@ def test_a_run_with_the_levers_resumes_bit_identical_and_a_changed_lever_is_refu
     for name, changed, train in (("input_noise", {**levers, "input_noise": 0.2}, resume),
                                  ("swa_start", levers, {**resume, "swa_start": 0.6}),
                                  ("distill_weight", {**levers, "distill_weight": 0.5}, resume),
+                                 ("distill_anneal", {**levers, "distill_anneal": 0.5}, resume),
                                  ("weight_decay_end", levers, {**resume, "weight_decay_end": 0.5})):
         with pytest.raises(CheckpointError, match=rf"{{'{name}': "):
             run(inputs, cut, train={**train, "max_steps": 5}, **changed)

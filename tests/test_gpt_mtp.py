@@ -21,7 +21,7 @@ from hf_cgpu.errors import CheckpointError, SettingsError
 from hf_cgpu.models.cgpt import CgptConfig, CgptForCausalLM
 from hf_cgpu.settings import TrainSettings
 from hf_cgpu.tasks.causal_lm import CausalLMTask, GPTSettings
-from hf_cgpu.tasks.mtp import mtp_targets, mtp_weight
+from hf_cgpu.tasks.mtp import annealed_weight, mtp_targets
 from hf_cgpu.train import TaskPlan, fit
 
 DOCS = builtin_corpus()
@@ -78,8 +78,8 @@ def test_targets_in_the_next_document_or_past_the_row_are_not_scored():
 
 
 def test_the_weight_anneals_to_zero_and_the_loss_is_then_the_plain_one():
-    assert [mtp_weight(k, 100, 0.3, 0.5) for k in (0, 25, 50, 80)] == [0.3, 0.15, 0.0, 0.0]
-    assert mtp_weight(60, 200, 0.3, 0.5) == pytest.approx(0.3 * 0.4)  # the schedule's length as fitted
+    assert [annealed_weight(k, 100, 0.3, 0.5) for k in (0, 25, 50, 80)] == [0.3, 0.15, 0.0, 0.0]
+    assert annealed_weight(60, 200, 0.3, 0.5) == pytest.approx(0.3 * 0.4)  # the schedule's length as fitted
     task, model = _task(mtp_heads=2)
     block = _block(task)
     plain = model(input_ids=block[:, :-1], shift_labels=block[:, 1:], use_cache=False).loss

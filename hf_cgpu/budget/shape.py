@@ -425,6 +425,8 @@ class TrainSetup(TrainSettings):
     teachers: tuple[ModelShape, ...] = ()
     """Distillation teachers (a GPT's ``--teacher``): a no-grad forward each a micro-batch from bf16 weights, and
     their logits beside the student's in the KL's chunk."""
+    teacher_share: float = 1.0
+    """Share of the steps the teachers (or their cache's KL) run (``--distill_anneal``: none after it)."""
     teacher_top_k: int = 0
     """The teacher's predictions read from a cache of its top-K over the training stream (a GPT's
     ``--teacher_top_k``), built by one forward over the stream before the first step: no teacher in the step, the
@@ -520,6 +522,8 @@ class TrainSetup(TrainSettings):
                 f"{t.name}: {fmt_count(t.n_params)} params" for t in self.teachers) + ")"
             if self.teacher_top_k:
                 out += f", its top-{self.teacher_top_k} cached over the stream"
+            if self.teacher_share < 1:
+                out += f", for {self.teacher_share:.0%} of the steps"
         return out
 
 
@@ -548,6 +552,8 @@ class RunShape:
     """``TrainSetup.extra_heads_share``."""
     teachers: tuple[ModelShape, ...] = ()
     """``TrainSetup.teachers``."""
+    teacher_share: float = 1.0
+    """``TrainSetup.teacher_share``."""
     teacher_top_k: int = 0
     """``TrainSetup.teacher_top_k``."""
     stream_tokens: int = 0
@@ -564,4 +570,5 @@ class RunShape:
                              loss_in_forward=self.loss_in_forward, processes=processes, fsdp=fsdp,
                              train_mode=self.train_mode, packed=self.packed, extra_heads=self.extra_heads,
                              extra_heads_share=self.extra_heads_share, teachers=self.teachers,
-                             teacher_top_k=self.teacher_top_k, stream_tokens=self.stream_tokens)
+                             teacher_share=self.teacher_share, teacher_top_k=self.teacher_top_k,
+                             stream_tokens=self.stream_tokens)

@@ -237,20 +237,22 @@ def extra_loss_work(shape: ModelShape, setup: TrainSetup) -> tuple[list[Gemm], f
         gemms += head(d, True, share, "multi-token head's LM head")
         memory.append(("multi-token heads' loss", EXTRA_LOSS_BYTES_PER_LOGIT * t * V * micro * share))
         kernels += 2 * LOSS_KERNELS_PER_CHUNK * chunks * micro * share
+    taught = setup.teacher_share  # --distill_anneal: the KL and the teachers only while their weight is above 0
     if setup.teachers and setup.teacher_top_k:  # the head runs in the checkpointed chunk: its forward once more
         gemms.append(Gemm(t, V, d, micro, "sparse KL chunk's head, recomputed in the backward"))
         memory.append(("sparse KL", (SPARSE_KL_BYTES_PER_ENTRY * setup.teacher_top_k + SPARSE_KL_BYTES_PER_LOGIT * V)
-                       * t * micro))
+                       * t * micro * taught))
         kernels += LOSS_KERNELS_PER_CHUNK * chunks * micro
     elif setup.teachers:
-        gemms += head(d, True, 1.0, "distillation student head")
+        gemms += head(d, True, taught, "distillation student head")
         for i, teacher in enumerate(setup.teachers):
-            g, a, m, k = teacher_forward(teacher, setup, t, micro, f"teacher {i}")
-            gemms += g + head(teacher.d_model, False, 1.0, f"teacher {i} head")
+            g, a, m, k = teacher_forward(teacher, setup, t, micro * taught, f"teacher {i}")
+            gemms += g + head(teacher.d_model, False, taught, f"teacher {i} head")
             attention, kernels = attention + a, kernels + k
             memory.append((f"teacher {i} forward", m))
-        memory.append(("distillation KL", EXTRA_LOSS_BYTES_PER_LOGIT * t * V * micro * (1 + len(setup.teachers))))
-        kernels += 2 * LOSS_KERNELS_PER_CHUNK * chunks * micro * (1 + len(setup.teachers))
+        memory.append(("distillation KL", EXTRA_LOSS_BYTES_PER_LOGIT * t * V * micro * taught
+                       * (1 + len(setup.teachers))))
+        kernels += 2 * LOSS_KERNELS_PER_CHUNK * chunks * micro * taught * (1 + len(setup.teachers))
     return gemms, attention, memory, kernels
 
 

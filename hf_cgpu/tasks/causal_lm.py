@@ -28,7 +28,7 @@ from ..train import TaskPlan
 from ..train.parallel import is_sharded
 from ..train.schedule import calibration_step
 from .auto import resolve as resolve_auto
-from .mtp import MTPHeads, mtp_loss, mtp_weight
+from .mtp import MTPHeads, annealed_weight, mtp_loss
 from .packed import PackedTokensTask
 from .settings import GPTSettings
 from .teachers import Distiller
@@ -208,7 +208,8 @@ class CausalLMTask(PackedTokensTask):
                                        cfg.distill_weight, cfg.distill_temperature, accelerator.autocast,
                                        compile=settings.compile and accelerator.device.type == "cuda",
                                        top_k=cfg.teacher_top_k)
-            accelerator.print(self.distiller.describe())
+            accelerator.print(self.distiller.describe() + (f"; its weight falls to 0 at {cfg.distill_anneal:g} of "
+                              "the schedule, the plain loss from there on" if cfg.distill_anneal else ""))
             if cfg.teacher_top_k:  # built by the main process, read by the others
                 with accelerator.main_process_first():
                     self.distiller.cache_over(self.train_data, out, settings.micro_batch_size,
@@ -236,9 +237,13 @@ class CausalLMTask(PackedTokensTask):
             return MTPHeads(config.n_embd, self.cfg.mtp_heads).to(device)
 
     def at_step(self, step: int, last_step: int) -> None:
-        """The multi-token heads' weight for ``step`` on the schedule of ``last_step`` steps."""
+        """The multi-token heads' and the distillation term's weights for ``step`` on the schedule of ``last_step``
+        steps."""
         if self.mtp is not None:
-            self.mtp_now = mtp_weight(step, last_step, self.cfg.mtp_weight, self.cfg.mtp_anneal)
+            self.mtp_now = annealed_weight(step, last_step, self.cfg.mtp_weight, self.cfg.mtp_anneal)
+        if self.distiller is not None and self.cfg.distill_anneal:
+            cfg = self.cfg
+            self.distiller.weight_now = annealed_weight(step, last_step, cfg.distill_weight, cfg.distill_anneal)
 
     def _auto(self, settings: TrainSettings, accelerator, vocab: int):
         """(GPTSettings, TrainSettings, the line) of ``--auto`` for the packed training split on this card."""

@@ -61,11 +61,11 @@ def mtp_loss(heads: MTPHeads, hidden: torch.Tensor, head_weight: torch.Tensor, b
     return total / len(heads.projs)
 
 
-def mtp_weight(step: int, last_step: int, weight: float, anneal: float) -> float:
-    """The extra losses' weight at ``step``: ``weight`` at step 0, linearly to 0 at ``anneal`` of the schedule's
-    ``last_step`` steps, 0 from there on."""
+def annealed_weight(step: int, last_step: int, weight: float, anneal: float) -> float:
+    """An extra loss's weight at ``step`` (the heads', or distillation's with ``--distill_anneal``): ``weight`` at
+    step 0, linearly to 0 at ``anneal`` of the schedule's ``last_step`` steps, 0 from there on."""
     end = anneal * last_step
     return weight * max(0.0, 1.0 - step / end) if end > 0 else 0.0
 
 
-__all__ = ["MTPHeads", "mtp_loss", "mtp_targets", "mtp_weight"]
+__all__ = ["MTPHeads", "annealed_weight", "mtp_loss", "mtp_targets"]

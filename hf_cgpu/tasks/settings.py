@@ -74,6 +74,11 @@ class GPTSettings(CgptOptions):
     with --tokenizer); its folder's manifest is checked as hf-cgpu verify does; empty = off."""
     distill_weight: float = field(default=0.5, metadata=FIXED)
     """Share of the distillation term in the loss (--teacher), in (0, 1]."""
+    distill_anneal: float = field(default=0.0, metadata=FIXED)
+    """Fraction of the schedule's steps (as --fit_schedule_to_time fixes them) over which --distill_weight falls
+    linearly to 0, the loss the plain cross-entropy from there on and the teacher no longer run (its soft targets
+    speed the early steps, and the student is not held to the teacher's level at the end); 0 = the weight held all
+    run, in [0, 1]."""
     distill_temperature: float = field(default=1.0, metadata=FIXED)
     """Temperature T of the teachers' and the student's softmax in the distillation term (--teacher); the term is
     scaled by T^2 so that its gradients keep their size."""
@@ -82,7 +87,7 @@ class GPTSettings(CgptOptions):
     32): the teacher runs once over the stream before the first step (outside --max_minutes; its seconds are
     teacher_cache_seconds in all_results.json), the cache is kept in output_dir/teacher_cache (neither sealed nor
     pushed; a resume reads it), and the KL is over those K tokens, the teacher's probabilities renormalised over
-    them; the step then costs about a plain one. One teacher; 0 = its logits on the fly every step."""
+    them; no teacher runs in the step. One teacher; 0 = its logits on the fly every step."""
     mtp_heads: int = field(default=0, metadata=FIXED)
     """Multi-token prediction: this many extra heads, head k predicting token t + 1 + k from the final hidden state at
     position t (a residual d x d linear on an RMSNorm) through the model's own LM head, their mean cross-entropy added
@@ -122,6 +127,9 @@ class GPTSettings(CgptOptions):
             raise SettingsError(f"--distill_weight {self.distill_weight} / --distill_temperature "
                                 f"{self.distill_temperature}; use a weight in (0, 1] and a temperature > 0, e.g. 0.5 "
                                 "and 1")
+        if not 0 <= self.distill_anneal <= 1 or (self.distill_anneal and not self.teachers):
+            raise SettingsError(f"--distill_anneal {self.distill_anneal:g} anneals a --teacher's weight: use a fraction "
+                                "of the schedule in (0, 1] with --teacher DIR, e.g. 0.5, or 0 (the weight held)")
         if self.teacher_top_k and len(self.teachers) != 1:
             raise SettingsError(f"--teacher_top_k {self.teacher_top_k} caches the predictions of one --teacher DIR, "
                                 f"this run has {len(self.teachers)}: give one, or --teacher_top_k 0 (an ensemble's "
@@ -174,7 +182,7 @@ class GPTSettings(CgptOptions):
         cached = {"teacher_top_k": self.teacher_top_k, "stream_tokens": stream_tokens,
                   "loss_in_forward": False} if self.teacher_top_k else {}  # its loss: the student's head called aside
         return {"extra_heads": self.mtp_heads, "extra_heads_share": self.mtp_anneal, "teachers": tuple(teachers),
-                **cached}
+                "teacher_share": self.distill_anneal or 1.0, **cached}
 
 
 @dataclass(frozen=True)

@@ -160,11 +160,14 @@ def check_top_k(k: int, vocab_size: int) -> None:
 
 
 def _chunk_ce_sparse_kl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor,
-                        values: torch.Tensor, temperature: float, cap: float) -> torch.Tensor:
-    """(summed cross-entropy, summed sparse KL) over one chunk's rows, from one set of fp32 student logits."""
+                        values: torch.Tensor, temperature: float, cap: float, kl: bool = True) -> torch.Tensor:
+    """(summed cross-entropy, summed sparse KL; 0 without ``kl``) over one chunk's rows, from one set of fp32
+    student logits."""
     logits = soft_cap(F.linear(hidden, weight).float(), cap)
     lse = torch.logsumexp(logits, dim=-1)
     ce = (lse - logits.gather(1, targets[:, None]).squeeze(1)).sum()
+    if not kl:
+        return torch.stack((ce, torch.zeros_like(ce)))
     lse_t = lse if temperature == 1 else torch.logsumexp(logits / temperature, dim=-1)
     log_q = logits.gather(1, ids) / temperature - lse_t[:, None]
     log_p = F.log_softmax(values / temperature, dim=-1)  # the K entries renormalised
@@ -173,18 +176,18 @@ def _chunk_ce_sparse_kl(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
 
 
 def chunked_ce_sparse_kl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor,
-                         values: torch.Tensor, chunk_size: int, temperature: float = 1.0, cap: float = 0.0
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         values: torch.Tensor, chunk_size: int, temperature: float = 1.0, cap: float = 0.0,
+                         kl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean cross-entropy against ``targets``, mean sparse KL(teacher's top-K || student) at ``temperature``) of the
     logits ``hidden @ weight.T`` (soft-capped at ``cap``), hidden (N, C), targets (N,), ``ids`` / ``values`` (N, K) the
     teacher's top-K ids and log-probabilities; ``chunk_size`` rows at a time (0: all at once), each chunk's logits
-    only inside a checkpointed call."""
+    only inside a checkpointed call; without ``kl`` the KL is 0 and not computed."""
     n = hidden.shape[0]
     step = chunk_size or n
     total = hidden.new_zeros(2, dtype=torch.float32)
     for start in range(0, n, step):
         rows = slice(start, start + step)
-        args = (hidden[rows], weight, targets[rows], ids[rows], values[rows], temperature, cap)
+        args = (hidden[rows], weight, targets[rows], ids[rows], values[rows], temperature, cap, kl)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             total = total + checkpoint(_chunk_ce_sparse_kl, *args, use_reentrant=False)
         else:

@@ -89,6 +89,8 @@ class Distiller:
     def __init__(self, folders: list[str], tokenizer, vocab_size: int, device: torch.device, weight: float,
                  temperature: float, autocast, compile: bool = False, top_k: int = 0):
         self.folders, self.weight, self.temperature, self.autocast = folders, weight, temperature, autocast
+        self.weight_now = weight
+        """The distillation term's weight at this step (``--distill_anneal`` lowers it); 0: the plain loss."""
         self.top_k = top_k
         """Above 0: the KL from the teacher's top-K cached over the training stream (``cache_over``)."""
         self.teachers = [load_teacher(f, tokenizer, vocab_size, device) for f in folders]
@@ -137,7 +139,9 @@ class Distiller:
         if self.cache is not None:
             return self._cached_loss(model, inputs, positions, targets, starts)
         out = model(input_ids=inputs, position_ids=positions, shift_labels=targets, use_cache=False,
-                    return_logits=False, output_hidden_states=True)
+                    return_logits=False, output_hidden_states=True)  # one call throughout: no recompile at weight 0
+        if not self.weight_now:
+            return out.loss
         bare = extract_model_from_parallel(model)
         hidden = out.hidden_states[-1]  # after the final norm: what the head reads
         with torch.no_grad():
@@ -148,7 +152,7 @@ class Distiller:
             kl = chunked_kl(hidden.reshape(-1, hidden.shape[-1]), bare.lm_head.weight, flat,
                             [t.lm_head.weight for t in self.teachers], bare.config.loss_chunk_size, self.temperature,
                             bare.config.logit_softcap, [t.config.logit_softcap for t in self.teachers])
-        return (1 - self.weight) * out.loss + self.weight * self.temperature**2 * kl
+        return (1 - self.weight_now) * out.loss + self.weight_now * self.temperature**2 * kl
 
     def _cached_loss(self, model, inputs, positions, targets, starts) -> torch.Tensor:
         """The cross-entropy and the sparse KL from the cache, in one pass over the student's logits (the model
@@ -164,8 +168,8 @@ class Distiller:
             ce, kl = chunked_ce_sparse_kl(hidden.reshape(-1, hidden.shape[-1]), bare.lm_head.weight,
                                           targets.reshape(-1), ids.reshape(-1, ids.shape[-1]),
                                           values.reshape(-1, ids.shape[-1]), bare.config.loss_chunk_size,
-                                          self.temperature, bare.config.logit_softcap)
-        return (1 - self.weight) * ce + self.weight * self.temperature**2 * kl
+                                          self.temperature, bare.config.logit_softcap, kl=bool(self.weight_now))
+        return (1 - self.weight_now) * ce + self.weight_now * self.temperature**2 * kl
 
 
 __all__ = ["Distiller", "chunked_kl", "load_teacher"]
