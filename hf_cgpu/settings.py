@@ -83,8 +83,9 @@ class TrainSettings:
     """With --max_minutes: time the first steps on this machine (after warmup and the first evaluation), then end
     the cosine at the step that fits in the minutes left (at most max_steps), so a slower card still finishes its
     decay instead of stopping at a high learning rate. Where that timing point would come after half the minutes,
-    the schedule is fitted from the steps so far, and a warmup too long for it is shortened. The length is kept in
-    the checkpoint: a resumed run continues the same schedule."""
+    the schedule is fitted from the steps so far, and a warmup too long for it is shortened. Where an extra loss
+    stops partway (--mtp_anneal, --distill_anneal), the steps after it are counted at the ledger's cheaper cost. The
+    length is kept in the checkpoint: a resumed run continues the same schedule."""
     micro_batch_size: int = 8
     """Samples per forward/backward pass; lower it (and raise accumulation) when memory is short."""
     gradient_accumulation_steps: int = 1

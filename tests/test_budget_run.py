@@ -73,6 +73,27 @@ def test_the_multi_token_heads_and_the_teachers_are_priced(tmp_path):
     assert {k for k in plain} == {k for k in kd} - {"teachers", "distill_logits"}
 
 
+def test_an_annealed_loss_s_later_steps_are_priced_cheaper_for_the_schedule_fit(tmp_path):
+    """(share, ratio) for --fit_schedule_to_time: the heads or the teacher stop at their share of the schedule, and a
+    step after it costs the ledger's step without them over the step with them; None where nothing is annealed."""
+    from hf_cgpu.budget.card import CARDS
+    from hf_cgpu.budget.runs import annealed_cost
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "cgpt", "n_layer": 2, "n_embd": 64, "n_head": 2,
+                                                      "vocab_size": 8192, "n_positions": 512}))
+
+    def cost(*extra):
+        shape, train, _ = describe_run(["--preset", "zh-poetry-modern", *extra])
+        return annealed_cost(shape.model, shape.setup(train), CARDS["RTX 5070 Ti"])
+
+    assert cost() is None and cost("--teacher", str(tmp_path)) is None and cost("--mtp_heads", "2", "--mtp_anneal",
+                                                                                "1") is None
+    for extra in (("--mtp_heads", "2", "--mtp_anneal", "0.5"), ("--teacher", str(tmp_path), "--distill_anneal", "0.5"),
+                  ("--teacher", str(tmp_path), "--teacher_top_k", "32", "--distill_anneal", "0.5")):
+        share, ratio = cost(*extra)
+        assert share == 0.5 and 0.3 < ratio < 1, (extra, ratio)
+
+
 def test_a_teacher_cache_is_priced_instead_of_the_teacher(tmp_path):
     """--teacher_top_k K: no teacher weights or forward in the step, K (int16 id, fp16 value) per stream position on
     the GPU, an eager loss beside the model (its head called aside), a step between the plain one and the on-the-fly

@@ -396,6 +396,11 @@ def test_fitted_length_closed_form():
     assert fitted_length(10, 2.0, 1e9, 1000) == 1000  # never past max_steps
     assert fitted_length(10, 2.0, -5.0, 1000) == 11  # out of time: end at the next step
     assert fitted_length(10, 2.0, 40.0, 10) == 10  # timed up to max_steps: the run still ends there
+    # an extra loss on in the timed steps, off after half the schedule, a step then half the cost: L such that
+    # (L/2 - 10) timed steps + L/2 steps at half = 19.4 timed steps' seconds -> L = 29.4 / 0.75 = 39.2
+    assert fitted_length(10, 2.0, 40.0, 1000, annealed=(0.5, 0.5)) == 39
+    assert fitted_length(10, 2.0, 40.0, 1000, annealed=(0.5, 1.0)) == 29  # no cheaper: as without
+    assert fitted_length(100, 2.0, 40.0, 1000, annealed=(0.1, 0.5)) == 100 + int(19.4 / 0.5)  # stopped before
     assert calibration_step(TrainSettings(warmup_steps=200, eval_steps=100)) == 200
     assert calibration_step(TrainSettings(warmup_steps=3, eval_steps=50)) == 51
     assert calibration_step(TrainSettings(warmup_steps=0, eval_steps=0, max_steps=6)) == 6
@@ -420,6 +425,20 @@ def test_schedule_fitted_to_the_minutes_ends_its_cosine_inside_them(tmp_path, ti
     assert lr[29] == pytest.approx(lr_at(28, s, 29)) and lr[29] < 1.05 * s.min_lr_ratio * s.learning_rate  # a 1000-step cosine: ~peak
     assert lr[5] == pytest.approx(lr_at(4, s))  # before the timing ends (step 10) the max_steps cosine: ~flat here
     assert lr[15] == pytest.approx(lr_at(14, s, 29))
+
+
+def test_schedule_fitted_for_the_cheaper_steps_after_an_annealed_loss(tmp_path, ticking, capsys, monkeypatch):
+    """A run whose extra loss (--mtp_anneal, --distill_anneal) stops at half the schedule: the steps after it cost
+    what the ledger says (here half a timed step), and the cosine is fitted to hold them, not to end early."""
+    from types import SimpleNamespace
+
+    from hf_cgpu.train import loop
+
+    ledger = SimpleNamespace(annealed=(0.5, 0.5), line=lambda: "", checked=lambda results: {})
+    monkeypatch.setattr(loop, "_forecast", lambda run, task, step: ledger)
+    results = fit(ToyTask(), fitted(tmp_path))
+    assert results["schedule_steps"] == 39  # test_fitted_length_closed_form's case; 29 without the anneal
+    assert "the steps after 0.5 of the schedule at 0.50 of that" in capsys.readouterr().out
 
 
 def test_schedule_fitted_early_when_the_timing_would_end_after_the_deadline(tmp_path, ticking, capsys):

@@ -4,6 +4,7 @@ its start and checks them at its end (``train.forecast``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..options import CUDA_GRAPH_MODES
@@ -26,6 +27,20 @@ def lm_run_time(shape: ModelShape, setup: TrainSetup, train, card: Card, eval_mi
     return run_time(step, train, compile_seconds(shape.depth, setup.compile and card is not CPU), evals,
                     checkpoint_bytes=st.weights + st.optimizer + (st.trainable_params * 4 if setup.ema else 0),
                     before=teacher_cache_rows(shape, setup, card))
+
+
+def annealed_cost(shape: ModelShape, setup: TrainSetup, card: Card) -> tuple[float, float] | None:
+    """(share, ratio) of a run whose extra loss stops at ``share`` of the schedule (--mtp_anneal with heads,
+    --distill_anneal with a teacher): a step after it costs ``ratio`` of one with the loss on, both priced on
+    ``card``; None where nothing is annealed."""
+    share = (setup.extra_heads_share if setup.extra_heads else
+             setup.teacher_share if setup.teachers else 1.0)
+    if share >= 1:
+        return None
+    graphs = setup.compile and setup.compile_mode in CUDA_GRAPH_MODES
+    on, off = (step_time(lm_step_work(shape, dataclasses.replace(setup, extra_heads_share=s, teacher_share=s)), card,
+                         cuda_graphs=graphs).seconds for s in (1.0, 0.0))
+    return share, off / on
 
 
 def teacher_cache_rows(shape: ModelShape, setup: TrainSetup, card: Card) -> tuple[TimeRow, ...]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..budget.card import find_card, run_card
 from ..budget.memory import CUDA_CONTEXT_BYTES, GiB, ledger
-from ..budget.runs import image_run_time, lm_run_time, teacher_extra
+from ..budget.runs import annealed_cost, image_run_time, lm_run_time, teacher_extra
 from ..budget.time import RunTime
 from ..errors import SettingsError
 from .schedule import fix_length
@@ -32,6 +32,9 @@ class Forecast:
     """The step this process starts at (a resumed run's checkpoint): its minutes hold the steps after it."""
     emulated: bool = False
     """--emulate_card: the card priced is not this machine's, and the run trains the steps the card holds."""
+    annealed: tuple[float, float] | None = None
+    """(share, ratio): an extra loss stops at ``share`` of the schedule, a step after it ``ratio`` of one before
+    (``budget.runs.annealed_cost``), for --fit_schedule_to_time; None where none is annealed."""
 
     @property
     def step_seconds(self) -> float:
@@ -77,7 +80,8 @@ def forecast(task, plan, settings, accelerator, start_step: int = 0) -> Forecast
         setup = shape.setup(settings, processes=accelerator.num_processes)
         rt = lm_run_time(shape.model, setup, settings, card, task.eval_micro_batches(settings))
         reserved = ledger(shape.model, setup).reserved if gpu else None
-        return Forecast(label, rt, reserved, start_step=start_step, emulated=emulated)
+        return Forecast(label, rt, reserved, start_step=start_step, emulated=emulated,
+                        annealed=annealed_cost(shape.model, setup, card))
     if task.ledger_task is None:
         return None
     from ..budget.images import image_ledger

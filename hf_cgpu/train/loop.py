@@ -161,7 +161,8 @@ def _fit(run: Run, task: Task, pusher, started: float | None = None) -> dict[str
     try:
         minutes = 0 if s.emulate_card else s.max_minutes  # an emulated card's minutes are its steps
         with Stopping(minutes, catch_signals=True) as stopping, metrics.progress(state.step):
-            _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer, stopping)
+            _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer, stopping,
+                   predicted.annealed if predicted is not None else None)
             metrics.end_training()
             checkpointer.save_if_new(state)
             checkpointer.wait()
@@ -185,8 +186,8 @@ def _forecast(run: Run, task: Task, start_step: int) -> Forecast | None:
 
 
 def _train(s, acc, optimizer, ema, state, stepper, order, metrics, validator, guards, checkpointer,
-           stopping) -> None:
-    fit_time = TimeFit(s, state, stopping.clock)
+           stopping, annealed: tuple[float, float] | None = None) -> None:
+    fit_time = TimeFit(s, state, stopping.clock, annealed)  # annealed: the steps after an extra loss stops are cheaper
     metrics.set_total(state.last_step(s))
     updater = Updater(acc, optimizer, ema)
     account = _Accounts(updater, guards, state, metrics, order, checkpointer)

@@ -45,11 +45,21 @@ def calibration_step(s) -> int:
 
 
 def fitted_length(step: int, seconds_per_step: float, seconds_left: float, max_steps: int,
-                  margin: float = 0.03) -> int:
+                  margin: float = 0.03, annealed: tuple[float, float] | None = None) -> int:
     """The last step of a schedule that ends inside ``seconds_left`` (less ``margin`` of it) at the measured
     ``seconds_per_step``, counted from ``step``; between ``step + 1`` and ``max_steps`` (``max_steps`` itself when
-    the timing ends there: a run never goes past its --max_steps)."""
-    more = int((1 - margin) * max(0.0, seconds_left) / max(seconds_per_step, 1e-9))
+    the timing ends there: a run never goes past its --max_steps). ``annealed``: (share, ratio) of an extra loss
+    that runs in the timed steps and stops at ``share`` of the schedule (--mtp_anneal, --distill_anneal), the steps
+    after it costing ``ratio`` of a timed one, so a length L holds (share L - step) timed steps and (1 - share) L
+    cheaper ones."""
+    budget = (1 - margin) * max(0.0, seconds_left) / max(seconds_per_step, 1e-9)  # in timed steps
+    share, ratio = annealed or (1.0, 1.0)
+    if share >= 1 or ratio >= 1:
+        more = int(budget)
+    elif (length := (budget + step) / (share + ratio * (1 - share))) * share >= step:
+        more = int(length) - step
+    else:  # the extra loss has stopped before this step: every step left is a cheaper one
+        more = int(budget / ratio)
     return min(max_steps, max(step + 1, step + more))
 
 
@@ -76,8 +86,8 @@ class TimeFit:
     warmup), the schedule is fixed at once from them, and a warmup the fitted length cannot hold is shortened
     (``fitted_warmup``), so the learning rate still decays to its end by the deadline."""
 
-    def __init__(self, settings, state, clock: Callable[[], float]):
-        self.settings, self.clock = settings, clock
+    def __init__(self, settings, state, clock: Callable[[], float], annealed: tuple[float, float] | None = None):
+        self.settings, self.clock, self.annealed = settings, clock, annealed
         self.enabled = bool(settings.fit_schedule_to_time) and not state.schedule_steps
         self.at = calibration_step(settings)
         self.t0: float | None = None
@@ -99,13 +109,17 @@ class TimeFit:
         if not (timed or early):
             return None
         per_step = (t - self.t0) / (step - self.step0)
-        length = _share(accelerator, fitted_length(step, per_step, deadline - t, self.settings.max_steps))
+        length = _share(accelerator, fitted_length(step, per_step, deadline - t, self.settings.max_steps,
+                                                   annealed=self.annealed))
         warmup = fix_length(state, self.settings, step, length)
         self.enabled = False
         why = (f" (step {self.at:,}, the end of the timing, would come after half of them)"
                if step < min(self.at, self.settings.max_steps) else "")
+        cheaper = (f", the steps after {self.annealed[0]:g} of the schedule at {self.annealed[1]:.2f} of that (the "
+                   "annealed loss stopped; the ledger's ratio)" if self.annealed else "")
         return (f"schedule fitted to --max_minutes {self.settings.max_minutes:g}{why}: {per_step:.3f} s per step "
-                f"over steps {self.step0}-{step}, {deadline - t:,.0f} s left -> the cosine ends at step {length:,}"
+                f"over steps {self.step0}-{step}{cheaper}, {deadline - t:,.0f} s left -> the cosine ends at step "
+                f"{length:,}"
                 + (f" (max_steps {self.settings.max_steps:,})" if length < self.settings.max_steps else "")
                 + (f", warmup cut to {warmup:,} steps" if warmup else ""))
 
