@@ -82,6 +82,7 @@ CPU_BLOCKS = [b for b in SHELL_BLOCKS if b.runs]
 
 
 # ---------------------------------------------------------------------------------------------------- settings.md
+@pytest.mark.slow  # a subprocess that imports every settings class: 14 s of the fast tier's five minutes
 def test_settings_reference_is_current():
     out = subprocess.run([sys.executable, "docs/make_settings.py"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, check=False)
@@ -113,7 +114,7 @@ def test_the_readme_launch_leaves_accelerate_quiet(caplog, monkeypatch):
     assert not [r.getMessage() for r in caplog.records if "not passed" in r.getMessage()]
 
 
-@pytest.mark.parametrize("tier", ["fast", "slow"])
+@pytest.mark.parametrize("tier", ["fast", pytest.param("slow", marks=pytest.mark.slow)])
 def test_the_readme_test_command_leaves_the_slow_tier_out(tier):
     """`python -m pytest -q` alone deselects the tests marked slow (test_wheel.py's); `-m slow` runs those alone.
     Collected over test_update.py and test_wheel.py only: the other files are ignored, the tier rule still applies."""
