@@ -100,8 +100,8 @@ LOGITS_CHUNK_BYTES = 16
 two fp32 gradients, not all at once (a meta-device trace counts 17 per entry)."""
 SPARSE_KL_LOGIT_BYTES = 4
 """Per logit, what a cached teacher's sparse KL adds to the chunk (``--teacher_top_k``): the gathers' gradient
-scattered into an fp32 buffer of the logits' shape. The 7-minute zh-poetry-modern run with a cached top-32 allocated
-3.06 GiB more than the plain preset, 1.27 of it the cache: 20.2 B a logit for the chunk against the plain run's 12."""
+scattered into an fp32 buffer of the logits' shape; checked against a cached top-32 run's measured peak
+(benchmarks/RESULTS.md, "a cached teacher's run against its H200 run")."""
 
 # ---- several GPUs ------------------------------------------------------------------------------------------------
 FSDP_UNSHARDED_BLOCKS = 2

@@ -11,17 +11,22 @@ from ..options import CUDA_GRAPH_MODES
 from .card import CPU, Card
 from .memory import model_state_bytes, teacher_cache_bytes
 from .shape import ModelShape, TrainSetup
-from .time import CHECKPOINT_WRITE_GBS, RunTime, TimeRow, compile_seconds, run_time, step_time
+from .time import CHECKPOINT_WRITE_GBS, RunTime, StepTime, TimeRow, compile_seconds, run_time, step_time
 from .work import lm_step_work, teacher_cache_work
 
 IMAGE_COMPILE_BLOCKS = 5
 """Blocks a compiled image step unrolls, for the compile row (the UNet's five residual blocks)."""
 
 
+def lm_step_time(shape: ModelShape, setup: TrainSetup, card: Card) -> StepTime:
+    """One optimizer step of a language-model run on ``card`` (CUDA graphs where its compile mode records them)."""
+    return step_time(lm_step_work(shape, setup), card,
+                     cuda_graphs=setup.compile and setup.compile_mode in CUDA_GRAPH_MODES)
+
+
 def lm_run_time(shape: ModelShape, setup: TrainSetup, train, card: Card, eval_micro_batches: float = 0.0) -> RunTime:
     """The time ledger of a language-model run on ``card``: its step and its per-run rows."""
-    step = step_time(lm_step_work(shape, setup), card,
-                     cuda_graphs=setup.compile and setup.compile_mode in CUDA_GRAPH_MODES)
+    step = lm_step_time(shape, setup, card)
     evals = train.eval_batches or eval_micro_batches
     st = model_state_bytes(shape, setup)
     return run_time(step, train, compile_seconds(shape.depth, setup.compile and card is not CPU), evals,
@@ -37,9 +42,8 @@ def annealed_cost(shape: ModelShape, setup: TrainSetup, card: Card) -> tuple[flo
              setup.teacher_share if setup.teachers else 1.0)
     if share >= 1:
         return None
-    graphs = setup.compile and setup.compile_mode in CUDA_GRAPH_MODES
-    on, off = (step_time(lm_step_work(shape, dataclasses.replace(setup, extra_heads_share=s, teacher_share=s)), card,
-                         cuda_graphs=graphs).seconds for s in (1.0, 0.0))
+    on, off = (lm_step_time(shape, dataclasses.replace(setup, extra_heads_share=s, teacher_share=s), card).seconds
+               for s in (1.0, 0.0))
     return share, off / on
 
 

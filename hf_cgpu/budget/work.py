@@ -73,13 +73,13 @@ KL per model in it): eager, soft-capped, checkpointed (its forward twice), outsi
 SPARSE_KL_BYTES_PER_LOGIT = 93.0
 """Device bytes per logit a cached teacher's sparse KL adds to the eager cross-entropy it shares a checkpointed chunk
 with (``--teacher_top_k``): the logits' fp32 copy, log-sum-exp and gathers recomputed in the backward, the gathers'
-scattered gradients and their sums. Fitted: the 7-minute zh-poetry-modern run with a cached top-32 against the plain
-preset on the same card (a step 1.156x the plain one)."""
+scattered gradients and their sums. Fitted to the ratio of a cached top-32 run's step to the plain preset's on one
+card (benchmarks/RESULTS.md, "a cached teacher's run against its H200 run")."""
 TOP_K_BYTES_PER_LOGIT = 490.0
 """The top-K selection of a teacher cache's build (``--teacher_top_k``) on a GPU, in bytes per logit at the card's
 bandwidth: a radix select per row runs far below it, and each batch's rows are copied to the host before the next
-starts. Fitted: the zh-poetry-modern teacher's top-32 over the 10.64M-token stream, 18.9 s on an H200 with the file's
-write."""
+starts. Fitted to one measured build of zh-poetry-modern's top-32 (benchmarks/RESULTS.md, "a cached teacher's run
+against its H200 run")."""
 
 
 @dataclass(frozen=True)
