@@ -151,6 +151,52 @@ def test_the_cached_loss_and_gradients_at_k_vocab_are_the_on_the_fly_ones(inputs
                                    atol=1e-6)
 
 
+@pytest.mark.slow  # inductor's compile on the CPU: about 13 s
+def test_the_compiled_chunk_gives_the_eager_losses_and_gradients():
+    """A compiled run's loss chunk (``compiled=True``, torch.compile of the same function) against eager: the
+    cross-entropy, the sparse KL and both gradients, soft-capped at T = 2 over two chunks."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(24, 16, requires_grad=True), (0.3 * torch.randn(40, 16)).requires_grad_()
+    targets, ids = torch.randint(0, 40, (24,)), torch.randint(0, 40, (24, 6))
+    values = torch.randn(24, 6).log_softmax(-1)
+    out = []
+    for compiled in (False, True):
+        ce, kl = chunked_ce_sparse_kl(hidden, weight, targets, ids, values, 12, 2.0, 20.0, compiled=compiled)
+        (ce + 3 * kl).backward()
+        out.append((ce.detach(), kl.detach(), hidden.grad.clone(), weight.grad.clone()))
+        hidden.grad = weight.grad = None
+    for eager, compiled in zip(*out, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    assert out[0][1] > 1e-3
+
+
+def test_a_compiled_run_s_cached_loss_goes_through_the_compiled_chunk(inputs, teacher, tmp_path, monkeypatch):
+    """``Distiller(compile=True)`` computes its cached loss through ``_compiled_chunk()`` and eager runs do not."""
+    from hf_cgpu.tasks import teacher_cache
+
+    calls = []
+
+    def counted():
+        def chunk(*args):
+            calls.append(args[0].shape[0])
+            return teacher_cache._chunk_ce_sparse_kl(*args)
+        return chunk
+
+    monkeypatch.setattr(teacher_cache, "_compiled_chunk", counted)
+    stream = _stream()
+    x = torch.from_numpy(stream.tokens[:33].astype(np.int64))[None]
+    student = CgptForCausalLM.from_pretrained(str(teacher)).train()
+    losses = []
+    for compile in (False, True):
+        tok = load_tokenizer(inputs / "tok")
+        distiller = Distiller([str(teacher)], tok, len(tok), torch.device("cpu"), 0.4, 1.5, nullcontext,
+                              compile=compile, top_k=8)
+        distiller.cache_over(stream, tmp_path / str(compile), batch_size=2, eos=None, device=torch.device("cpu"))
+        losses.append(distiller.loss(student, x[:, :-1], None, x[:, 1:], torch.tensor([0])))
+        assert sum(calls) == 32 * compile  # every position's chunk, and none in the eager run
+    torch.testing.assert_close(losses[0], losses[1])
+
+
 def test_the_cache_is_reused_for_its_key_and_rebuilt_for_other_weights(inputs, teacher, tmp_path, monkeypatch):
     builds = []
 

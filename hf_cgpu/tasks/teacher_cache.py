@@ -22,6 +22,7 @@ positions x K x (2 B ids + 2 B values on CUDA, where the bf16 teacher's values a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -175,13 +176,22 @@ def _chunk_ce_sparse_kl(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
     return torch.stack((ce, kl))
 
 
+@functools.cache
+def _compiled_chunk():
+    """``_chunk_ce_sparse_kl`` compiled once per process: one fused pass over the chunk's logits instead of eager's
+    fp32 copy, log-sum-exp and gathers each reading them again (benchmarks/throughput/bench_sparse_kl.py)."""
+    return torch.compile(_chunk_ce_sparse_kl)
+
+
 def chunked_ce_sparse_kl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor,
                          values: torch.Tensor, chunk_size: int, temperature: float = 1.0, cap: float = 0.0,
-                         kl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                         kl: bool = True, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean cross-entropy against ``targets``, mean sparse KL(teacher's top-K || student) at ``temperature``) of the
     logits ``hidden @ weight.T`` (soft-capped at ``cap``), hidden (N, C), targets (N,), ``ids`` / ``values`` (N, K) the
     teacher's top-K ids and log-probabilities; ``chunk_size`` rows at a time (0: all at once), each chunk's logits
-    only inside a checkpointed call; without ``kl`` the KL is 0 and not computed."""
+    only inside a checkpointed call; without ``kl`` the KL is 0 and not computed; ``compiled``: each chunk through
+    ``torch.compile`` (a run that compiles its model)."""
+    chunk = _compiled_chunk() if compiled else _chunk_ce_sparse_kl
     n = hidden.shape[0]
     step = chunk_size or n
     total = hidden.new_zeros(2, dtype=torch.float32)
@@ -189,9 +199,9 @@ def chunked_ce_sparse_kl(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         rows = slice(start, start + step)
         args = (hidden[rows], weight, targets[rows], ids[rows], values[rows], temperature, cap, kl)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            total = total + checkpoint(_chunk_ce_sparse_kl, *args, use_reentrant=False)
+            total = total + checkpoint(chunk, *args, use_reentrant=False)
         else:
-            total = total + _chunk_ce_sparse_kl(*args)
+            total = total + chunk(*args)
     ce, kl = total / max(1, n)
     return ce, kl
 

@@ -99,6 +99,8 @@ class Distiller:
         self.sizes = ", ".join(f"{sum(p.numel() for p in t.parameters()) / 1e6:.2f}M" for t in self.teachers)
         self.cache: TeacherCache | None = None
         self.cache_seconds = 0.0
+        self.compile = compile
+        """The run compiles its model: the cached path's loss chunk is compiled too."""
         if compile and not top_k:  # as the student is compiled: the teachers' blocks, once, on the first step's shapes
             for t in self.teachers:
                 t.transformer.compile()
@@ -168,7 +170,8 @@ class Distiller:
             ce, kl = chunked_ce_sparse_kl(hidden.reshape(-1, hidden.shape[-1]), bare.lm_head.weight,
                                           targets.reshape(-1), ids.reshape(-1, ids.shape[-1]),
                                           values.reshape(-1, ids.shape[-1]), bare.config.loss_chunk_size,
-                                          self.temperature, bare.config.logit_softcap, kl=bool(self.weight_now))
+                                          self.temperature, bare.config.logit_softcap, kl=bool(self.weight_now),
+                                          compiled=self.compile)
         return (1 - self.weight_now) * ce + self.weight_now * self.temperature**2 * kl
 
 
