@@ -208,7 +208,8 @@ def test_dpo_continues_the_sft_adapter_leaves_it_untouched_and_keeps_its_referen
     assert torch.equal(task.reference["validation"], fresh(adapter))
     assert not torch.allclose(task.reference["validation"], fresh(out), atol=1e-3)
     sft_config, dpo_config = (json.loads((f / "adapter_config.json").read_text()) for f in (adapter, out))
-    assert (dpo_config["r"], dpo_config["target_modules"]) == (sft_config["r"], sft_config["target_modules"])
+    # peft writes target_modules from a set: their order follows the process's string hashing, not the adapter
+    assert (dpo_config["r"], set(dpo_config["target_modules"])) == (sft_config["r"], set(sft_config["target_modules"]))
     card = (out / "README.md").read_text()
     assert "val_reward_accuracy" in card and "val_reward_margin" in card
     saved = json.loads((out / "all_results.json").read_text())
