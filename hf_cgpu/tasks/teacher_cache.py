@@ -179,8 +179,10 @@ def _chunk_ce_sparse_kl(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
 @functools.cache
 def _compiled_chunk():
     """``_chunk_ce_sparse_kl`` compiled once per process: one fused pass over the chunk's logits instead of eager's
-    fp32 copy, log-sum-exp and gathers each reading them again (benchmarks/throughput/bench_sparse_kl.py)."""
-    return torch.compile(_chunk_ce_sparse_kl)
+    fp32 copy, log-sum-exp and gathers each reading them again (benchmarks/throughput/bench_sparse_kl.py).
+    ``dynamic=False`` as the model's own compile (``tiers.compile.apply_compile``): a shorter last chunk gets a graph
+    of its own instead of turning every chunk's graph dynamic."""
+    return torch.compile(_chunk_ce_sparse_kl, dynamic=False)
 
 
 def chunked_ce_sparse_kl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor,
